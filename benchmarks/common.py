@@ -1,0 +1,585 @@
+"""Shared helpers of the benchmark suite: setup, step timing, memory, bandwidth, JSON, tables.
+
+Every benchmark is GPU-only. ``--cpu-smoke`` runs a tiny version on the CPU (the offload context
+with ``device="cpu"``, the host transport) so the scripts can be checked on a machine without a
+GPU; its numbers mean nothing and its JSON goes to ``benchmarks/results/smoke/`` so that it never
+overwrites a GPU result.
+
+Timing of one training step (forward + backward + dropping the gradients; no optimizer):
+
+* ``gpu_ms``: CUDA events recorded on the current stream before and after the step. They measure
+  the GPU timeline of the step, including any idle time when the host cannot keep up (a host-bound
+  step such as SMALL is timed correctly too).
+* ``host_ms``: ``time.perf_counter`` around the Python call of the step, without synchronising:
+  the host (main thread) time the step costs when the GPU keeps up.
+* ``cpu_ms``: ``time.process_time`` around the same call: CPU time of all the process's threads
+  (autograd runs CUDA backward on its own device thread, which the main thread waits for).
+* ``wall_ms``: wall time of all timed steps plus one final synchronize, divided by their count
+  (the throughput view).
+
+Medians are quoted; min/max/quartiles give the spread. Warm-up steps (which allocate the pinned
+arena, cuBLAS workspaces, autotuning) are never timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parent
+try:  # the package is normally installed (pip install -e .); else use this checkout
+    import offload  # noqa: F401
+except ImportError:
+    sys.path.append(str(BENCH_DIR.parent))
+RESULTS_DIR = BENCH_DIR / "results"
+GiB = float(1 << 30)
+MB = 1e6  # GB/s figures are decimal (bytes / ms / 1e6), as in offload's stats
+
+
+# -- setup ----------------------------------------------------------------------------------------
+@dataclass
+class Env:
+    """Where a benchmark runs. ``offload_device`` is what to pass as ``device=`` to the context."""
+
+    device: torch.device
+    smoke: bool
+    offload_device: Optional[str]
+    args: argparse.Namespace
+
+    @property
+    def cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+def make_parser(description: str, *, warmup: int, steps: int, smoke_warmup: int = 1, smoke_steps: int = 2) -> argparse.ArgumentParser:
+    """The options every benchmark takes (add your own, then call :func:`setup`)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny run on the CPU to check the script (numbers meaningless)")
+    parser.add_argument("--warmup", type=int, default=None, help=f"untimed warm-up steps per variant (default {warmup}; {smoke_warmup} with --cpu-smoke)")
+    parser.add_argument("--steps", type=int, default=None, help=f"timed steps per variant (default {steps}; {smoke_steps} with --cpu-smoke)")
+    parser.add_argument("--name", default=None, help="results file name (benchmarks/results/<name>.json)")
+    parser.add_argument("--no-json", action="store_true", help="do not write the results file")
+    parser.set_defaults(_defaults=(warmup, steps, smoke_warmup, smoke_steps))
+    return parser
+
+
+def setup(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> Env:
+    """Parse arguments, refuse to run without CUDA (unless ``--cpu-smoke``), seed everything."""
+    args = parser.parse_args(argv)
+    warmup, steps, smoke_warmup, smoke_steps = args._defaults
+    del args._defaults
+    if args.warmup is None:
+        args.warmup = smoke_warmup if args.cpu_smoke else warmup
+    if args.steps is None:
+        args.steps = smoke_steps if args.cpu_smoke else steps
+    if args.steps < 1 or args.warmup < 0:
+        parser.error("--steps must be >= 1 and --warmup >= 0")
+    if args.cpu_smoke:
+        env = Env(device=torch.device("cpu"), smoke=True, offload_device="cpu", args=args)
+        print("*** --cpu-smoke: tiny sizes on the CPU (host transport); the numbers mean nothing ***")
+    else:
+        if not torch.cuda.is_available():
+            sys.exit(
+                f"{Path(sys.argv[0]).name}: this benchmark needs a CUDA GPU, and CUDA is not available "
+                f"(torch {torch.__version__}, built with CUDA {torch.version.cuda}). Run it on the GPU machine, "
+                "or pass --cpu-smoke for a tiny CPU run that only checks the script."
+            )
+        env = Env(device=torch.device("cuda", torch.cuda.current_device()), smoke=False, offload_device=None, args=args)
+    torch.manual_seed(0)
+    return env
+
+
+def device_name(env: Env) -> str:
+    if env.cuda:
+        return torch.cuda.get_device_name(env.device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def free_memory(env: Env) -> None:
+    """Drop garbage (contexts, graphs, arenas) and give cached GPU blocks back between variants."""
+    gc.collect()
+    if env.cuda:
+        torch.cuda.synchronize(env.device)
+        torch.cuda.empty_cache()
+
+
+# -- one training step ----------------------------------------------------------------------------
+def make_step(
+    layers: torch.nn.Module,
+    x: torch.Tensor,
+    *,
+    context: Any = None,
+    sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+    forward_wrapper: Optional[Callable[[], Any]] = None,
+    grad_out: Optional[torch.Tensor] = None,
+) -> Callable[[], None]:
+    """One training step: forward in TransformerEngine's call shape, backward, grads set to None.
+
+    ``context``/``sync``: the offload context and sync function (None: plain run).
+    ``forward_wrapper``: a context manager factory put around the whole forward (``save_on_cpu``).
+    The backward is seeded with a fixed random gradient (no loss kernel in the timing).
+    """
+    from offload.models import run_layers
+
+    params = [p for p in layers.parameters() if p.requires_grad]
+    dy = grad_out
+    if dy is None:
+        g = torch.Generator(device=x.device).manual_seed(1234)
+        dy = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
+
+    def step() -> None:
+        with forward_wrapper() if forward_wrapper is not None else contextlib.nullcontext():
+            y = run_layers(layers, x, context, sync)
+        y.backward(dy)
+        del y
+        for p in params:
+            p.grad = None
+        x.grad = None
+
+    return step
+
+
+@dataclass
+class Timing:
+    """Per-step times of the timed steps (ms) and the peak memory over them."""
+
+    gpu_ms: list[float]
+    host_ms: list[float]
+    cpu_ms: list[float]
+    wall_ms: float
+    peak_bytes: Optional[int] = None
+    base_bytes: Optional[int] = None  # memory allocated before the timed steps (weights, input)
+
+    @property
+    def median_ms(self) -> float:
+        """The step time quoted everywhere: GPU-event median (host median in CPU smoke runs)."""
+        return statistics.median(self.gpu_ms)
+
+    def summary(self) -> dict[str, Any]:
+        def spread(v: list[float]) -> dict[str, float]:
+            q = statistics.quantiles(v, n=4) if len(v) >= 2 else [v[0], v[0], v[0]]
+            return {"median": statistics.median(v), "min": min(v), "max": max(v), "p25": q[0], "p75": q[2], "mean": statistics.fmean(v)}
+
+        return {
+            "step_ms": spread(self.gpu_ms),
+            "host_ms": spread(self.host_ms),
+            "cpu_ms": spread(self.cpu_ms),
+            "wall_ms_per_step": self.wall_ms,
+            "peak_bytes": self.peak_bytes,
+            "base_bytes": self.base_bytes,
+            "steps": len(self.gpu_ms),
+        }
+
+
+def time_steps(step: Callable[[], None], env: Env, *, warmup: Optional[int] = None, steps: Optional[int] = None) -> Timing:
+    """Run ``warmup`` untimed steps, then ``steps`` timed ones; peak memory over the timed steps."""
+    warmup = env.args.warmup if warmup is None else warmup
+    steps = env.args.steps if steps is None else steps
+    for _ in range(warmup):
+        step()
+    env.sync()
+    base = peak = None
+    if env.cuda:
+        torch.cuda.reset_peak_memory_stats(env.device)
+        base = torch.cuda.memory_allocated(env.device)
+    events: list[tuple[Any, Any]] = []
+    host: list[float] = []
+    cpu: list[float] = []
+    t_wall = time.perf_counter()
+    for _ in range(steps):
+        if env.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        step()
+        t1 = time.perf_counter()
+        c1 = time.process_time()
+        if env.cuda:
+            end.record()
+            events.append((start, end))
+        host.append((t1 - t0) * 1e3)
+        cpu.append((c1 - c0) * 1e3)
+    env.sync()
+    wall = (time.perf_counter() - t_wall) * 1e3 / steps
+    if env.cuda:
+        gpu = [s.elapsed_time(e) for s, e in events]
+        peak = torch.cuda.max_memory_allocated(env.device)
+    else:
+        gpu = list(host)
+    return Timing(gpu_ms=gpu, host_ms=host, cpu_ms=cpu, wall_ms=wall, peak_bytes=peak, base_bytes=base)
+
+
+# -- offload helpers ------------------------------------------------------------------------------
+def offload_context(env: Env, num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, Any]:
+    """``get_cpu_offload_context(enabled=True, ...)`` on the benchmark's device."""
+    from offload import get_cpu_offload_context
+
+    kw.setdefault("device", env.offload_device)
+    return get_cpu_offload_context(True, num_layers=num_layers, model_layers=model_layers, **kw)
+
+
+STAT_KEYS = (
+    "offloaded_tensors", "offloaded_bytes", "kept", "bytes_d2h", "bytes_h2d",
+    "d2h_ms", "h2d_ms", "d2h_gbps", "h2d_gbps", "wait_ms",
+)
+
+
+def offload_stats(ctx: Any) -> dict[str, Any]:
+    """The context's stats of its last finished step: every key it reports (the ones the
+    benchmarks read are checked, so a renamed key fails loudly instead of printing '-')."""
+    stats = dict(ctx.stats)
+    missing = [k for k in STAT_KEYS if k not in stats]
+    if missing:
+        raise KeyError(f"offload stats lack {missing}; present: {sorted(stats)}")
+    return stats
+
+
+def save_on_cpu_wrapper() -> Callable[[], Any]:
+    """PyTorch's own reference: every saved tensor to pinned host memory, synchronously."""
+    return lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
+
+
+def run_variant(
+    env: Env,
+    label: str,
+    layers: torch.nn.ModuleList,
+    x: torch.Tensor,
+    *,
+    offload: Optional[dict[str, Any]] = None,
+    forward_wrapper: Optional[Callable[[], Any]] = None,
+    want_report: bool = False,
+    warmup: Optional[int] = None,
+    steps: Optional[int] = None,
+) -> dict[str, Any]:
+    """Time one variant of a workload and return its row.
+
+    ``offload``: keyword arguments of the offload context (``num_layers`` at least; model_layers
+    is ``len(layers)``); None for no offload. A failure is caught, printed and recorded in the row
+    as ``error`` so that the other variants still run. The context is dropped and memory freed
+    before returning.
+    """
+    import traceback
+
+    row: dict[str, Any] = {"variant": label}
+    if offload is not None:
+        row["num_layers"] = offload.get("num_layers")
+    ctx = sync = step = None
+    t0 = time.perf_counter()
+    try:
+        if offload is not None:
+            kw = dict(offload)
+            ctx, sync = offload_context(env, kw.pop("num_layers"), len(layers), **kw)
+        step = make_step(layers, x, context=ctx, sync=sync, forward_wrapper=forward_wrapper)
+        timing = time_steps(step, env, warmup=warmup, steps=steps)
+        s = timing.summary()
+        row.update(
+            step_ms=timing.median_ms,
+            step_min_ms=s["step_ms"]["min"],
+            step_max_ms=s["step_ms"]["max"],
+            host_ms=s["host_ms"]["median"],
+            cpu_ms=s["cpu_ms"]["median"],
+            wall_ms=s["wall_ms_per_step"],
+            peak_bytes=timing.peak_bytes,
+            peak_gib=gib(timing.peak_bytes),
+            timing=s,
+        )
+        if ctx is not None:
+            stats = offload_stats(ctx)
+            row["stats"] = stats
+            row["offloaded_bytes"] = stats.get("offloaded_bytes")
+            row["offloaded_gib"] = gib(stats.get("offloaded_bytes"))
+            row["offloaded_tensors"] = stats.get("offloaded_tensors")
+            row["d2h_gbps"] = stats.get("d2h_gbps")
+            row["h2d_gbps"] = stats.get("h2d_gbps")
+            row["wait_ms"] = stats.get("wait_ms")
+            if want_report:
+                row["report"] = ctx.report()
+    except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
+        traceback.print_exc()
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        print(f"!! variant {label!r} failed: {row['error']}", file=sys.stderr)
+    finally:
+        del ctx, sync, step
+        x.grad = None
+        for p in layers.parameters():
+            p.grad = None
+        free_memory(env)
+    took = time.perf_counter() - t0
+    shown = "FAILED" if "error" in row else f"{row['step_ms']:.2f} ms/step"
+    print(f"  {label:<28} {shown}  ({took:.1f} s)", flush=True)
+    return row
+
+
+# -- bandwidth ------------------------------------------------------------------------------------
+def pinned_bandwidth(env: Env, nbytes: int = 256 << 20, reps: int = 5) -> Optional[dict[str, float]]:
+    """Measured pinned-host copy bandwidth (GB/s, decimal) of one large copy each way, and both
+    directions at once on two streams. None in CPU smoke runs (there is no PCIe to measure)."""
+    if not env.cuda:
+        return None
+    dev = env.device
+    host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_src.fill_(1)
+    gpu_src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
+    gpu_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    s_d2h, s_h2d = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def timed(stream: Any, fn: Callable[[], None]) -> tuple[Any, Any]:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record()
+            fn()
+            b.record()
+        return a, b
+
+    d2h = lambda: host_dst.copy_(gpu_src, non_blocking=True)  # noqa: E731
+    h2d = lambda: gpu_dst.copy_(host_src, non_blocking=True)  # noqa: E731
+    torch.cuda.synchronize(dev)
+    for _ in range(2):  # warm-up
+        d2h(); h2d()
+    torch.cuda.synchronize(dev)
+    out: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
+    for _ in range(reps):
+        a, b = timed(s_d2h, d2h)
+        torch.cuda.synchronize(dev)
+        out["d2h"].append(nbytes / a.elapsed_time(b) / MB)
+        a, b = timed(s_h2d, h2d)
+        torch.cuda.synchronize(dev)
+        out["h2d"].append(nbytes / a.elapsed_time(b) / MB)
+        # Both at once: span from the earlier start to the later end, over the bytes moved.
+        start = torch.cuda.Event(enable_timing=True)
+        start.record()
+        s_d2h.wait_stream(torch.cuda.current_stream(dev))
+        s_h2d.wait_stream(torch.cuda.current_stream(dev))
+        _, e1 = timed(s_d2h, d2h)
+        _, e2 = timed(s_h2d, h2d)
+        torch.cuda.synchronize(dev)
+        out["both"].append(2 * nbytes / max(start.elapsed_time(e1), start.elapsed_time(e2)) / MB)
+    del host_src, host_dst, gpu_src, gpu_dst
+    free_memory(env)
+    result = {f"{k}_gbps": statistics.median(v) for k, v in out.items()}
+    result["copy_bytes"] = nbytes
+    return result
+
+
+def copy_floor_ms(bytes_d2h: int, bytes_h2d: int, bw: Optional[dict[str, float]]) -> tuple[Optional[float], Optional[float]]:
+    """(serial floor, one-direction floor) in ms for a step that moves these bytes each way.
+
+    Serial: D2H then H2D at the measured per-direction rates (forward copies out, backward copies
+    back: a step cannot be shorter than both added). One-direction: the slower direction alone
+    (the floor if the two directions overlapped completely).
+    """
+    if bw is None:
+        return None, None
+    d = bytes_d2h / (bw["d2h_gbps"] * MB)
+    h = bytes_h2d / (bw["h2d_gbps"] * MB)
+    return d + h, max(d, h)
+
+
+# -- memory probes --------------------------------------------------------------------------------
+def layer_activation_bytes(layers: Iterable[torch.nn.Module], x: torch.Tensor, env: Env) -> Optional[list[int]]:
+    """GPU memory that each layer's forward leaves allocated (its saved activations and output).
+
+    Measured with ``memory_allocated`` around each layer of a plain forward with grad enabled; the
+    graph is dropped afterwards. None in CPU smoke runs.
+    """
+    if not env.cuda:
+        return None
+    free_memory(env)
+    out: list[int] = []
+    prev = torch.cuda.memory_allocated(env.device)
+    h = x
+    for layer in layers:
+        h = layer(h)
+        now = torch.cuda.memory_allocated(env.device)
+        out.append(now - prev)
+        prev = now
+    del h
+    free_memory(env)
+    return out
+
+
+@dataclass
+class Census:
+    """Saved tensors of a forward, deduplicated by storage, by module and by dtype."""
+
+    by_module: dict[str, int] = field(default_factory=dict)
+    by_dtype: dict[str, int] = field(default_factory=dict)
+    total: int = 0
+    tensors: int = 0
+
+
+def saved_tensor_census(module: torch.nn.Module, x: torch.Tensor, *, min_bytes: int = 0) -> Census:
+    """Which tensors autograd saves when ``module`` runs on ``x``, attributed to the innermost
+    named submodule running at the time ('<self>' for functional ops in the module's own forward).
+    Parameters are left out. Each storage is counted once (its bytes as a whole)."""
+    census = Census()
+    stack: list[str] = ["<self>"]
+    seen: set[int] = set()
+    handles = []
+
+    def enter(name: str) -> Callable[..., None]:
+        def hook(module: Any, args: Any) -> None:  # must return None: a value would replace the input
+            stack.append(name)
+
+        return hook
+
+    def leave(module: Any, args: Any, output: Any) -> None:  # must return None (would replace the output)
+        stack.pop()
+
+    for name, sub in module.named_modules():
+        if not name:
+            continue
+        handles.append(sub.register_forward_pre_hook(enter(name)))
+        handles.append(sub.register_forward_hook(leave))
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        base = t._base if t._base is not None else t
+        if isinstance(t, torch.nn.Parameter) or (t.requires_grad and t.is_leaf) or (base.requires_grad and base.is_leaf):
+            return t
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() < min_bytes:
+            return t
+        seen.add(key)
+        n = storage.nbytes()
+        census.by_module[stack[-1]] = census.by_module.get(stack[-1], 0) + n
+        dt = str(t.dtype).replace("torch.", "")
+        census.by_dtype[dt] = census.by_dtype.get(dt, 0) + n
+        census.total += n
+        census.tensors += 1
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = module(x)
+        del y
+    finally:
+        for h in handles:
+            h.remove()
+    return census
+
+
+# -- results --------------------------------------------------------------------------------------
+def _git_commit() -> Optional[str]:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=BENCH_DIR, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None if out.returncode == 0 else None
+    except Exception:  # noqa: BLE001 - metadata only
+        return None
+
+
+def metadata(env: Env) -> dict[str, Any]:
+    """Device, versions, date and how the offload package was found."""
+    try:
+        from offload import native
+
+        native_state = {"available": native.native_available(), "reason": native.native_reason()}
+        if env.cuda:
+            native_state["cuda_copy_path"] = native.cuda_copy_path()
+    except Exception as exc:  # noqa: BLE001 - metadata only
+        native_state = {"error": repr(exc)}
+    return {
+        "device": device_name(env),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": platform.node(),
+        "git_commit": _git_commit(),
+        "cpu_smoke": env.smoke,
+        "native": native_state,
+        "env": {k: os.environ[k] for k in ("OFFLOAD_NATIVE", "NVTE_CPU_OFFLOAD_V1", "CUDA_VISIBLE_DEVICES") if k in os.environ},
+        "args": {k: v for k, v in vars(env.args).items()},
+    }
+
+
+def _jsonable(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, float) and (obj != obj or obj in (float("inf"), float("-inf"))):
+        return None
+    if isinstance(obj, (str, int, float, bool)) or obj is None:
+        return obj
+    if isinstance(obj, (torch.dtype, torch.device, Path)):
+        return str(obj)
+    return repr(obj)
+
+
+def write_json(name: str, env: Env, payload: dict[str, Any]) -> Optional[Path]:
+    """Write ``{"meta": ..., **payload}`` to benchmarks/results/<name>.json (smoke: results/smoke/)."""
+    if env.args.no_json:
+        return None
+    name = env.args.name or name
+    folder = RESULTS_DIR / "smoke" if env.smoke else RESULTS_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.json"
+    doc = {"meta": metadata(env), **payload}
+    path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
+    try:
+        shown = path.relative_to(Path.cwd())
+    except ValueError:
+        shown = path
+    print(f"wrote {shown}")
+    return path
+
+
+# -- printing -------------------------------------------------------------------------------------
+Column = tuple[str, str, str]  # (row key, header, format spec such as ".1f")
+
+
+def fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if spec and isinstance(value, (int, float)):
+        return format(value, spec)
+    return str(value)
+
+
+def print_table(title: str, rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> None:
+    """A plain aligned table: first column left-aligned, the rest right-aligned."""
+    header = [h for _, h, _ in columns]
+    body = [[fmt(r.get(k), spec) for k, _, spec in columns] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) if body else len(h) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    print()
+    print(title)
+    print(line(header))
+    print("  ".join("-" * w for w in widths))
+    for b in body:
+        print(line(b))
+
+
+def verdict(ok: Optional[bool]) -> str:
+    """PASS / MISS, or n/a when the figure could not be measured (e.g. in a CPU smoke run)."""
+    return "n/a " if ok is None else ("PASS" if ok else "MISS")
+
+
+def gib(n: Optional[float]) -> Optional[float]:
+    return None if n is None else n / GiB

@@ -1,0 +1,172 @@
+"""The reference workloads of BENCHMARKS.md, defined once and used by every benchmark.
+
+Each spec is a small frozen dataclass; ``spec.build(device)`` returns ``(layers, make_input)``:
+an ``nn.ModuleList`` (the layers in call order, reusing ``offload.models``) and a function that
+returns a fresh random input that requires grad (no embedding: the first layer is fed directly).
+
+``scale`` shrinks the sizes for CPU smoke runs (widths and sequence lengths are multiplied by it
+and rounded; the number of layers never changes, so a num_layers sweep stays the same sweep).
+
+* GPT-A: pre-LN GPT blocks, hidden 4096, 32 heads, 8 layers, batch 2, seq 4096, bf16.
+* GPT-B: hidden 8192, 64 heads, 4 layers, batch 1, seq 4096, bf16.
+* SMALL: 16 x (Linear 1024->1024 + GELU), 256 tokens, bf16 (CPU-bound).
+* FP8-MLP: 8 x MLPBlock (the GPT-A MLP) with the FP8 Linear (tensorwise), batch 2 x seq 4096
+  tokens; ``fp8=False`` gives the same stack with ``nn.Linear`` in bf16 for comparison.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from offload.models import GPTBlock, LinearGELU, MLPBlock
+
+InputFactory = Callable[..., torch.Tensor]
+
+# Smoke runs use this scale: sizes stay above the default 64 KiB offload threshold so the engine
+# has real work to do.
+SMOKE_SCALE = 1 / 16
+
+
+def _scaled(n: int, scale: float, multiple: int = 16) -> int:
+    """``n * scale`` rounded to a multiple of ``multiple`` (at least ``multiple``)."""
+    return max(multiple, int(round(n * scale / multiple)) * multiple)
+
+
+def _input_factory(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> InputFactory:
+    def make_input(seed: int = 0) -> torch.Tensor:
+        g = torch.Generator(device=device).manual_seed(seed)
+        return torch.randn(shape, generator=g, device=device, dtype=dtype).requires_grad_(True)
+
+    return make_input
+
+
+@dataclass(frozen=True)
+class GPTSpec:
+    """A stack of pre-LN GPT blocks fed a (batch, seq, hidden) input."""
+
+    name: str
+    hidden: int
+    heads: int
+    layers: int
+    batch: int
+    seq: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def scaled(self, scale: float) -> "GPTSpec":
+        if scale == 1:
+            return self
+        head_dim = self.hidden // self.heads
+        hidden = _scaled(self.hidden, scale, multiple=64)
+        heads = max(1, hidden // head_dim) if hidden >= head_dim else max(1, hidden // 64)
+        return replace(self, hidden=hidden, heads=heads, seq=_scaled(self.seq, scale))
+
+    @property
+    def tokens(self) -> int:
+        return self.batch * self.seq
+
+    def build(self, device: Any, seed: int = 0) -> tuple[nn.ModuleList, InputFactory]:
+        dev = torch.device(device)
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(GPTBlock(self.hidden, self.heads, device=dev, dtype=self.dtype) for _ in range(self.layers))
+        return layers, _input_factory((self.batch, self.seq, self.hidden), dev, self.dtype)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.layers} x GPTBlock(hidden {self.hidden}, {self.heads} heads), "
+                f"batch {self.batch}, seq {self.seq}, {str(self.dtype).replace('torch.', '')}")
+
+
+@dataclass(frozen=True)
+class SmallSpec:
+    """Many small layers: host (CPU) overhead dominates the step."""
+
+    name: str
+    width: int
+    layers: int
+    tokens: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def scaled(self, scale: float) -> "SmallSpec":
+        if scale == 1:
+            return self
+        # Keep the tokens: the per-tensor CPU cost is what SMALL is about, not the FLOPs.
+        return replace(self, width=_scaled(self.width, scale * 4, multiple=64))
+
+    def build(self, device: Any, seed: int = 0) -> tuple[nn.ModuleList, InputFactory]:
+        dev = torch.device(device)
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(LinearGELU(self.width, device=dev, dtype=self.dtype) for _ in range(self.layers))
+        return layers, _input_factory((self.tokens, self.width), dev, self.dtype)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.layers} x (Linear {self.width}->{self.width} + GELU), "
+                f"{self.tokens} tokens, {str(self.dtype).replace('torch.', '')}")
+
+
+def fp8_linear_factory(scaling: str = "tensorwise") -> Callable[..., nn.Module]:
+    """``offload.fp8.Linear`` with the given scaling, imported lazily (it may be absent)."""
+    from offload.fp8 import Linear  # noqa: PLC0415 - lazy on purpose
+
+    return functools.partial(Linear, scaling=scaling)
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A stack of the GPT-A MLP half (LayerNorm, 4h MLP with GELU, residual)."""
+
+    name: str
+    hidden: int
+    layers: int
+    batch: int
+    seq: int
+    fp8: bool
+    scaling: str = "tensorwise"
+    dtype: torch.dtype = torch.bfloat16
+
+    def scaled(self, scale: float) -> "MLPSpec":
+        if scale == 1:
+            return self
+        return replace(self, hidden=_scaled(self.hidden, scale, multiple=64), seq=_scaled(self.seq, scale))
+
+    def build(self, device: Any, seed: int = 0) -> tuple[nn.ModuleList, InputFactory]:
+        dev = torch.device(device)
+        linear: Callable[..., nn.Module] = fp8_linear_factory(self.scaling) if self.fp8 else nn.Linear
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(MLPBlock(self.hidden, linear=linear, device=dev, dtype=self.dtype) for _ in range(self.layers))
+        return layers, _input_factory((self.batch, self.seq, self.hidden), dev, self.dtype)
+
+    def describe(self) -> str:
+        lin = f"FP8 Linear ({self.scaling})" if self.fp8 else "nn.Linear"
+        return (f"{self.name}: {self.layers} x MLPBlock(hidden {self.hidden}, {lin}), batch {self.batch}, "
+                f"seq {self.seq}, {str(self.dtype).replace('torch.', '')}")
+
+
+def gpt_a(scale: float = 1.0) -> GPTSpec:
+    return GPTSpec("GPT-A", hidden=4096, heads=32, layers=8, batch=2, seq=4096).scaled(scale)
+
+
+def gpt_b(scale: float = 1.0) -> GPTSpec:
+    return GPTSpec("GPT-B", hidden=8192, heads=64, layers=4, batch=1, seq=4096).scaled(scale)
+
+
+def small(scale: float = 1.0) -> SmallSpec:
+    return SmallSpec("SMALL", width=1024, layers=16, tokens=256).scaled(scale)
+
+
+def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise") -> MLPSpec:
+    name = "FP8-MLP" if fp8 else "BF16-MLP"
+    return MLPSpec(name, hidden=4096, layers=8, batch=2, seq=4096, fp8=fp8, scaling=scaling).scaled(scale)
+
+
+WORKLOADS: dict[str, Callable[..., Any]] = {"gpt_a": gpt_a, "gpt_b": gpt_b, "small": small, "fp8_mlp": fp8_mlp}
+
+
+def scale_for(smoke: bool, override: Optional[float] = None) -> float:
+    """The scale a benchmark uses: 1 on the GPU, :data:`SMOKE_SCALE` for ``--cpu-smoke``."""
+    if override is not None:
+        return override
+    return SMOKE_SCALE if smoke else 1.0

@@ -1,0 +1,336 @@
+// CUDA driver API, resolved at run time, and the batched copy submission built on it.
+//
+// Why the driver API and not the runtime: the runtime library's soname changes with each CUDA
+// major version (libcudart.so.12, .13, ...) and torch wheels bundle their own copy, while
+// libcuda.so.1 is the one stable entry point installed with the driver. Binding it through
+// cuGetProcAddress with an explicit ABI version pins the exact signature we call, independent of
+// which toolkit (if any) is installed, so one g++ build serves every torch / CUDA combination.
+#include "cuda_driver.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdio>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+
+namespace offload {
+namespace {
+
+// ---- The few driver declarations we need (values and layouts as in cuda.h). ------------------
+using CUresult = int;  // an enum in cuda.h; enums are int-sized on every platform we target
+using CUdeviceptr = unsigned long long;  // CUdeviceptr_v2
+using CUstream = struct CUstream_st*;
+using CUcontext = struct CUctx_st*;
+
+constexpr CUresult CUDA_SUCCESS = 0;
+constexpr CUresult CUDA_ERROR_INVALID_VALUE = 1;
+constexpr CUresult CUDA_ERROR_NOT_INITIALIZED = 3;
+constexpr CUresult CUDA_ERROR_DEINITIALIZED = 4;
+constexpr CUresult CUDA_ERROR_NOT_SUPPORTED = 801;
+
+// cuGetProcAddress flags / status.
+constexpr uint64_t CU_GET_PROC_ADDRESS_LEGACY_STREAM = 1;  // non-_ptsz variants, like torch
+constexpr int CU_GET_PROC_ADDRESS_SUCCESS = 0;
+
+// CUstreamCaptureStatus
+constexpr int CU_STREAM_CAPTURE_STATUS_NONE = 0;
+
+// The legacy default stream handles: 0 (NULL) and CU_STREAM_LEGACY (0x1). cuMemcpyBatchAsync
+// documents that it must not be given the legacy NULL stream.
+constexpr uintptr_t CU_STREAM_LEGACY_HANDLE = 0x1;
+
+// CUmemcpySrcAccessOrder
+constexpr int CU_MEMCPY_SRC_ACCESS_ORDER_STREAM = 1;
+
+// CUmemLocation: {CUmemLocationType type; int id;}
+struct CUmemLocation {
+  int type;
+  int id;
+};
+// CUmemcpyAttributes_v1 (CUDA 12.8; unchanged in 13.x).
+struct CUmemcpyAttributes {
+  int srcAccessOrder;       // CUmemcpySrcAccessOrder
+  CUmemLocation srcLocHint;  // ignored for non-managed memory: left zero ("no hint")
+  CUmemLocation dstLocHint;
+  unsigned int flags;        // CUmemcpyFlags: 0 = CU_MEMCPY_FLAG_DEFAULT
+};
+static_assert(sizeof(CUmemcpyAttributes) == 24, "CUmemcpyAttributes layout");
+
+// The ABI version we ask cuGetProcAddress for when binding cuMemcpyBatchAsync. 12080 is the
+// version that introduced it, with this signature (note failIdx). The CUDA 13 headers map the
+// name to a newer ABI without failIdx; asking for 12080 explicitly keeps the signature below
+// correct on every driver from 12.8 on (a 13.x driver still serves the 12.8 ABI to binaries built
+// against 12.8), and failIdx lets an error name the copy that failed.
+constexpr int kBatchAbi = 12080;
+
+using PFN_cuDriverGetVersion = CUresult (*)(int*);
+using PFN_cuGetProcAddress_v1 = CUresult (*)(const char*, void**, int, uint64_t);
+using PFN_cuGetProcAddress_v2 = CUresult (*)(const char*, void**, int, uint64_t, int*);
+using PFN_cuGetErrorName = CUresult (*)(CUresult, const char**);
+using PFN_cuGetErrorString = CUresult (*)(CUresult, const char**);
+using PFN_cuCtxGetCurrent = CUresult (*)(CUcontext*);
+using PFN_cuStreamIsCapturing = CUresult (*)(CUstream, int*);
+using PFN_cuMemcpyAsync = CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+using PFN_cuMemcpyBatchAsync_v12080 = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs,
+                                                   size_t* sizes, size_t count,
+                                                   CUmemcpyAttributes* attrs, size_t* attrsIdxs,
+                                                   size_t numAttrs, size_t* failIdx,
+                                                   CUstream hStream);
+
+struct Driver {
+  bool loaded = false;
+  std::string reason;  // why unavailable, or why the batch entry point is absent
+  int driver_version = 0;
+  PFN_cuGetErrorName get_error_name = nullptr;
+  PFN_cuGetErrorString get_error_string = nullptr;
+  PFN_cuCtxGetCurrent ctx_get_current = nullptr;
+  PFN_cuStreamIsCapturing stream_is_capturing = nullptr;
+  PFN_cuMemcpyAsync memcpy_async = nullptr;
+  PFN_cuMemcpyBatchAsync_v12080 memcpy_batch = nullptr;
+};
+
+std::string version_str(int v) {
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
+Driver load_driver() {
+  Driver d;
+  // RTLD_LOCAL: we only look symbols up through this handle. The handle is never closed: the
+  // driver must outlive every stream we submit to, i.e. the process (torch keeps it loaded too).
+  void* h = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (!h) {
+    const char* e = dlerror();
+    d.reason = std::string("dlopen(libcuda.so.1) failed: ") + (e ? e : "unknown error");
+    return d;
+  }
+  auto get_version = reinterpret_cast<PFN_cuDriverGetVersion>(dlsym(h, "cuDriverGetVersion"));
+  if (!get_version || get_version(&d.driver_version) != CUDA_SUCCESS) {
+    d.reason = "cuDriverGetVersion unavailable or failed";
+    return d;
+  }
+  // cuGetProcAddress works before cuInit, so loading never initialises CUDA behind torch's back
+  // (which would, e.g., break fork-based data loader workers).
+  auto gpa2 = reinterpret_cast<PFN_cuGetProcAddress_v2>(dlsym(h, "cuGetProcAddress_v2"));
+  auto gpa1 = reinterpret_cast<PFN_cuGetProcAddress_v1>(dlsym(h, "cuGetProcAddress"));
+  auto resolve = [&](const char* name, int abi, void** out) -> bool {
+    *out = nullptr;
+    if (gpa2) {
+      int status = -1;
+      CUresult r = gpa2(name, out, abi, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status);
+      return r == CUDA_SUCCESS && status == CU_GET_PROC_ADDRESS_SUCCESS && *out;
+    }
+    if (gpa1) {
+      CUresult r = gpa1(name, out, abi, CU_GET_PROC_ADDRESS_LEGACY_STREAM);
+      return r == CUDA_SUCCESS && *out;
+    }
+    // Drivers older than 11.3: the exported names carry the ABI these stable calls always had.
+    *out = dlsym(h, name);
+    return *out != nullptr;
+  };
+  // The stable calls have had one ABI since long before 12.x: ask for the driver's own version,
+  // capped at the version we were written against so a future ABI change cannot surprise us.
+  const int abi = std::min(d.driver_version, kBatchAbi);
+  void* p = nullptr;
+  if (resolve("cuGetErrorName", abi, &p)) d.get_error_name = reinterpret_cast<PFN_cuGetErrorName>(p);
+  if (resolve("cuGetErrorString", abi, &p))
+    d.get_error_string = reinterpret_cast<PFN_cuGetErrorString>(p);
+  if (resolve("cuStreamIsCapturing", abi, &p))
+    d.stream_is_capturing = reinterpret_cast<PFN_cuStreamIsCapturing>(p);
+  if (!resolve("cuCtxGetCurrent", abi, &p)) {
+    d.reason = "cuCtxGetCurrent not found in libcuda.so.1";
+    return d;
+  }
+  d.ctx_get_current = reinterpret_cast<PFN_cuCtxGetCurrent>(p);
+  if (!resolve("cuMemcpyAsync", abi, &p)) {
+    d.reason = "cuMemcpyAsync not found in libcuda.so.1";
+    return d;
+  }
+  d.memcpy_async = reinterpret_cast<PFN_cuMemcpyAsync>(p);
+  d.loaded = true;
+
+  if (d.driver_version < kBatchAbi) {
+    d.reason = "driver CUDA " + version_str(d.driver_version) +
+               " has no cuMemcpyBatchAsync (needs >= 12.8): cuMemcpyAsync loop";
+  } else if (!(gpa1 || gpa2)) {
+    d.reason = "cuGetProcAddress missing: cuMemcpyAsync loop";
+  } else if (!resolve("cuMemcpyBatchAsync", kBatchAbi, &p)) {
+    d.reason = "cuGetProcAddress(cuMemcpyBatchAsync, 12080) failed: cuMemcpyAsync loop";
+  } else {
+    d.memcpy_batch = reinterpret_cast<PFN_cuMemcpyBatchAsync_v12080>(p);
+    d.reason = "cuMemcpyBatchAsync bound with the CUDA 12.8 ABI (driver CUDA " +
+               version_str(d.driver_version) + ")";
+  }
+  return d;
+}
+
+Driver& driver() {
+  // Function-local static: initialised once, thread-safe, and only on first CUDA use.
+  static Driver d = load_driver();
+  return d;
+}
+
+// Run-time state: counters, and the batch entry point switched off after CUDA_ERROR_NOT_SUPPORTED.
+std::atomic<uint64_t> g_batch_calls{0}, g_loop_calls{0}, g_batch_fallbacks{0},
+    g_capture_loop_calls{0}, g_legacy_loop_calls{0};
+std::atomic<bool> g_batch_disabled{false};
+std::mutex g_text_mutex;  // guards the two strings below (rare writes, rare reads)
+std::string g_batch_disabled_reason;
+std::string g_last_batch_error;
+
+std::string error_name(const Driver& d, CUresult r) {
+  const char* s = nullptr;
+  if (d.get_error_name && d.get_error_name(r, &s) == CUDA_SUCCESS && s) return s;
+  return "CUDA_ERROR_CODE_" + std::to_string(r);
+}
+
+std::string error_text(const Driver& d, CUresult r) {
+  std::string out = error_name(d, r);
+  const char* s = nullptr;
+  if (d.get_error_string && d.get_error_string(r, &s) == CUDA_SUCCESS && s)
+    out += std::string(" (") + s + ")";
+  return out;
+}
+
+std::string hex(uint64_t v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "0x%" PRIx64, v);
+  return buf;
+}
+
+[[noreturn]] void fail(const Driver& d, const std::string& call, CUresult r,
+                       const std::string& where) {
+  throw std::runtime_error("offload copy_batch: " + call + " failed with " + error_text(d, r) +
+                           where);
+}
+
+}  // namespace
+
+void cuda_copy(const uint64_t* dsts, const uint64_t* srcs, const size_t* sizes,
+               const size_t* index, size_t n, uintptr_t stream, bool force_loop) {
+  Driver& d = driver();
+  if (!d.loaded)
+    throw std::runtime_error("offload copy_batch: the CUDA driver is unavailable (" + d.reason +
+                             ")");
+  // The driver submits into the calling thread's current context. torch's runtime makes the
+  // device's primary context current lazily, per thread, on its first CUDA call there; we do not
+  // create or push contexts ourselves (that would be a second owner of torch's device state).
+  CUcontext ctx = nullptr;
+  CUresult r = d.ctx_get_current(&ctx);
+  if (r == CUDA_ERROR_NOT_INITIALIZED || r == CUDA_ERROR_DEINITIALIZED ||
+      (r == CUDA_SUCCESS && ctx == nullptr))
+    throw std::runtime_error(
+        "offload copy_batch: no CUDA context is current on this thread; CUDA must be initialised "
+        "by torch first (run a torch CUDA operation on this thread, e.g. torch.cuda.synchronize(), "
+        "before submitting copies)");
+  if (r != CUDA_SUCCESS) fail(d, "cuCtxGetCurrent", r, "");
+  if (n == 0) return;
+
+  CUstream s = reinterpret_cast<CUstream>(stream);
+  const std::string stream_txt = ", stream " + hex(stream);
+  bool use_batch = d.memcpy_batch && !force_loop && !g_batch_disabled.load(std::memory_order_relaxed);
+  if (use_batch && (stream == 0 || stream == CU_STREAM_LEGACY_HANDLE)) {
+    // The batch API refuses the legacy NULL stream; torch's default stream is that stream.
+    use_batch = false;
+    g_legacy_loop_calls.fetch_add(1, std::memory_order_relaxed);
+  }
+  if (use_batch && d.stream_is_capturing) {
+    // Under stream capture a refused call would invalidate the whole capture, and the drivers we
+    // target do not all capture the batch API; cuMemcpyAsync nodes are always capturable.
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    r = d.stream_is_capturing(s, &status);
+    if (r != CUDA_SUCCESS) fail(d, "cuStreamIsCapturing", r, stream_txt);
+    if (status != CU_STREAM_CAPTURE_STATUS_NONE) {
+      use_batch = false;
+      g_capture_loop_calls.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  std::string batch_note;
+  if (use_batch) {
+    CUmemcpyAttributes attr{};
+    // STREAM: the sources were produced by earlier work ordered before this stream position
+    // (the caller makes the stream wait on the producer's event), so they must be read in stream
+    // order, never early.
+    attr.srcAccessOrder = CU_MEMCPY_SRC_ACCESS_ORDER_STREAM;
+    size_t attr_idx = 0;  // one attribute set, applying from copy 0 to the end
+    size_t fail_idx = SIZE_MAX;
+    // The driver takes non-const arrays but does not write them.
+    r = d.memcpy_batch(const_cast<CUdeviceptr*>(reinterpret_cast<const CUdeviceptr*>(dsts)),
+                       const_cast<CUdeviceptr*>(reinterpret_cast<const CUdeviceptr*>(srcs)),
+                       const_cast<size_t*>(sizes), n, &attr, &attr_idx, 1, &fail_idx, s);
+    if (r == CUDA_SUCCESS) {
+      g_batch_calls.fetch_add(1, std::memory_order_relaxed);
+      return;
+    }
+    const std::string name = error_name(d, r);
+    {
+      std::lock_guard<std::mutex> lock(g_text_mutex);
+      g_last_batch_error = name;
+      if (r == CUDA_ERROR_NOT_SUPPORTED) {
+        // The driver has the entry point but not the feature: stop trying for this process.
+        g_batch_disabled_reason = "cuMemcpyBatchAsync returned " + name + ": cuMemcpyAsync loop";
+        g_batch_disabled.store(true, std::memory_order_relaxed);
+      }
+    }
+    if (r == CUDA_ERROR_INVALID_VALUE || r == CUDA_ERROR_NOT_SUPPORTED) {
+      // Retry one by one: either this combination of pointers is one the batch call refuses but
+      // cuMemcpyAsync takes, or an entry really is bad and the loop names it. Copies the batch may
+      // have enqueued before failing are simply done again, in stream order, with the same bytes.
+      g_batch_fallbacks.fetch_add(1, std::memory_order_relaxed);
+      batch_note = " (after cuMemcpyBatchAsync returned " + name;
+      if (fail_idx < n) batch_note += " at entry " + std::to_string(index[fail_idx]);
+      batch_note += " and the copies were retried one by one)";
+    } else {
+      std::string where = stream_txt;
+      if (fail_idx < n)
+        where += ", entry " + std::to_string(index[fail_idx]) + " (dst " + hex(dsts[fail_idx]) +
+                 ", src " + hex(srcs[fail_idx]) + ", " + std::to_string(sizes[fail_idx]) +
+                 " bytes)";
+      fail(d, "cuMemcpyBatchAsync", r, where + " of " + std::to_string(n) + " copies");
+    }
+  }
+
+  for (size_t i = 0; i < n; ++i) {
+    r = d.memcpy_async(dsts[i], srcs[i], sizes[i], s);
+    if (r != CUDA_SUCCESS)
+      fail(d, "cuMemcpyAsync", r,
+           " on entry " + std::to_string(index[i]) + " (dst " + hex(dsts[i]) + ", src " +
+               hex(srcs[i]) + ", " + std::to_string(sizes[i]) + " bytes" + stream_txt + ")" +
+               batch_note);
+  }
+  g_loop_calls.fetch_add(1, std::memory_order_relaxed);
+}
+
+CudaCopyInfo cuda_copy_info() {
+  const Driver& d = driver();
+  CudaCopyInfo info;
+  info.driver_version = d.driver_version;
+  info.batch_abi = d.memcpy_batch ? kBatchAbi : 0;
+  info.batch_calls = g_batch_calls.load();
+  info.loop_calls = g_loop_calls.load();
+  info.batch_fallbacks = g_batch_fallbacks.load();
+  info.capture_loop_calls = g_capture_loop_calls.load();
+  info.legacy_stream_loop_calls = g_legacy_loop_calls.load();
+  std::lock_guard<std::mutex> lock(g_text_mutex);
+  info.last_batch_error = g_last_batch_error;
+  if (!d.loaded) {
+    info.path = "unavailable";
+    info.reason = d.reason;
+  } else if (!d.memcpy_batch) {
+    info.path = "loop";
+    info.reason = d.reason;
+  } else if (g_batch_disabled.load()) {
+    info.path = "loop";
+    info.reason = g_batch_disabled_reason;
+  } else {
+    info.path = "batch";
+    info.reason = d.reason;
+  }
+  return info;
+}
+
+}  // namespace offload

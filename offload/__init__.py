@@ -1,0 +1,32 @@
+"""offload: activation CPU offloading for PyTorch training.
+
+Public API: :func:`get_cpu_offload_context` (TransformerEngine's call shape),
+:class:`OffloadActivations` (one ``with`` around the forward), :func:`mark_not_offload`,
+:func:`mark_activation_offload` and :func:`native_available`.
+"""
+
+from .api import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    MODE_ENV_VAR,
+    ManualController,
+    OffloadActivations,
+    OffloadContext,
+    get_cpu_offload_context,
+    resolve_mode,
+)
+from .marks import mark_activation_offload, mark_not_offload
+from .native import native_available
+
+__all__ = [
+    "DEFAULT_MIN_OFFLOAD_BYTES",
+    "MODE_ENV_VAR",
+    "ManualController",
+    "OffloadActivations",
+    "OffloadContext",
+    "get_cpu_offload_context",
+    "mark_activation_offload",
+    "mark_not_offload",
+    "native_available",
+    "resolve_mode",
+]
+__version__ = "0.1.0"

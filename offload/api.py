@@ -1,0 +1,372 @@
+"""The two entry points, the mode switch and argument validation.
+
+- ``get_cpu_offload_context(...)``: TransformerEngine's call shape. One context per layer call::
+
+      ctx, sync = get_cpu_offload_context(enabled=True, num_layers=3, model_layers=4)
+      for layer in layers:
+          with ctx:
+              x = layer(x)
+          x = sync(x)
+
+- ``OffloadActivations(layers)``: one ``with`` around the whole forward; layer boundaries come from
+  forward hooks on the given modules.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+
+from . import native
+from .arena import HostArena
+from .engine import OffloadEngine
+from .group import GroupState
+from .policy import SelectionPolicy
+from .schedule_v1 import ScheduleV1
+from .schedule_v2 import ManualSchedule, Schedule, ScheduleV2
+from .transport import CudaTransport, HostTransport
+
+MODE_ENV_VAR = "NVTE_CPU_OFFLOAD_V1"
+_ENV_TRUE = ("1", "true", "yes")
+_ENV_FALSE = ("0", "false", "no", "")
+MODES = ("v1", "v2")
+# Tensors under this size stay on the GPU by default: each costs hook and bookkeeping CPU time
+# (~microseconds) while saving little memory (LayerNorm statistics, scalars, masks).
+DEFAULT_MIN_OFFLOAD_BYTES = 64 * 1024
+
+
+def resolve_mode(mode: Optional[str]) -> str:
+    """The schedule to use: an explicit ``mode`` wins, else ``NVTE_CPU_OFFLOAD_V1`` decides."""
+    if mode is not None:
+        if mode not in MODES:
+            raise ValueError(f"offload: unknown mode {mode!r}; use 'v1' or 'v2' (or None to follow {MODE_ENV_VAR})")
+        return mode
+    raw = os.environ.get(MODE_ENV_VAR)
+    if raw is None:
+        return "v2"
+    value = raw.strip().lower()
+    if value in _ENV_TRUE:
+        return "v1"
+    if value in _ENV_FALSE:
+        return "v2"
+    raise ValueError(
+        f"offload: {MODE_ENV_VAR}={raw!r} is not understood; use 1, true or yes for the v1 schedule, "
+        "or 0, false, no or empty (or unset) for v2"
+    )
+
+
+def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
+    """``None`` is the current CUDA device; ``"cpu"`` selects the host transport."""
+    if device is None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "offload: device=None means the current CUDA device, but CUDA is not available here; "
+                "pass device='cpu' to offload CPU tensors through the host transport"
+            )
+        return torch.device("cuda", torch.cuda.current_device())
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return dev
+    if dev.type != "cuda":
+        raise ValueError(f"offload: device must be a CUDA device or 'cpu', got {device!r}")
+    if not torch.cuda.is_available():
+        raise RuntimeError(
+            f"offload: device={device!r} asks for CUDA, but CUDA is not available here (no GPU or a "
+            "CPU-only torch build); pass device='cpu' to use the host transport"
+        )
+    return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
+
+
+def _check_counts(num_layers: int, model_layers: int) -> None:
+    if not isinstance(model_layers, int) or model_layers < 1:
+        raise ValueError(f"offload: model_layers must be an integer >= 1, got {model_layers!r}")
+    if not isinstance(num_layers, int) or num_layers < 0:
+        raise ValueError(f"offload: num_layers must be an integer >= 0, got {num_layers!r}")
+    if num_layers > model_layers - 1:
+        raise ValueError(
+            f"offload: num_layers={num_layers} is more than model_layers - 1 = {model_layers - 1}. "
+            "Backward needs the last layer's activations at once, so at most model_layers - 1 "
+            "layers can be offloaded; lower num_layers or pass the model's true layer count."
+        )
+
+
+def build_engine(
+    *,
+    num_layers: int,
+    model_layers: int,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: Optional["torch.cuda.Stream"] = None,
+    mode: Optional[str] = None,
+    device: Union[None, str, torch.device] = None,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    host_budget_bytes: Optional[int] = None,
+    selection: Optional[str] = None,
+    steps_by_layer_count: bool = True,
+) -> OffloadEngine:
+    """Validate the options and assemble policy, schedule, transport and arena."""
+    _check_counts(num_layers, model_layers)
+    if offload_weights:
+        warnings.warn(
+            "offload: offload_weights=True is accepted for TransformerEngine compatibility, but "
+            "weights are not offloaded (parameters stay on the GPU); only activations are",
+            stacklevel=3,
+        )
+    if not offload_activations:
+        raise ValueError(
+            "offload: offload_activations=False leaves nothing to offload (weights are never "
+            "offloaded); pass offload_activations=True, or enabled=False to turn offloading off"
+        )
+    resolved_mode = resolve_mode(mode)
+    dev = resolve_device(device)
+    if double_buffering and resolved_mode != "v1":
+        warnings.warn("offload: double_buffering applies to the v1 schedule only; v2 ignores it", stacklevel=3)
+    if selection is None:
+        selection = "marked" if resolved_mode == "v1" else "auto"
+
+    use_native = native.native_available()
+    if dev.type == "cuda":
+        transport: Union[CudaTransport, HostTransport] = CudaTransport(dev, use_native=use_native, d2h_stream=offload_stream)
+    else:
+        transport = HostTransport(use_native=use_native)
+    arena = HostArena(pinned=transport.pinned, budget_bytes=host_budget_bytes, retain=retain_pinned_cpu_buffers)
+    policy = SelectionPolicy(
+        device_index=transport.device_index,
+        min_offload_bytes=min_offload_bytes,
+        selection=selection,
+        reserve_host_bytes=arena.reserve,
+    )
+    schedule: Schedule
+    if manual_synchronization:
+        schedule = ManualSchedule(num_layers, model_layers)
+    elif resolved_mode == "v1":
+        schedule = ScheduleV1(num_layers, model_layers, double_buffering=double_buffering)
+    else:
+        schedule = ScheduleV2(num_layers, model_layers)
+    label = resolved_mode + (" (manual)" if manual_synchronization else "")
+    return OffloadEngine(
+        policy=policy,
+        schedule=schedule,
+        transport=transport,
+        arena=arena,
+        mode=label,
+        model_layers=model_layers,
+        steps_by_layer_count=steps_by_layer_count,
+    )
+
+
+class OffloadContext:
+    """The per-layer context of ``get_cpu_offload_context``: enter it around each layer call."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def __enter__(self) -> "OffloadContext":
+        self.engine.begin_layer()
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.engine.end_layer(failed=exc_type is not None)
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Figures of the last finished step (see ``offload.stats.snapshot``)."""
+        return self.engine.stats()
+
+    def report(self) -> str:
+        """A readable table of :attr:`stats`."""
+        return self.engine.report()
+
+
+class SyncFunction:
+    """``sync_function``: marks a layer's output so backward reaching it triggers reloads."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return tensor
+        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+            what = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else "a tensor that does not require grad"
+            raise ValueError(
+                f"offload: sync_function got {what}; pass the layer's output tensor, which must "
+                "require grad: its gradient is what tells the engine that backward reached the layer"
+            )
+        self.engine.attach_backward_marker(tensor, self.engine.current_layer)
+        return tensor
+
+
+class ManualController:
+    """Offload, release and reload layers by hand (``manual_synchronization=True``)."""
+
+    def __init__(self, engine: OffloadEngine) -> None:
+        self.engine = engine
+
+    def _group(self, layer: int, action: str) -> Any:
+        step = self.engine.step
+        group = None if step is None else step.groups.get(layer)
+        if group is None:
+            offloaded = self.engine.schedule.num_layers
+            raise ValueError(
+                f"offload: cannot {action} layer {layer}: it has no offload group in this step "
+                f"(layers 0..{offloaded - 1} are offloaded, and only once their forward has run)"
+            )
+        return group
+
+    def start_offload_layer(self, layer: int) -> None:
+        """Start the D2H copy of ``layer``'s saved tensors (after its forward)."""
+        group = self._group(layer, "offload")
+        if group.state is GroupState.OPEN:
+            raise ValueError(f"offload: layer {layer} is still running its forward; offload it after its `with` closes")
+        self.engine.start_offload(group)
+
+    def release_activation_forward_gpu_memory(self, layer: int) -> None:
+        """Drop ``layer``'s GPU copies once its D2H is done (ordered on the GPU, not the host)."""
+        group = self._group(layer, "release")
+        if group.state is GroupState.RESIDENT:
+            raise ValueError(f"offload: layer {layer} was not offloaded yet; call start_offload_layer({layer}) first")
+        self.engine.release(group)
+
+    def start_reload_layer(self, layer: int) -> None:
+        """Start the H2D copy of ``layer`` ahead of its backward."""
+        self.engine.start_reload(self._group(layer, "reload"))
+
+
+def _identity(tensor: Any) -> Any:
+    return tensor
+
+
+def get_cpu_offload_context(
+    enabled: bool = False,
+    num_layers: int = 1,
+    model_layers: int = 1,
+    offload_activations: bool = True,
+    offload_weights: bool = False,
+    double_buffering: bool = False,
+    manual_synchronization: bool = False,
+    retain_pinned_cpu_buffers: bool = False,
+    offload_stream: Optional["torch.cuda.Stream"] = None,
+    *,
+    mode: Optional[str] = None,
+    device: Union[None, str, torch.device] = None,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    host_budget_bytes: Optional[int] = None,
+    selection: Optional[str] = None,
+) -> tuple[Any, ...]:
+    """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
+
+    With ``manual_synchronization=True`` a third element, a :class:`ManualController`, is
+    returned. ``enabled=False`` returns a no-op context and the identity function.
+
+    ``num_layers`` of ``model_layers`` layers are offloaded (at most ``model_layers - 1``).
+    ``mode`` ("v1"/"v2") wins over the ``NVTE_CPU_OFFLOAD_V1`` environment variable.
+    ``device="cpu"`` offloads CPU tensors through the host transport (for CPU-only machines).
+    ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.
+    ``host_budget_bytes``: cap on host memory held (default: 75% of available RAM, psutil).
+    ``selection``: "auto" (every eligible tensor) or "marked" (opt-in; v1's default).
+    """
+    if not enabled:
+        noop: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
+        return noop + (None,) if manual_synchronization else noop
+    engine = build_engine(
+        num_layers=num_layers,
+        model_layers=model_layers,
+        offload_activations=offload_activations,
+        offload_weights=offload_weights,
+        double_buffering=double_buffering,
+        manual_synchronization=manual_synchronization,
+        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
+        offload_stream=offload_stream,
+        mode=mode,
+        device=device,
+        min_offload_bytes=min_offload_bytes,
+        host_budget_bytes=host_budget_bytes,
+        selection=selection,
+    )
+    result: tuple[Any, ...] = (OffloadContext(engine), SyncFunction(engine))
+    if manual_synchronization:
+        result += (ManualController(engine),)
+    return result
+
+
+def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_grad_tensor(list(value.values()))
+    return None
+
+
+class OffloadActivations:
+    """One ``with`` around the whole forward; layer boundaries come from forward hooks.
+
+    ``layers`` are the modules that form the repeated layers (e.g. ``model.layers``), in call
+    order. By default all but the last are offloaded (``num_offload_layers=len(layers) - 1``).
+    The other options are those of :func:`get_cpu_offload_context`. The hooks exist only inside
+    the ``with``; outside it the model runs untouched.
+    """
+
+    def __init__(self, layers: Iterable[torch.nn.Module], num_offload_layers: Optional[int] = None, **options: Any) -> None:
+        self.layers = list(layers)
+        if not self.layers or not all(isinstance(m, torch.nn.Module) for m in self.layers):
+            raise ValueError("offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. model.layers)")
+        count = len(self.layers)
+        if num_offload_layers is None:
+            num_offload_layers = count - 1
+        options.setdefault("num_layers", num_offload_layers)
+        if options["num_layers"] != num_offload_layers:
+            raise ValueError("offload: pass num_offload_layers or num_layers, not both")
+        options.pop("enabled", None)
+        options.setdefault("model_layers", count)
+        self.engine = build_engine(steps_by_layer_count=False, **options)
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> "OffloadActivations":
+        if self._handles:
+            raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
+        self.engine.begin_step()
+        for module in self.layers:
+            self._handles.append(module.register_forward_pre_hook(self._before_layer))
+            self._handles.append(module.register_forward_hook(self._after_layer))
+        return self
+
+    def _before_layer(self, module: torch.nn.Module, args: Any) -> None:
+        self.engine.begin_layer()
+
+    def _after_layer(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        layer = self.engine.current_layer
+        self.engine.end_layer()
+        marked = _first_grad_tensor(output)
+        if marked is not None:
+            self.engine.attach_backward_marker(marked, layer)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        if exc_type is not None:
+            self.engine.abort_step()
+        else:
+            self.engine.end_forward()
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """Figures of the last finished step (see ``offload.stats.snapshot``)."""
+        return self.engine.stats()
+
+    def report(self) -> str:
+        """A readable table of :attr:`stats`."""
+        return self.engine.report()

@@ -1,0 +1,341 @@
+"""The engine: saved-tensor hooks, the step and layer lifecycle, and the primitives schedules use.
+
+Lifetime of one saved tensor (see DESIGN.md for the data flow):
+- ``pack`` (forward): the policy keeps it (the tensor itself is returned: nothing else happens) or
+  it joins the open layer's group and ``(group, index)`` is returned to autograd.
+- the schedule offloads the group (D2H into an arena region), releases the GPU originals, and
+  reloads the group (one H2D into one buffer) ahead of its backward.
+- ``unpack`` (backward): the original if the group still holds it, else a typed view of the
+  reload buffer. Once every entry was handed back, the group drops its buffer reference; the
+  views autograd still holds keep the memory alive until it is done with them.
+- when autograd frees the saved tensors (and the engine has moved to the next step) the group is
+  garbage and its host region goes back to the arena, tagged with the event of its last copy.
+
+Autograd keeps the handles, not the engine: ``backward(retain_graph=True)`` a second time simply
+reloads again from the host region, which lives as long as the graph does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+from . import native
+from .arena import HostArena
+from .group import HOLDS_ORIGINALS, Group, GroupState
+from .marks import KEEP_ATTR
+from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
+from .schedule_v2 import Schedule
+from .stats import StepCounters, format_report, snapshot
+from .transport import CudaTransport, HostTransport
+
+Transport = Union[CudaTransport, HostTransport]
+
+
+@dataclass
+class StepState:
+    """The engine's view of the step in progress."""
+
+    index: int
+    counters: StepCounters
+    groups: dict[int, Group] = field(default_factory=dict)  # layer -> group (offloaded layers)
+    layers_started: int = 0
+    forward_done: bool = False
+
+
+class StorageHandle:
+    """What ``pack`` returns for a quantized storage: the storage shell and its packed parts."""
+
+    __slots__ = ("restorable", "parts")
+
+    def __init__(self, restorable: Any, parts: list[Any]) -> None:
+        self.restorable = restorable
+        self.parts = parts
+
+
+class BackwardReach:
+    """Tensor hook fired when the gradient of a layer's output is computed (backward reaches it)."""
+
+    __slots__ = ("engine", "step", "layer")
+
+    def __init__(self, engine: "OffloadEngine", step: int, layer: int) -> None:
+        self.engine = engine
+        self.step = step
+        self.layer = layer
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.engine.on_backward_reach(self.step, self.layer)
+
+
+class OffloadEngine:
+    """Owns one model's offloading: policy, schedule, transport, arena and per-step state."""
+
+    def __init__(
+        self,
+        *,
+        policy: SelectionPolicy,
+        schedule: Schedule,
+        transport: Transport,
+        arena: HostArena,
+        mode: str,
+        model_layers: int,
+        steps_by_layer_count: bool,
+    ) -> None:
+        self.policy = policy
+        self.schedule = schedule
+        self.transport = transport
+        self.arena = arena
+        self.mode = mode
+        self.model_layers = model_layers
+        # TransformerEngine's call shape has no "end of forward" call: a step is model_layers
+        # layer contexts. OffloadActivations ends the forward explicitly instead.
+        self.steps_by_layer_count = steps_by_layer_count
+        self.step: Optional[StepState] = None
+        self.last_finished: Optional[StepCounters] = None
+        self.open_group: Optional[Group] = None
+        self.current_layer = -1
+        self.in_layer = False
+        self._hooks_pushed = False
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        self._step_index = 0
+
+    # -- step and layer lifecycle ----------------------------------------------------------------
+    def begin_step(self) -> None:
+        """Start a new step, finishing the previous one's bookkeeping."""
+        previous = self.step
+        if previous is not None:
+            self._finish(previous)
+        self._step_index += 1
+        counters = StepCounters(step=self._step_index, mode=self.mode)
+        counters.pinned_allocations = -self.arena.counters.pinned_allocations
+        self.step = StepState(index=self._step_index, counters=counters)
+        self.schedule.on_step_start(self)
+
+    def begin_layer(self) -> None:
+        """Forward enters the next layer: schedule decisions, then capture its saved tensors."""
+        if self.in_layer:
+            raise RuntimeError(
+                "offload: a layer context was entered while another is still open; offload "
+                "contexts do not nest: close the outer layer's `with` before entering the next"
+            )
+        if self.step is None or self.step.forward_done:
+            self.begin_step()
+        step = self.step
+        layer = step.layers_started
+        step.layers_started += 1
+        self.current_layer = layer
+        self.in_layer = True
+        self.schedule.on_layer_start(self, layer)
+        # Under no_grad nothing is saved; skipping the hooks makes such a forward free.
+        if torch.is_grad_enabled() and self.schedule.offloads(layer):
+            group = Group(layer, step.index)
+            group.on_free = self._group_freed
+            group.counters = step.counters
+            step.groups[layer] = group
+            self.open_group = group
+            self._hooks.__enter__()
+            self._hooks_pushed = True
+
+    def end_layer(self, failed: bool = False) -> None:
+        """Forward left the layer: close its group and let the schedule start its D2H."""
+        if not self.in_layer:
+            return
+        self.in_layer = False
+        if self._hooks_pushed:
+            self._hooks_pushed = False
+            self._hooks.__exit__(None, None, None)
+        group = self.open_group
+        self.open_group = None
+        if failed:
+            self.abort_step()
+            return
+        step = self.step
+        if group is not None:
+            self.arena.unreserve(group.saved_bytes)
+            if group.entries:
+                offsets, total = native.plan_layout(group.slot_sizes())
+                group.close(offsets, total)
+            else:
+                group.state = GroupState.KEPT  # nothing saved: nothing to do, ever
+                del step.groups[group.layer]
+                group = None
+        self.schedule.on_layer_end(self, self.current_layer, group)
+        if self.steps_by_layer_count and step.layers_started >= self.model_layers:
+            self.end_forward()
+
+    def end_forward(self) -> None:
+        """The forward pass is over: the schedule releases what it still holds."""
+        step = self.step
+        if step is None or step.forward_done:
+            return
+        step.forward_done = True
+        self.schedule.on_forward_end(self)
+        self._check_finished(step)
+
+    def abort_step(self) -> None:
+        """Forget the step after an exception in forward; the next layer starts a fresh step.
+
+        Its groups are dropped from the engine here and freed with whatever autograd graph
+        still references them, so no GPU or host memory stays behind.
+        """
+        if self._hooks_pushed:
+            self._hooks_pushed = False
+            self._hooks.__exit__(None, None, None)
+        self.in_layer = False
+        self.open_group = None
+        if self.step is not None:
+            for group in self.step.groups.values():
+                if group.state is GroupState.OPEN:
+                    self.arena.unreserve(group.saved_bytes)
+                    group.saved_bytes = 0
+        self.step = None
+
+    def _finish(self, step: StepState) -> None:
+        if not step.counters.finished:
+            step.counters.finished = True
+            step.counters.pinned_allocations += self.arena.counters.pinned_allocations
+        self.last_finished = step.counters
+        self.arena.end_step(step.index)
+
+    def _check_finished(self, step: StepState) -> None:
+        # A step is finished once its forward is done and every group was handed back in full.
+        if step.forward_done and all(g.consumed for g in step.groups.values()):
+            self._finish(step)
+
+    # -- hooks -----------------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor) -> Any:
+        """Pack hook: keep ``t`` as it is, or record it in the open group."""
+        group = self.open_group
+        if group is None:
+            return t
+        reason = self.policy.decide(t)
+        if reason is not None:
+            if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
+                return self._pack_storage(t)
+            self.step.counters.keep(reason)  # type: ignore[union-attr]
+            return t
+        group.saved_bytes += t.nbytes
+        return (group, group.add(t))
+
+    def _pack_storage(self, storage: Any) -> Any:
+        # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends): each
+        # component is decided and packed on its own, and the storage is rebuilt on unpack.
+        if getattr(storage, KEEP_ATTR, False):
+            self.step.counters.keep(KEEP_MARKED)  # type: ignore[union-attr]
+            return storage
+        components, restorable = storage.prepare_for_saving()
+        return StorageHandle(restorable, [None if c is None else self.pack(c) for c in components])
+
+    def unpack(self, packed: Any) -> Any:
+        """Unpack hook: hand back the original, or a typed view of the reloaded group."""
+        if type(packed) is not tuple:
+            if type(packed) is StorageHandle:
+                return self._unpack_storage(packed)
+            return packed
+        group, index = packed
+        group.unpacks += 1
+        if group.state in HOLDS_ORIGINALS:
+            tensor = group.original(index)
+            if group.unpacks == len(group.entries):
+                self._consumed(group)
+            return tensor
+        if group.state is GroupState.OFFLOADED:
+            self.schedule.on_unpack_miss(self, group)
+            if group.state is GroupState.OFFLOADED:
+                self.start_reload(group)
+        if not group.h2d_waited:
+            self.transport.wait_reloaded(group, group.counters)
+            group.h2d_waited = True
+        tensor = group.restore(index)
+        group.unpacks_since_reload += 1
+        if group.unpacks_since_reload >= len(group.entries):
+            group.mark_dropped()
+            self._consumed(group)
+        return tensor
+
+    def _unpack_storage(self, handle: StorageHandle) -> Any:
+        # Every component is fetched first; only then is the storage rebuilt, so a failure leaves
+        # nothing half-restored.
+        parts = [None if p is None else self.unpack(p) for p in handle.parts]
+        handle.restorable.restore_from_saved(parts)
+        return handle.restorable
+
+    def _consumed(self, group: Group) -> None:
+        if not group.consumed:
+            group.consumed = True
+            self.schedule.on_consumed(self, group)
+            step = self.step
+            if step is not None and step.index == group.step:
+                self._check_finished(step)
+        else:
+            self.schedule.on_consumed(self, group)
+
+    # -- primitives for schedules ----------------------------------------------------------------
+    def start_offload(self, group: Group) -> None:
+        """Copy a closed group to a host region (or keep it on the GPU if none can be had)."""
+        if group.state is not GroupState.RESIDENT:
+            return
+        counters = group.counters
+        region = self.arena.acquire(group.nbytes, group.step)
+        if region is None:
+            group.mark_kept()
+            counters.groups_kept += 1
+            counters.keep("budget", len(group.entries))
+            return
+        group.mark_offloading(region, self.transport.offload(group, region, counters))
+        counters.groups_offloaded += 1
+        counters.offloaded_tensors += len(group.entries)
+        counters.offloaded_bytes += group.copy_bytes
+        counters.bytes_d2h += group.copy_bytes
+
+    def release(self, group: Group) -> None:
+        """Drop the GPU originals of an offloading group once its D2H is ordered before reuse."""
+        if group.state is not GroupState.OFFLOADING:
+            return
+        self.transport.wait_offloaded(group, group.counters)
+        group.mark_released()
+
+    def start_reload(self, group: Group, into: Optional[torch.Tensor] = None) -> None:
+        """Start the one H2D copy of an offloaded group (into a fresh or the given buffer)."""
+        if group.state is not GroupState.OFFLOADED:
+            return
+        buffer, done = self.transport.reload(group, group.counters, into)
+        group.mark_reloaded(buffer, done)
+        group.counters.bytes_h2d += group.nbytes
+        group.counters.reloads += 1
+
+    def on_backward_reach(self, step: int, layer: int) -> None:
+        """Called by the backward markers: backward is about to run ``layer`` of ``step``."""
+        if self.step is not None and self.step.index == step:
+            self.schedule.on_backward_reach(self, layer)
+
+    def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
+        """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""
+        if self.step is not None and tensor.requires_grad:
+            tensor.register_hook(BackwardReach(self, self.step.index, layer))
+
+    def _group_freed(self, group: Group) -> None:
+        # From Group.__del__: the host region goes back with the event of its last copy, so the
+        # next writer waits for it on the GPU instead of the host waiting now.
+        if group.host is not None:
+            self.arena.release(group.host, self.transport.last_host_use(group))
+            group.host = None
+
+    # -- stats -----------------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Figures of the last finished step (or of the step in progress if none finished)."""
+        counters = self.last_finished
+        if counters is None:
+            counters = self.step.counters if self.step is not None else StepCounters(step=0, mode=self.mode)
+        return snapshot(
+            counters,
+            pinned_bytes_held=self.arena.counters.bytes_held,
+            native=self.transport.use_native,
+            transport=self.transport.name,
+        )
+
+    def report(self) -> str:
+        """A readable table of :meth:`stats`."""
+        return format_report(self.stats())

@@ -1,0 +1,200 @@
+"""One layer's saved tensors: dedup by storage, view→base, byte layout, typed-view restore.
+
+A group is pure bookkeeping; it never copies. The transport copies each *storage slot* (the span
+of one storage that the group's views touch) into the group's region at the offsets planned here,
+and after reload every saved tensor comes back as a view of one buffer::
+
+    buffer(uint8) -> .view(dtype) -> .as_strided(shape, stride, element offset)
+
+so each component keeps its own dtype (float32 scales stay float32, uint8 stays uint8).
+
+Alignment: a slot's span starts at its lowest byte rounded *down* to 256, and slots sit at 256-byte
+aligned offsets, so a restored view has the same address modulo 256 as the original. Anything
+that was aligned for an FP8 GEMM (cuBLASLt wants 16 bytes) stays aligned, and the element offset
+of every view is an integer, because each view's byte offset is a multiple of its item size.
+
+States (transitions are checked; a wrong one is a bug in a schedule, and says so)::
+
+    OPEN --close--> RESIDENT --offload--> OFFLOADING --release--> OFFLOADED <--drop-- RELOADED
+                       |                                             |                  ^
+                       +--keep (budget)--> KEPT                      +-----reload-------+
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Optional
+
+import torch
+
+from .layout import ALIGNMENT
+
+
+class GroupState(enum.Enum):
+    OPEN = "open"              # tensors are still being saved into it
+    RESIDENT = "resident"      # closed; originals on the GPU, no copy started
+    KEPT = "kept"              # closed; will stay on the GPU (no host region could be had)
+    OFFLOADING = "offloading"  # D2H submitted; originals still referenced
+    OFFLOADED = "offloaded"    # originals dropped; the data lives in the host region only
+    RELOADED = "reloaded"      # a GPU buffer holds the data again
+
+
+# The states in which the original GPU tensors are still held and can be handed back as they are.
+HOLDS_ORIGINALS = frozenset({GroupState.OPEN, GroupState.RESIDENT, GroupState.KEPT, GroupState.OFFLOADING})
+
+_ALIGN_MASK = ~(ALIGNMENT - 1)
+
+
+def storage_extent_bytes(t: torch.Tensor) -> int:
+    """Bytes from the first to one past the last element ``t`` addresses in its storage."""
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    span = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if size == 0:
+            return 0
+        span += (size - 1) * stride
+    return span * t.element_size()
+
+
+class Group:
+    """The saved tensors of one layer in one step, with their layout and restore recipe."""
+
+    def __init__(self, layer: int, step: int) -> None:
+        self.layer = layer
+        self.step = step
+        self.state = GroupState.OPEN
+        # Storage slots, indexed by slot number. A storage is identified by its data pointer: the
+        # group holds a reference to it while the pointer is used as a key, so no other live
+        # storage can have the same address.
+        self._slot_of_ptr: dict[int, int] = {}
+        self.slot_storages: list[Any] = []
+        self.slot_lo: list[int] = []
+        self.slot_hi: list[int] = []
+        # Entries: (slot, byte offset in its storage, dtype, shape, stride), one per saved tensor.
+        self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...]]] = []
+        self.originals: Optional[list[torch.Tensor]] = []
+        self.saved_bytes = 0
+        # Filled by close().
+        self.slot_offsets: list[int] = []
+        self.nbytes = 0
+        self.entry_element_offsets: list[int] = []
+        # Filled by the transport / engine.
+        self.host: Any = None           # arena region holding the group's bytes
+        self.d2h_done: Any = None       # event: the D2H copy finished
+        self.gpu: Optional[torch.Tensor] = None  # reload buffer (uint8)
+        self.h2d_done: Any = None       # event: the H2D copy finished
+        self.h2d_waited = False         # has the compute stream waited on h2d_done?
+        self.typed: dict[torch.dtype, torch.Tensor] = {}
+        self.unpacks_since_reload = 0
+        self.unpacks = 0                # all unpacks, in any state
+        self.consumed = False           # every entry handed back at least once
+        self.counters: Any = None       # the StepCounters of the group's step
+        self.on_free: Any = None        # called once when the group is garbage (returns the region)
+
+    # -- building --------------------------------------------------------------------------------
+    def add(self, t: torch.Tensor) -> int:
+        """Record ``t`` and return its entry index. Views of one storage share one slot."""
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        itemsize = t.element_size()
+        lo = t.storage_offset() * itemsize
+        hi = lo + storage_extent_bytes(t)
+        slot = self._slot_of_ptr.get(ptr)
+        if slot is None:
+            slot = len(self.slot_storages)
+            self._slot_of_ptr[ptr] = slot
+            self.slot_storages.append(storage)
+            self.slot_lo.append(lo & _ALIGN_MASK)
+            self.slot_hi.append(hi)
+        else:
+            if lo & _ALIGN_MASK < self.slot_lo[slot]:
+                self.slot_lo[slot] = lo & _ALIGN_MASK
+            if hi > self.slot_hi[slot]:
+                self.slot_hi[slot] = hi
+        self.entries.append((slot, lo, t.dtype, t.shape, t.stride()))
+        self.originals.append(t)  # type: ignore[union-attr]
+        return len(self.entries) - 1
+
+    def slot_sizes(self) -> list[int]:
+        """Byte size of each storage slot's span."""
+        return [hi - lo for lo, hi in zip(self.slot_lo, self.slot_hi)]
+
+    def close(self, offsets: list[int], total: int) -> None:
+        """Freeze the group with the layout ``(offsets, total)`` planned for ``slot_sizes()``."""
+        self._move({GroupState.OPEN}, GroupState.RESIDENT)
+        self.slot_offsets = offsets
+        self.nbytes = total
+        self.entry_element_offsets = [
+            (offsets[slot] + byte_offset - self.slot_lo[slot]) // dtype.itemsize
+            for slot, byte_offset, dtype, _, _ in self.entries
+        ]
+        self._slot_of_ptr.clear()
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes each direction's copy moves (slot spans, without alignment padding)."""
+        return sum(hi - lo for lo, hi in zip(self.slot_lo, self.slot_hi))
+
+    # -- state transitions -----------------------------------------------------------------------
+    def _move(self, allowed: frozenset[GroupState] | set[GroupState], new: GroupState) -> None:
+        if self.state not in allowed:
+            names = ", ".join(sorted(s.value for s in allowed))
+            raise RuntimeError(
+                f"offload: layer {self.layer} group cannot go from {self.state.value} to {new.value} "
+                f"(expected one of: {names}); this is a bug in the offload schedule, please report it"
+            )
+        self.state = new
+
+    def mark_kept(self) -> None:
+        """No host region could be had: the group stays on the GPU, nothing is lost."""
+        self._move({GroupState.RESIDENT}, GroupState.KEPT)
+
+    def mark_offloading(self, host: Any, d2h_done: Any) -> None:
+        """The D2H copy of the group into ``host`` was submitted; ``d2h_done`` marks its end."""
+        self._move({GroupState.RESIDENT}, GroupState.OFFLOADING)
+        self.host = host
+        self.d2h_done = d2h_done
+
+    def mark_released(self) -> None:
+        """Drop the GPU originals (the caller has ordered their reuse after the D2H)."""
+        self._move({GroupState.OFFLOADING}, GroupState.OFFLOADED)
+        self.originals = None
+        self.slot_storages = []
+
+    def mark_reloaded(self, gpu: torch.Tensor, h2d_done: Any) -> None:
+        """``gpu`` holds the group's bytes once ``h2d_done`` has completed."""
+        self._move({GroupState.OFFLOADED}, GroupState.RELOADED)
+        self.gpu = gpu
+        self.h2d_done = h2d_done
+        self.h2d_waited = False
+        self.typed = {}
+        self.unpacks_since_reload = 0
+
+    def mark_dropped(self) -> None:
+        """Forget the reload buffer (its views may live on; the allocator frees it after them)."""
+        self._move({GroupState.RELOADED}, GroupState.OFFLOADED)
+        self.gpu = None
+        self.typed = {}
+
+    # -- restore ---------------------------------------------------------------------------------
+    def original(self, index: int) -> torch.Tensor:
+        """The tensor as it was saved (only while the group still holds the originals)."""
+        return self.originals[index]  # type: ignore[index]
+
+    def restore(self, index: int) -> torch.Tensor:
+        """Entry ``index`` as a typed view of the reload buffer, with its dtype, shape and stride."""
+        _, _, dtype, shape, stride = self.entries[index]
+        typed = self.typed.get(dtype)
+        if typed is None:
+            typed = self.gpu.view(dtype)  # type: ignore[union-attr]
+            self.typed[dtype] = typed
+        return typed.as_strided(shape, stride, self.entry_element_offsets[index])
+
+    def __del__(self) -> None:
+        # Returning the host region must happen exactly once, when the last saved-tensor handle
+        # (autograd's reference) and the engine's step list have let go of the group.
+        on_free = self.on_free
+        if on_free is not None:
+            self.on_free = None
+            on_free(self)

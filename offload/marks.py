@@ -1,0 +1,89 @@
+"""Tags that users (and our FP8 layers) put on tensors to steer offloading.
+
+A mark is a plain attribute on the tensor's Python object. PyTorch keeps one Python object per
+TensorImpl, so the object the pack hook receives for a saved tensor is the object that was marked
+and the attribute survives ``ctx.save_for_backward``. Reading an attribute costs ~70 ns, which is
+what lets the pack hook's keep-path stay cheap.
+
+Quantized storages (anything with ``prepare_for_saving`` / ``restore_from_saved``) are marked by
+marking each component tensor, so the pack hook, which only ever sees component tensors, honors
+the mark without knowing about storages.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import torch
+
+KEEP_ATTR = "_offload_keep_on_gpu"
+OFFLOAD_ATTR = "_offload_activation"
+# TransformerEngine tags its do-not-offload tensors with this attribute; honoring it lets tensors
+# marked by TE code stay put under our engine too.
+TE_KEEP_ATTR = "_TE_do_not_offload"
+
+
+def storage_components(obj: Any) -> list[torch.Tensor]:
+    """Return the component tensors of a quantized storage without disturbing it.
+
+    ``prepare_for_saving`` detaches the components from the storage (TransformerEngine's contract),
+    so the storage is restored right away with the same list.
+    """
+    tensors, restorable = obj.prepare_for_saving()
+    restorable.restore_from_saved(list(tensors))
+    return [t for t in tensors if t is not None]
+
+
+def _leaves(objs: tuple[Any, ...]) -> Iterator[Any]:
+    for obj in objs:
+        if obj is None:
+            continue
+        if isinstance(obj, (list, tuple)):
+            yield from _leaves(tuple(obj))
+        elif isinstance(obj, torch.Tensor) and not hasattr(obj, "prepare_for_saving"):
+            yield obj
+        elif hasattr(obj, "prepare_for_saving"):
+            yield obj
+            yield from storage_components(obj)
+        else:
+            raise TypeError(
+                f"cannot mark an object of type {type(obj).__name__}: pass tensors or quantized "
+                "storages (objects with prepare_for_saving/restore_from_saved)"
+            )
+
+
+def mark_not_offload(*tensors: Any) -> None:
+    """Keep these tensors (or every component of these quantized storages) on the GPU.
+
+    Honored by the one selection policy, so it holds in every schedule (v1 and v2) and wins over
+    :func:`mark_activation_offload` when a tensor carries both marks.
+    """
+    for obj in _leaves(tensors):
+        setattr(obj, KEEP_ATTR, True)
+
+
+def mark_activation_offload(*tensors: Any) -> None:
+    """Opt these tensors (or storage components) in for offloading.
+
+    The v1 schedule offloads only tensors carrying this mark (unless ``selection="auto"``); in
+    every schedule a marked tensor is offloaded whatever its size, so that small FP8 scale tensors
+    travel in their group's region next to their data.
+    """
+    for obj in _leaves(tensors):
+        setattr(obj, OFFLOAD_ATTR, True)
+
+
+def is_marked_keep(t: torch.Tensor) -> bool:
+    """True when ``t`` or the tensor it is a view of carries a do-not-offload mark."""
+    if getattr(t, KEEP_ATTR, False) or getattr(t, TE_KEEP_ATTR, False):
+        return True
+    base = t._base
+    return base is not None and (getattr(base, KEEP_ATTR, False) or getattr(base, TE_KEEP_ATTR, False))
+
+
+def is_marked_offload(t: torch.Tensor) -> bool:
+    """True when ``t`` or the tensor it is a view of was opted in for offloading."""
+    if getattr(t, OFFLOAD_ATTR, False):
+        return True
+    base = t._base
+    return base is not None and getattr(base, OFFLOAD_ATTR, False)

@@ -1,0 +1,136 @@
+"""The v1 schedule (``NVTE_CPU_OFFLOAD_V1=1``): group windows, one group in flight.
+
+Layers ``0..k-1`` are the ``k`` offload groups. Their deadlines ("window layers") are spread
+evenly over the ``N = model_layers`` layers: group ``i`` must be offloaded by the end of layer
+``window[i] = (i + 1) * N // k - 1``. Only one D2H is in flight at a time: group ``i + 1`` starts
+when group ``i`` has been released at its window. In backward, group ``i`` is reloaded when
+backward reaches its window layer, which is at or after layer ``i``, so the copy has the layers in
+between to hide behind.
+
+With ``double_buffering=True`` reloads go into two persistent GPU buffers used in turn (group
+``i`` into buffer ``i % 2``). That needs groups of equal size; a reload whose buffer still serves
+an unconsumed group waits until that group is consumed.
+
+v1 shares the engine, groups, transport, arena and selection policy with v2; only the timing
+differs. Its default selection is opt-in (``mark_activation_offload``), set by the API.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .group import Group, GroupState
+from .schedule_v2 import Schedule
+
+if TYPE_CHECKING:
+    from .engine import OffloadEngine
+
+
+def window_layers(num_groups: int, model_layers: int) -> list[int]:
+    """The layer by whose end each offload group must be offloaded (evenly spread)."""
+    return [(i + 1) * model_layers // num_groups - 1 for i in range(num_groups)]
+
+
+class ScheduleV1(Schedule):
+    """Legacy group-window schedule with an optional double-buffered reload."""
+
+    name = "v1"
+
+    def __init__(self, num_layers: int, model_layers: int, double_buffering: bool = False) -> None:
+        super().__init__(num_layers, model_layers)
+        self.windows = window_layers(num_layers, model_layers) if num_layers > 0 else []
+        self.double_buffering = double_buffering
+        self._queue: deque[Group] = deque()
+        self._in_flight: Optional[Group] = None
+        # Double buffering: the two persistent buffers, the group each serves, and a deferred
+        # reload per buffer.
+        self._buffers: list[Optional[torch.Tensor]] = [None, None]
+        self._occupant: list[Optional[Group]] = [None, None]
+        self._deferred: list[Optional[Group]] = [None, None]
+
+    def on_step_start(self, engine: "OffloadEngine") -> None:
+        self._queue.clear()
+        self._in_flight = None
+        self._occupant = [None, None]
+        self._deferred = [None, None]
+
+    # -- forward ---------------------------------------------------------------------------------
+    def _pump(self, engine: "OffloadEngine") -> None:
+        while self._in_flight is None and self._queue:
+            group = self._queue.popleft()
+            engine.start_offload(group)
+            if group.state is GroupState.OFFLOADING:
+                self._in_flight = group
+
+    def _release_due(self, engine: "OffloadEngine", layer: int) -> None:
+        while self._in_flight is not None and self.windows[self._in_flight.layer] <= layer:
+            engine.release(self._in_flight)
+            self._in_flight = None
+            self._pump(engine)
+
+    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+        if group is not None:
+            self._queue.append(group)
+        self._pump(engine)
+        self._release_due(engine, layer)
+
+    def on_forward_end(self, engine: "OffloadEngine") -> None:
+        self._release_due(engine, self.model_layers)
+        while self._queue or self._in_flight is not None:
+            self._pump(engine)
+            self._release_due(engine, self.model_layers)
+        if self.double_buffering:
+            sizes = {g.layer: g.nbytes for g in engine.step.groups.values() if g.state is GroupState.OFFLOADED}
+            if len(set(sizes.values())) > 1:
+                detail = ", ".join(f"layer {layer}: {n} bytes" for layer, n in sorted(sizes.items()))
+                raise ValueError(
+                    "offload: double_buffering=True reloads every group into one of two buffers of "
+                    f"the same size, but the offloaded groups differ in size ({detail}). Make the "
+                    "offloaded layers save the same tensors, or pass double_buffering=False."
+                )
+
+    # -- backward --------------------------------------------------------------------------------
+    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
+        for index, window in enumerate(self.windows):
+            if window == layer:
+                group = engine.step.groups.get(index)
+                if group is not None and group.state is GroupState.OFFLOADED:
+                    self._reload(engine, group, defer=True)
+
+    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
+        self._reload(engine, group, defer=False)
+
+    def _reload(self, engine: "OffloadEngine", group: Group, *, defer: bool) -> None:
+        if not self.double_buffering:
+            engine.start_reload(group)
+            return
+        slot = group.layer % 2
+        occupant = self._occupant[slot]
+        if occupant is not None and occupant is not group:
+            if defer:
+                self._deferred[slot] = group
+                return
+            # Needed now while its buffer still serves another group: use a fresh buffer rather
+            # than overwrite data that is still to be read.
+            engine.start_reload(group)
+            return
+        buffer = self._buffers[slot]
+        if buffer is None or buffer.numel() < group.nbytes:
+            buffer = torch.empty(group.nbytes, dtype=torch.uint8, device=engine.transport.device)
+            self._buffers[slot] = buffer
+        self._occupant[slot] = group
+        engine.start_reload(group, into=buffer)
+
+    def on_consumed(self, engine: "OffloadEngine", group: Group) -> None:
+        if not self.double_buffering:
+            return
+        slot = group.layer % 2
+        if self._occupant[slot] is group:
+            self._occupant[slot] = None
+            waiting = self._deferred[slot]
+            self._deferred[slot] = None
+            if waiting is not None and waiting.state is GroupState.OFFLOADED:
+                self._reload(engine, waiting, defer=False)

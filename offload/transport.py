@@ -1,0 +1,191 @@
+"""Moving a group's bytes: streams, events and the one copy path per direction.
+
+D2H: one batched submission per group, each storage slot copied into its offset of the group's
+host region (the native extension submits the whole batch in one call; the fallback loops over
+``copy_``). H2D: ONE copy of the whole region into one GPU buffer.
+
+Stream rules (why each wait is there):
+- D2H waits on the compute stream: the tensors were produced there.
+- D2H waits on the region's ``ready`` event: the region's previous H2D may still read it.
+- Release (``wait_offloaded``): the compute stream waits on the D2H end before the originals are
+  dropped. The caching allocator reuses freed blocks in stream order on the stream that allocated
+  them (the compute stream); after this wait no later kernel there can overwrite memory the D2H
+  stream is still reading. This replaces ``record_stream``, which would delay the reuse until the
+  allocator next polls events and hold memory unpredictably long.
+- H2D waits on the compute stream: the reload buffer is allocated on the compute stream, and the
+  block the allocator hands out may still be in use by compute kernels queued before.
+- Unpack (``wait_reloaded``): the compute stream waits on the H2D end before it reads a view.
+The current stream is looked up at each use, never cached.
+
+``HostTransport`` does the same copies synchronously on host memory, so everything above the
+transport runs (and is tested) on CPU-only torch with real copies.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import time
+
+import torch
+
+from . import native
+from .arena import Region
+from .group import Group
+from .stats import StepCounters
+
+
+def _byte_view(storage: Any, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    """A uint8 tensor over ``nbytes`` of ``storage`` from byte ``offset`` (fallback path only)."""
+    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
+
+
+class WallMark:
+    """A host-clock stand-in for a CUDA timing event (the host transport copies synchronously)."""
+
+    __slots__ = ("t",)
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the copy it marks is already done."""
+
+    def elapsed_time(self, end: "WallMark") -> float:
+        """Milliseconds from this mark to ``end``, like ``torch.cuda.Event.elapsed_time``."""
+        return (end.t - self.t) * 1e3
+
+
+class HostTransport:
+    """Synchronous host-memory copies (``device="cpu"``)."""
+
+    name = "cpu"
+    pinned = False
+
+    def __init__(self, *, use_native: bool) -> None:
+        self.device = torch.device("cpu")
+        self.device_index = -1
+        self.use_native = use_native
+
+    def _copy_slots(self, group: Group, region: Region) -> None:
+        sizes = group.slot_sizes()
+        if self.use_native:
+            base = region.block.data_ptr()
+            native.copy_batch(
+                [base + off for off in group.slot_offsets],
+                [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
+                sizes,
+                None,
+            )
+            return
+        for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, sizes):
+            region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, self.device))
+
+    def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
+        """Copy the group's slots into ``region``; returns the copy's end event (None here)."""
+        start = WallMark()
+        self._copy_slots(group, region)
+        counters.copies.append(("d2h", start, WallMark()))
+        return None
+
+    def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
+        """Order reuse of the originals' memory after the D2H (synchronous here: nothing)."""
+
+    def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Any]:
+        """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
+        buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
+        start = WallMark()
+        src = group.host.block
+        if self.use_native:
+            native.copy_batch([buffer.data_ptr()], [src.data_ptr()], [group.nbytes], None)
+        else:
+            buffer[: group.nbytes].copy_(src[: group.nbytes])
+        counters.copies.append(("h2d", start, WallMark()))
+        return buffer, None
+
+    def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
+        """Order reads of the reload buffer after the H2D (synchronous here: nothing)."""
+
+    def last_host_use(self, group: Group) -> Any:
+        """The event after which the group's host region may be overwritten."""
+        return None
+
+
+class CudaTransport:
+    """Side-stream copies between a CUDA device and pinned host memory."""
+
+    name = "cuda"
+    pinned = True
+
+    def __init__(self, device: torch.device, *, use_native: bool, d2h_stream: Optional[torch.cuda.Stream] = None) -> None:
+        self.device = device
+        self.device_index = device.index if device.index is not None else torch.cuda.current_device()
+        self.use_native = use_native
+        # PCIe is full duplex: separate streams let reloads of one step overlap offloads.
+        self.d2h_stream = d2h_stream if d2h_stream is not None else torch.cuda.Stream(device)
+        self.h2d_stream = torch.cuda.Stream(device)
+
+    def _timed(self, stream: torch.cuda.Stream) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def _stall(self, event: Any, counters: StepCounters) -> None:
+        # Events around the wait on the compute stream measure how long it stalled.
+        current = torch.cuda.current_stream(self.device)
+        before = self._timed(current)
+        current.wait_event(event)
+        counters.waits.append((before, self._timed(current)))
+
+    def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
+        """Submit the group's D2H into ``region`` on the D2H stream; returns its end event."""
+        stream = self.d2h_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        if region.ready is not None:
+            stream.wait_event(region.ready)
+        start = self._timed(stream)
+        sizes = group.slot_sizes()
+        if self.use_native:
+            base = region.block.data_ptr()
+            native.copy_batch(
+                [base + off for off in group.slot_offsets],
+                [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
+                sizes,
+                stream.cuda_stream,
+            )
+        else:
+            with torch.cuda.stream(stream):
+                for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, sizes):
+                    region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, self.device), non_blocking=True)
+        end = self._timed(stream)
+        counters.copies.append(("d2h", start, end))
+        return end
+
+    def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
+        """Make the compute stream wait for the group's D2H before its originals are dropped."""
+        self._stall(group.d2h_done, counters)
+
+    def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Any]:
+        """Submit ONE H2D of the group's region into a buffer from the compute stream's pool."""
+        buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
+        stream = self.h2d_stream
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_event(group.d2h_done)
+        start = self._timed(stream)
+        src = group.host.block
+        if self.use_native:
+            native.copy_batch([buffer.data_ptr()], [src.data_ptr()], [group.nbytes], stream.cuda_stream)
+        else:
+            with torch.cuda.stream(stream):
+                buffer[: group.nbytes].copy_(src[: group.nbytes], non_blocking=True)
+        end = self._timed(stream)
+        counters.copies.append(("h2d", start, end))
+        return buffer, end
+
+    def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
+        """Make the compute stream wait for the group's H2D before it reads the buffer."""
+        self._stall(group.h2d_done, counters)
+
+    def last_host_use(self, group: Group) -> Any:
+        """The event after which the group's host region may be overwritten."""
+        return group.h2d_done if group.h2d_done is not None else group.d2h_done

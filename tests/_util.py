@@ -1,0 +1,46 @@
+"""Helpers shared by the engine tests: models, one training step, bitwise gradient checks."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+import offload
+from offload.models import GPTBlock, LinearGELU, run_layers
+
+
+def make_gpt_layers(n: int = 4, hidden: int = 64, heads: int = 4, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.ModuleList:
+    """A stack of small GPT blocks with fixed weights."""
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(GPTBlock(hidden, heads, device=device, dtype=dtype) for _ in range(n))
+
+
+def make_mlp_layers(n: int = 4, width: int = 64, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.ModuleList:
+    """A stack of Linear+GELU layers with fixed weights."""
+    torch.manual_seed(seed)
+    return torch.nn.ModuleList(LinearGELU(width, device=device, dtype=dtype) for _ in range(n))
+
+
+def train_step(layers: torch.nn.ModuleList, x: torch.Tensor, context: Any = None, sync: Optional[Callable] = None, *, retain_graph: bool = False) -> list[torch.Tensor]:
+    """Forward in TransformerEngine's call shape, backward, and the gradients (input grad last)."""
+    for p in layers.parameters():
+        p.grad = None
+    x = x.detach().requires_grad_(True)
+    out = run_layers(layers, x, context, sync)
+    loss = (out.float() ** 2).mean()
+    loss.backward(retain_graph=retain_graph)
+    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+
+
+def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
+    """Every gradient equal bit for bit."""
+    assert len(expected) == len(got)
+    for i, (a, b) in enumerate(zip(expected, got)):
+        assert torch.equal(a, b), f"gradient {i} differs (max abs diff {(a.float() - b.float()).abs().max().item()})"
+
+
+def cpu_context(num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, ...]:
+    """A host-transport context that offloads every eligible tensor, however small."""
+    kw.setdefault("min_offload_bytes", 0)
+    return offload.get_cpu_offload_context(True, num_layers=num_layers, model_layers=model_layers, device="cpu", **kw)

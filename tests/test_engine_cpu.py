@@ -1,0 +1,300 @@
+"""The engine above the transport, on CPU (``device="cpu"``): gradients, schedule, faults, stats."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+
+import offload
+from offload.group import GroupState
+from offload.models import GPT
+
+from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, train_step
+
+
+def hooks_installed() -> bool:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
+@pytest.fixture
+def gpt() -> tuple[torch.nn.ModuleList, torch.Tensor]:
+    layers = make_gpt_layers(n=4)
+    x = torch.randn(2, 16, 64)
+    return layers, x
+
+
+# -- exactness ------------------------------------------------------------------------------------
+def test_plain_run_repeats_itself(gpt) -> None:
+    layers, x = gpt
+    assert_bitwise(train_step(layers, x), train_step(layers, x))
+
+
+@pytest.mark.parametrize("num_layers", [1, 2, 3])
+def test_gpt_gradients_bitwise_v2(gpt, num_layers: int) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(num_layers, 4)
+    for _ in range(3):  # later steps reuse the arena
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    stats = ctx.stats
+    assert stats["offloaded_tensors"] > 0
+    assert stats["groups_offloaded"] == num_layers
+    assert stats["bytes_d2h"] == stats["bytes_h2d"] > 0 or stats["bytes_h2d"] >= stats["bytes_d2h"]
+
+
+def test_mlp_gradients_bitwise() -> None:
+    layers = make_mlp_layers(n=5)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(4, 5)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["offloaded_tensors"] >= 4
+
+
+def test_full_gpt_with_offload_activations() -> None:
+    torch.manual_seed(0)
+    model = GPT(vocab=50, hidden=32, heads=2, layers=3, max_seq=16)
+    idx = torch.randint(0, 50, (2, 16))
+
+    def step(wrapper) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if wrapper is None:
+            loss = model(idx).float().logsumexp(-1).mean()
+        else:
+            with wrapper:
+                loss = model(idx).float().logsumexp(-1).mean()
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = step(None)
+    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(expected, step(oa))
+    assert oa.stats["groups_offloaded"] == 2  # all but the last layer
+    assert not model.layers[0]._forward_pre_hooks and not model.layers[0]._forward_hooks
+
+
+def test_native_and_python_copy_paths_agree(gpt, monkeypatch) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    results = {}
+    for setting in ("0", "1"):
+        monkeypatch.setenv("OFFLOAD_NATIVE", setting)
+        offload.native.reload_native_setting()
+        ctx, sync = cpu_context(3, 4)
+        results[setting] = (train_step(layers, x, ctx, sync), ctx.stats["native"])
+    monkeypatch.delenv("OFFLOAD_NATIVE")
+    offload.native.reload_native_setting()
+    assert results["0"][1] is False
+    assert_bitwise(expected, results["0"][0])
+    assert_bitwise(results["0"][0], results["1"][0])
+
+
+def test_retain_graph_twice_gives_same_gradients(gpt) -> None:
+    layers, x = gpt
+    ctx, sync = cpu_context(3, 4)
+    for p in layers.parameters():
+        p.grad = None
+    xin = x.clone().requires_grad_(True)
+    out = offload.models.run_layers(layers, xin, ctx, sync)
+    loss = (out ** 2).mean()
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in layers.parameters()]
+    for p in layers.parameters():
+        p.grad = None
+    loss.backward()
+    second = [p.grad.clone() for p in layers.parameters()]
+    assert_bitwise(first, second)
+    assert_bitwise(train_step(layers, x)[:-1], first)
+
+
+# -- memory is really released ----------------------------------------------------------------------
+class SaveBig(torch.autograd.Function):
+    """Saves a fresh intermediate for backward; the test holds only a weak reference to it."""
+
+    refs: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        inter = x * 3.0
+        SaveBig.refs.append(weakref.ref(inter))
+        ctx.save_for_backward(inter)
+        return x + 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        (inter,) = ctx.saved_tensors
+        return g * inter
+
+
+class SaveBigLayer(torch.nn.Module):
+    def forward(self, x):
+        return SaveBig.apply(x)
+
+
+def test_originals_are_released_and_restored() -> None:
+    SaveBig.refs = []
+    layers = torch.nn.ModuleList(SaveBigLayer() for _ in range(3))
+    ctx, sync = cpu_context(2, 3)
+    x = torch.randn(1024, requires_grad=True)
+    out = offload.models.run_layers(layers, x, ctx, sync)
+    gc.collect()
+    alive = [r() is not None for r in SaveBig.refs]
+    assert alive == [False, False, True]  # offloaded layers freed their originals; the last did not
+    out.sum().backward()
+    x_plain = x.detach().clone().requires_grad_(True)
+    offload.models.run_layers(layers, x_plain).sum().backward()
+    assert torch.equal(x.grad, x_plain.grad)
+
+
+# -- faults -----------------------------------------------------------------------------------------
+class Boom(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def forward(self, x):
+        y = x * 2.0
+        if self.armed:
+            raise RuntimeError("boom")
+        return y
+
+
+def test_exception_inside_context_leaves_nothing_behind(gpt) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(3, 4)
+    boom = Boom()
+    with pytest.raises(RuntimeError, match="boom"):
+        with ctx:
+            boom(x.requires_grad_(True))
+    assert not hooks_installed()
+    assert ctx.engine.step is None and ctx.engine.open_group is None and not ctx.engine.in_layer
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+
+
+def test_exception_inside_offload_activations_removes_hooks(gpt) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    boom = Boom()
+    stack = torch.nn.ModuleList([layers[0], boom, layers[2], layers[3]])
+    oa = offload.OffloadActivations(stack, device="cpu", min_offload_bytes=0)
+    with pytest.raises(RuntimeError, match="boom"):
+        with oa:
+            offload.models.run_layers(stack, x.requires_grad_(True))
+    assert not hooks_installed()
+    assert all(not m._forward_pre_hooks and not m._forward_hooks for m in stack)
+    oa2 = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
+    for p in layers.parameters():
+        p.grad = None
+    xin = x.detach().requires_grad_(True)
+    with oa2:
+        out = offload.models.run_layers(layers, xin)
+    (out.float() ** 2).mean().backward()
+    assert_bitwise(expected, [p.grad for p in layers.parameters()] + [xin.grad])
+
+
+def test_no_grad_forward_offloads_nothing(gpt) -> None:
+    layers, x = gpt
+    ctx, sync = cpu_context(3, 4)
+    with torch.no_grad():
+        offload.models.run_layers(layers, x, ctx, sync)
+    assert ctx.stats["offloaded_tensors"] == 0 and ctx.stats["bytes_d2h"] == 0
+    assert not hooks_installed()
+
+
+def test_exhausted_budget_keeps_tensors_and_loses_nothing(gpt) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(3, 4, host_budget_bytes=200_000)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    stats = ctx.stats
+    assert stats["kept"].get("budget", 0) > 0
+    assert stats["offloaded_tensors"] > 0
+    assert stats["pinned_bytes_held"] <= 200_000
+    ctx0, sync0 = cpu_context(3, 4, host_budget_bytes=0)
+    assert_bitwise(expected, train_step(layers, x, ctx0, sync0))
+    assert ctx0.stats["offloaded_tensors"] == 0 and ctx0.stats["kept"]["budget"] > 0
+
+
+# -- stats and arena reuse --------------------------------------------------------------------------
+def test_stats_and_arena_reuse(gpt) -> None:
+    layers, x = gpt
+    ctx, sync = cpu_context(3, 4)
+    train_step(layers, x, ctx, sync)
+    first = ctx.stats
+    assert first["finished"] and first["pinned_allocations"] == 3
+    for _ in range(3):
+        train_step(layers, x, ctx, sync)
+        s = ctx.stats
+        assert s["pinned_allocations"] == 0
+        assert s["pinned_bytes_held"] == first["pinned_bytes_held"]
+    assert s["mode"] == "v2" and s["transport"] == "cpu"
+    assert s["kept"].get("parameter", 0) > 0
+    assert s["offloaded_bytes"] == s["bytes_d2h"]
+    text = ctx.report()
+    for label in ("tensors offloaded", "bytes offloaded", "tensors kept", "D2H", "H2D", "compute waited", "host arena held"):
+        assert label in text
+
+
+def test_disabled_context_is_a_noop(gpt) -> None:
+    layers, x = gpt
+    ctx, sync = offload.get_cpu_offload_context(False)
+    assert sync(x) is x
+    assert_bitwise(train_step(layers, x), train_step(layers, x, ctx, sync))
+
+
+# -- argument validation ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_layers=4, model_layers=4), "at most model_layers - 1"),
+        (dict(num_layers=-1, model_layers=4), "num_layers must be an integer >= 0"),
+        (dict(num_layers=1, model_layers=0), "model_layers must be an integer >= 1"),
+        (dict(num_layers=1, model_layers=4, offload_activations=False), "nothing to offload"),
+        (dict(num_layers=1, model_layers=4, mode="v3"), "unknown mode 'v3'"),
+        (dict(num_layers=1, model_layers=4, device="xla"), "CUDA device or 'cpu'"),
+        (dict(num_layers=1, model_layers=4, selection="all"), "selection must be one of"),
+        (dict(num_layers=1, model_layers=4, min_offload_bytes=-5), "min_offload_bytes must be >= 0"),
+    ],
+)
+def test_bad_arguments_are_refused_clearly(kwargs, message) -> None:
+    kwargs.setdefault("device", "cpu")
+    with pytest.raises(ValueError, match=message):
+        offload.get_cpu_offload_context(True, **kwargs)
+
+
+def test_offload_weights_warns() -> None:
+    with pytest.warns(UserWarning, match="weights are not offloaded"):
+        offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, offload_weights=True, device="cpu")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
+def test_cuda_device_without_cuda_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="CUDA is not available"):
+        offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, device="cuda")
+    with pytest.raises(RuntimeError, match="device='cpu'"):
+        offload.get_cpu_offload_context(True, num_layers=1, model_layers=2)
+
+
+def test_sync_function_needs_a_grad_tensor() -> None:
+    ctx, sync = cpu_context(1, 2)
+    with pytest.raises(ValueError, match="does not require grad"):
+        sync(torch.randn(3))
+    with torch.no_grad():
+        t = torch.randn(3)
+        assert sync(t) is t
+
+
+def test_offload_activations_arguments() -> None:
+    with pytest.raises(ValueError, match="non-empty list"):
+        offload.OffloadActivations([], device="cpu")
+    layers = make_mlp_layers(3)
+    oa = offload.OffloadActivations(layers, device="cpu")
+    assert oa.engine.schedule.num_layers == 2
+    with pytest.raises(ValueError, match="at most model_layers - 1"):
+        offload.OffloadActivations(layers, num_offload_layers=3, device="cpu")

@@ -1,0 +1,244 @@
+"""The engine on a CUDA GPU: bitwise gradients, real memory drops, stream races, arena reuse, leaks.
+
+Bitwise comparisons use the efficient/math SDPA backends: on our H100 the FLASH backward is not
+repeatable run to run, the others are (each test first checks that the plain run repeats).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+
+import offload
+from offload.models import run_layers
+
+from _util import assert_bitwise, make_gpt_layers, train_step
+
+pytestmark = pytest.mark.cuda
+
+HIDDEN, HEADS = 256, 4
+
+
+@pytest.fixture(autouse=True)
+def repeatable_attention():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def gpt(n: int = 6, hidden: int = HIDDEN, heads: int = HEADS) -> torch.nn.ModuleList:
+    return make_gpt_layers(n, hidden, heads, device="cuda", dtype=torch.bfloat16)
+
+
+def tokens(hidden: int = HIDDEN, seq: int = 512, batch: int = 2, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(batch, seq, hidden, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def context(num_layers: int, model_layers: int, **kw):
+    return offload.get_cpu_offload_context(True, num_layers=num_layers, model_layers=model_layers, **kw)
+
+
+def test_plain_run_repeats_itself() -> None:
+    layers, x = gpt(), tokens()
+    assert_bitwise(train_step(layers, x), train_step(layers, x))
+
+
+@pytest.mark.parametrize("num_layers", [1, 3, 5])
+def test_gpt_bitwise_v2(num_layers: int) -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    ctx, sync = context(num_layers, 6)
+    for step in range(3):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    s = ctx.stats
+    assert s["groups_offloaded"] == num_layers and s["offloaded_bytes"] > 0
+    assert s["d2h_gbps"] and s["h2d_gbps"]
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_gpt_bitwise_both_modes_auto_selection(mode: str) -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    ctx, sync = context(4, 6, mode=mode, selection="auto")
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["mode"] == mode and ctx.stats["offloaded_tensors"] > 0
+
+
+def test_offload_activations_bitwise() -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    oa = offload.OffloadActivations(layers)
+    for p in layers.parameters():
+        p.grad = None
+    xin = x.clone().requires_grad_(True)
+    with oa:
+        out = run_layers(layers, xin)
+    (out.float() ** 2).mean().backward()
+    assert_bitwise(expected, [p.grad for p in layers.parameters()] + [xin.grad])
+    assert oa.stats["groups_offloaded"] == 5
+
+
+def test_native_and_fallback_agree_on_gpu(monkeypatch) -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    for setting in ("0", "1"):
+        monkeypatch.setenv("OFFLOAD_NATIVE", setting)
+        offload.native.reload_native_setting()
+        ctx, sync = context(5, 6)
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        assert ctx.stats["native"] is (setting == "1" and offload.native.native_available())
+    monkeypatch.delenv("OFFLOAD_NATIVE")
+    offload.native.reload_native_setting()
+
+
+def test_retain_graph_twice() -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    ctx, sync = context(5, 6)
+    xin = x.clone().requires_grad_(True)
+    out = run_layers(layers, xin, ctx, sync)
+    loss = (out.float() ** 2).mean()
+    for p in layers.parameters():
+        p.grad = None
+    loss.backward(retain_graph=True)
+    first = [p.grad.clone() for p in layers.parameters()]
+    for p in layers.parameters():
+        p.grad = None
+    loss.backward()
+    assert_bitwise(first, [p.grad for p in layers.parameters()])
+    assert_bitwise(expected[:-1], first)
+
+
+def forward_memory(layers, x, ctx=None, sync=None) -> tuple[int, object]:
+    xin = x.clone().requires_grad_(True)
+    out = run_layers(layers, xin, ctx, sync)
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated(), (out, xin)
+
+
+def test_memory_drops_by_the_bytes_offloaded() -> None:
+    layers, x = gpt(4, 1024, 8), tokens(1024, 1024)
+    plain_mem, graph = forward_memory(layers, x)
+    del graph
+    gc.collect()
+    ctx, sync = context(3, 4)
+    mem, graph = forward_memory(layers, x, ctx, sync)
+    offloaded = ctx.engine.step.counters.offloaded_bytes
+    assert offloaded > 100 * 2**20
+    drop = plain_mem - mem
+    print(f"plain {plain_mem / 2**20:.1f} MiB, offload {mem / 2**20:.1f} MiB, drop {drop / 2**20:.1f} MiB, offloaded {offloaded / 2**20:.1f} MiB")
+    assert drop >= 0.95 * offloaded
+    out, xin = graph
+    (out.float() ** 2).mean().backward()
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+def test_memory_at_release_points(mode: str) -> None:
+    """Each release frees (almost) all of the group's bytes at the point the schedule says."""
+    layers, x = gpt(6, 1024, 8), tokens(1024, 1024)
+    ctx, sync = context(4, 6, mode=mode, selection="auto")
+    engine = ctx.engine
+    drops = []
+    release = engine.release
+
+    def measured(group):
+        before = torch.cuda.memory_allocated()
+        release(group)
+        drops.append((group.layer, engine.current_layer, before - torch.cuda.memory_allocated(), group.copy_bytes))
+
+    engine.release = measured
+    train_step(layers, x, ctx, sync)
+    expected_points = {"v2": [(0, 2), (1, 3), (2, 4), (3, 5)], "v1": [(0, 0), (1, 2), (2, 3), (3, 5)]}[mode]
+    assert [(g, at) for g, at, _, _ in drops] == expected_points
+    for group, at, freed, nbytes in drops:
+        assert freed >= 0.95 * nbytes, (group, at, freed, nbytes)
+
+
+def sleepy(ctx, cycles: int):
+    """Delay the D2H and H2D streams before every copy they run."""
+    transport = ctx.engine.transport
+    offload_copy, reload_copy = transport.offload, transport.reload
+
+    def slow_offload(*args, **kwargs):
+        with torch.cuda.stream(transport.d2h_stream):
+            torch.cuda._sleep(cycles)
+        return offload_copy(*args, **kwargs)
+
+    def slow_reload(*args, **kwargs):
+        with torch.cuda.stream(transport.h2d_stream):
+            torch.cuda._sleep(cycles)
+        return reload_copy(*args, **kwargs)
+
+    transport.offload, transport.reload = slow_offload, slow_reload
+
+
+class Delayed(torch.nn.Module):
+    """Puts a sleep on the compute stream before the wrapped layer's kernels."""
+
+    def __init__(self, layer: torch.nn.Module, cycles: int) -> None:
+        super().__init__()
+        self.layer, self.cycles = layer, cycles
+
+    def forward(self, x):
+        torch.cuda._sleep(self.cycles)
+        return self.layer(x)
+
+
+@pytest.mark.parametrize("mode", ["v1", "v2"])
+@pytest.mark.parametrize("delay", ["copies", "compute", "both"])
+def test_race_with_delayed_streams(mode: str, delay: str) -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    cycles = 20_000_000  # ~10 ms at H100 clocks, longer than any copy here
+    stack = layers if delay == "copies" else torch.nn.ModuleList(Delayed(m, cycles) for m in layers)
+    ctx, sync = context(5, 6, mode=mode, selection="auto")
+    if delay != "compute":
+        sleepy(ctx, cycles)
+    for _ in range(2):
+        got = train_step(stack, x, ctx, sync)
+        assert_bitwise(expected, got)
+
+
+def test_no_pinned_allocation_after_first_step(monkeypatch) -> None:
+    layers, x = gpt(), tokens()
+    real_empty = torch.empty
+    pinned_calls = []
+
+    def counting_empty(*args, **kwargs):
+        if kwargs.get("pin_memory"):
+            pinned_calls.append(args)
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "empty", counting_empty)
+    ctx, sync = context(5, 6)
+    per_step = []
+    for _ in range(5):
+        before = len(pinned_calls)
+        train_step(layers, x, ctx, sync)
+        per_step.append(len(pinned_calls) - before)
+        assert ctx.stats["pinned_allocations"] == per_step[-1]
+    assert per_step[0] == 5 and per_step[1:] == [0, 0, 0, 0]
+
+
+def test_gpu_memory_returns_to_baseline() -> None:
+    layers, x = gpt(), tokens()
+    train_step(layers, x)
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    ctx, sync = context(5, 6)
+    seen = []
+    for _ in range(5):
+        train_step(layers, x, ctx, sync)
+        gc.collect()
+        torch.cuda.synchronize()
+        seen.append(torch.cuda.memory_allocated())
+    assert seen == [baseline] * 5, (baseline, seen)
