@@ -68,7 +68,8 @@ def micro_pack_unpack(env: common.Env, shape: str, nbytes: int, *, reps: int, wa
     One rep = one step: for each layer, enter its context, ``pack`` the layer's tensors, exit it
     (the group is closed and its D2H submitted; releases happen at the next layer's entry), then
     ``unpack`` every handle, last layer first (the first unpack of a group submits its reload and
-    makes the compute stream wait for it). Nothing synchronises the host inside a rep.
+    makes the compute stream wait for it). Nothing synchronises the host inside a rep; the GPU is
+    drained between reps, outside the timed spans.
     """
     model_layers, k, per_layer = MICRO_SHAPES[shape]
     ctx, _ = common.offload_context(env, k, model_layers)
@@ -99,6 +100,9 @@ def micro_pack_unpack(env: common.Env, shape: str, nbytes: int, *, reps: int, wa
         if bad:
             raise RuntimeError(f"engine.unpack returned non-tensors for entries {bad[:5]}")
         del outs, handles
+        # Let the GPU drain between reps (untimed): otherwise the host runs ahead, the stream's
+        # queue fills and submissions start to block, which would inflate the host figures.
+        env.sync()
         if rep >= warmup:
             pack_t.append(t_pack)
             bound_t.append(t_bound)

@@ -296,6 +296,7 @@ class OffloadEngine:
             return
         self.transport.wait_offloaded(group, group.counters)
         group.mark_released()
+        group.counters.released_bytes += group.copy_bytes
 
     def start_reload(self, group: Group, into: Optional[torch.Tensor] = None) -> None:
         """Start the one H2D copy of an offloaded group (into a fresh or the given buffer)."""

@@ -177,6 +177,13 @@ class Group:
         self.gpu = None
         self.typed = {}
 
+    @property
+    def holds_gpu_memory(self) -> bool:
+        """Whether the group's data occupies GPU memory that backward has not finished with."""
+        if self.state is GroupState.RELOADED:
+            return True
+        return self.state in HOLDS_ORIGINALS and not self.consumed
+
     # -- restore ---------------------------------------------------------------------------------
     def original(self, index: int) -> torch.Tensor:
         """The tensor as it was saved (only while the group still holds the originals)."""

@@ -5,16 +5,18 @@ the work (``start_offload``, ``release``, ``start_reload``). Schedules see the e
 step through ``engine.step`` and keep no tensors of their own.
 
 v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``).
+- The budget: at most ``B = max(N - k, 2)`` layers hold activations on the GPU at once. ``N - k``
+  is what the caller asked for; the floor of 2 is one layer computing while the previous one's
+  copy finishes. A budget of 1 (``k = N - 1``) would serialise every layer's compute with its
+  copy, and backward's prefetch holds two layers anyway.
 - D2H of a layer starts as soon as the layer ends (its tensors are ready).
-- Release is as late as possible while keeping at most ``N - k`` layers' activations resident:
-  at the start of layer ``L`` the layers resident are the non-offloaded layers started so far
-  (``max(0, L - k + 1)``, counting ``L``), plus the offloaded ones not yet released (plus ``L``
-  itself when it is offloaded). Releasing the oldest first until that total is ``N - k`` gives a
-  peak equal to ``N - k`` resident layers while giving every D2H the most time to finish, since a
-  release makes the compute stream wait for that D2H.
+- Release is as late as the budget allows, oldest first: a release makes the compute stream wait
+  for that D2H, so the later it comes the less it stalls. At the end of forward every offloaded
+  group is released, so all ``k`` layers really leave the GPU.
 - Reload: when backward reaches layer ``L`` (the gradient of its output is computed: the marker
   that ``sync_function`` or ``OffloadActivations`` attaches) the group of ``L`` must be there, and
-  the group of ``L - 1`` is prefetched so that its copy overlaps ``L``'s backward.
+  lower groups are prefetched, nearest first, while the budget allows, counting the
+  non-offloaded layers still to run and the groups already back.
 """
 
 from __future__ import annotations
@@ -64,16 +66,22 @@ class Schedule:
 
 
 class ScheduleV2(Schedule):
-    """Offload layers ``0..k-1``, release lazily, prefetch one layer ahead in backward."""
+    """Offload layers ``0..k-1``; release late and prefetch early within a layer budget."""
 
     name = "v2"
 
+    def __init__(self, num_layers: int, model_layers: int) -> None:
+        super().__init__(num_layers, model_layers)
+        self.budget = max(model_layers - num_layers, 2)
+
+    def _non_offloaded_through(self, layer: int) -> int:
+        # Layers k..layer are not offloaded; their activations are on the GPU until backward.
+        return max(0, layer - self.num_layers + 1)
+
     def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
-        k, n = self.num_layers, self.model_layers
-        allowed = (n - k) - max(0, layer - k + 1)
         pending = [g for g in engine.step.groups.values() if g.state is GroupState.OFFLOADING]
-        excess = len(pending) + (1 if layer < k else 0) - allowed
-        for group in pending[: max(0, excess)]:
+        resident = len(pending) + self._non_offloaded_through(layer) + (1 if self.offloads(layer) else 0)
+        for group in pending[: max(0, resident - self.budget)]:
             engine.release(group)
 
     def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
@@ -86,17 +94,27 @@ class ScheduleV2(Schedule):
                 engine.release(group)
 
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        for target in (layer, layer - 1):
-            group = engine.step.groups.get(target)
-            if group is not None and group.state is GroupState.OFFLOADED:
-                engine.start_reload(group)
+        groups = engine.step.groups
+        needed = groups.get(layer)
+        if needed is not None and needed.state is GroupState.OFFLOADED:
+            engine.start_reload(needed)
+        # Groups of layers above ``layer`` are done; count what still holds GPU memory.
+        resident = self._non_offloaded_through(layer) + sum(
+            1 for g in groups.values() if g.layer <= min(layer, self.num_layers - 1) and g.holds_gpu_memory
+        )
+        for target in range(min(layer, self.num_layers) - 1, -1, -1):
+            group = groups.get(target)
+            if group is None or group.state is not GroupState.OFFLOADED:
+                continue
+            if resident >= self.budget:
+                break
+            engine.start_reload(group)
+            resident += 1
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
         engine.start_reload(group)
         if engine.step is not None and engine.step.index == group.step:
-            previous = engine.step.groups.get(group.layer - 1)
-            if previous is not None and previous.state is GroupState.OFFLOADED:
-                engine.start_reload(previous)
+            self.on_backward_reach(engine, group.layer)
 
 
 class ManualSchedule(Schedule):

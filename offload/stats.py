@@ -20,6 +20,7 @@ class StepCounters:
     kept: dict[str, int] = field(default_factory=dict)
     offloaded_tensors: int = 0
     offloaded_bytes: int = 0        # bytes of the storage spans copied out (after dedup)
+    released_bytes: int = 0         # of those, bytes whose GPU originals were then dropped
     groups_offloaded: int = 0
     groups_kept: int = 0            # groups left on the GPU because no host region could be had
     bytes_d2h: int = 0
@@ -59,6 +60,7 @@ def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport
         "native": native,
         "offloaded_tensors": c.offloaded_tensors,
         "offloaded_bytes": c.offloaded_bytes,
+        "released_bytes": c.released_bytes,
         "kept": dict(c.kept),
         "kept_tensors": sum(c.kept.values()),
         "groups_offloaded": c.groups_offloaded,
@@ -96,7 +98,7 @@ def format_report(s: dict[str, Any]) -> str:
         ("step", f"{s['step']} ({'finished' if s['finished'] else 'in progress'})"),
         ("mode / transport", f"{s['mode']} / {s['transport']} ({'native' if s['native'] else 'python'} copies)"),
         ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} groups"),
-        ("bytes offloaded", _fmt_bytes(s["offloaded_bytes"])),
+        ("bytes offloaded", f"{_fmt_bytes(s['offloaded_bytes'])} ({_fmt_bytes(s['released_bytes'])} released from the GPU)"),
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         ("groups kept on GPU", str(s["groups_kept"])),
         ("D2H", f"{_fmt_bytes(s['bytes_d2h'])} in {s['d2h_ms']:.2f} ms, {rate(s['d2h_gbps'])}"),

@@ -81,6 +81,8 @@ def test_storage_components_round_trip_as_typed_aligned_views(device: str, kind:
     run_layers(layers, x, ctx, sync).sum().backward()
     groups = ctx.engine.step.groups
     for layer in (0, 1):
+        # Really offloaded: the originals were dropped and the data came back from the host copy.
+        assert groups[layer].state.value == "offloaded" and groups[layer].originals is None
         # Bulk-allocated components live in one uint8 buffer: it is one slot, copied once.
         assert len(groups[layer].slot_sizes()) == (1 if bulk else len(groups[layer].entries))
     assert len(SaveStorage.records) == 3
@@ -95,7 +97,6 @@ def test_storage_components_round_trip_as_typed_aligned_views(device: str, kind:
             # 16-byte aligned for _scaled_mm, and the same offset modulo 256 within its storage.
             assert r.data_ptr() % 16 == 0
             assert (r.data_ptr() - r.untyped_storage().data_ptr()) % 256 == offset % 256
-            assert r.data_ptr() != ptr  # really came back from the host copy
             buffers.add(r.untyped_storage().data_ptr())
         assert len(buffers) == 1  # every component, scales included, is a view of the group's one buffer
         assert torch.equal(value, reference)
@@ -176,7 +177,7 @@ class SaveSubclass(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         (toy,) = ctx.saved_tensors
-        SaveSubclass.seen.append((type(toy), toy._data.dtype, toy._scale.dtype, torch.equal(toy._data, ctx.expect[0]), toy._data.data_ptr() != ctx.expect[1]))
+        SaveSubclass.seen.append((type(toy), toy._data.dtype, toy._scale.dtype, torch.equal(toy._data, ctx.expect[0])))
         return g
 
 
@@ -192,8 +193,8 @@ def test_quantized_tensor_subclass_is_split_and_rebuilt(device: str) -> None:
     ctx, sync = context(device, 1, 2, min_offload_bytes=0)
     x = torch.rand(256, 256, device=device, requires_grad=True)
     run_layers(layers, x, ctx, sync).sum().backward()
-    assert SaveSubclass.seen[-1] == (ToyQuantized, torch.uint8, torch.float32, True, True)
-    assert ctx.stats["offloaded_tensors"] == 2
+    assert SaveSubclass.seen[-1] == (ToyQuantized, torch.uint8, torch.float32, True)
+    assert ctx.stats["offloaded_tensors"] == 2 and ctx.stats["released_bytes"] > 0
 
 
 @pytest.mark.cuda

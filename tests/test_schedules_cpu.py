@@ -39,6 +39,13 @@ def record(ctx: Any) -> list[tuple]:
         return misses(eng, group)
 
     engine.schedule.on_unpack_miss = miss
+    reach = engine.on_backward_reach
+
+    def reached(step, layer):
+        log.append(("reach", None, layer, "bwd"))
+        return reach(step, layer)
+
+    engine.on_backward_reach = reached
     return log
 
 
@@ -47,24 +54,25 @@ def effective(log: list[tuple]) -> list[tuple]:
 
 
 # -- v2 -----------------------------------------------------------------------------------------------
-def test_v2_releases_one_layer_behind_when_one_layer_may_stay() -> None:
+def test_v2_all_but_last_keeps_one_copy_in_flight() -> None:
+    # k = N - 1: the budget is 2 layers (one computing, one finishing its copy), so layer L's
+    # group is released when layer L + 2 starts, and the last one at the end of forward.
     layers = make_mlp_layers(4)
     x = torch.randn(8, 64)
     ctx, sync = cpu_context(3, 4)
+    assert ctx.engine.schedule.budget == 2
     log = record(ctx)
     train_step(layers, x, ctx, sync)
-    fwd = [e for e in log if e[3] == "fwd"]
-    assert fwd == [
-        ("start_offload", 0, 0, "fwd"),
-        ("release", 0, 1, "fwd"),
-        ("start_offload", 1, 1, "fwd"),
-        ("release", 1, 2, "fwd"),
-        ("start_offload", 2, 2, "fwd"),
-        ("release", 2, 3, "fwd"),
+    assert [(a, g, cur) for a, g, cur, _ in log if a in ("start_offload", "release")] == [
+        ("start_offload", 0, 0),
+        ("start_offload", 1, 1),
+        ("release", 0, 2),
+        ("start_offload", 2, 2),
+        ("release", 1, 3),
+        ("release", 2, 3),  # end of forward: every offloaded group leaves the GPU
     ]
-    bwd = [(a, g) for a, g, _, ph in log if ph == "bwd"]
-    # Markers prefetch one layer ahead; nothing is ever reloaded on demand.
-    assert bwd == [("start_reload", 2), ("start_reload", 1), ("start_reload", 0)]
+    # Markers prefetch one layer ahead (the budget's second layer); nothing reloads on demand.
+    assert [g for a, g, _, _ in log if a in ("start_reload", "miss")] == [2, 1, 0]
 
 
 def test_v2_delays_release_as_long_as_the_resident_limit_allows() -> None:
@@ -88,6 +96,10 @@ def test_v2_delays_release_as_long_as_the_resident_limit_allows() -> None:
     # At layer 6, five non-offloaded layers are resident, so one offloaded group may stay.
     assert releases == [(0, 6), (1, 7)]
     assert max(resident_seen) <= 8 - 2
+    # Backward prefetches as soon as the budget has room: group 1 when layer 6 is reached
+    # (layers 2..6 = 5 resident + 1), group 0 at layer 5, long before they are needed.
+    backward = [(a, g if a != "reach" else cur) for a, g, cur, ph in log if a in ("reach", "start_reload", "miss")]
+    assert backward[:6] == [("reach", 7), ("reach", 6), ("start_reload", 1), ("reach", 5), ("start_reload", 0), ("reach", 4)]
 
 
 @pytest.mark.parametrize("n, k", [(4, 1), (4, 3), (6, 2), (6, 5), (8, 4)])
@@ -132,7 +144,9 @@ def test_v1_one_group_in_flight_released_at_its_window() -> None:
     assert_bitwise(expected, train_step(layers, x, ctx, sync))
     fwd = [(a, g, cur) for a, g, cur, ph in log if ph == "fwd"]
     assert fwd == [("start_offload", 0, 0), ("release", 0, 1), ("start_offload", 1, 1), ("release", 1, 3)]
-    assert [(a, g) for a, g, _, ph in log if ph == "bwd"] == [("start_reload", 1), ("start_reload", 0)]
+    assert [(a, g if a != "reach" else cur) for a, g, cur, ph in log if ph == "bwd"] == [
+        ("reach", 3), ("start_reload", 1), ("reach", 2), ("reach", 1), ("start_reload", 0), ("reach", 0)
+    ]
     assert ctx.stats["mode"] == "v1"
 
 
