@@ -15,8 +15,10 @@ v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``)
   group is released, so all ``k`` layers really leave the GPU.
 - Reload: when backward reaches layer ``L`` (the gradient of its output is computed: the marker
   that ``sync_function`` or ``OffloadActivations`` attaches) the group of ``L`` must be there, and
-  lower groups are prefetched, nearest first, while the budget allows, counting the
-  non-offloaded layers still to run and the groups already back.
+  the groups of ``L - 1`` and ``L - 2`` are prefetched while the budget allows (counting the
+  non-offloaded layers still to run and the groups already back). Two layers of backward cover
+  one group's H2D on our H100 (a layer's copy takes ~1.6x its backward); prefetching further
+  would only raise the backward peak, where parameter gradients are accumulating too.
 """
 
 from __future__ import annotations
@@ -70,9 +72,10 @@ class ScheduleV2(Schedule):
 
     name = "v2"
 
-    def __init__(self, num_layers: int, model_layers: int) -> None:
+    def __init__(self, num_layers: int, model_layers: int, prefetch_depth: int = 2) -> None:
         super().__init__(num_layers, model_layers)
         self.budget = max(model_layers - num_layers, 2)
+        self.prefetch_depth = prefetch_depth
 
     def _non_offloaded_through(self, layer: int) -> int:
         # Layers k..layer are not offloaded; their activations are on the GPU until backward.
@@ -102,7 +105,7 @@ class ScheduleV2(Schedule):
         resident = self._non_offloaded_through(layer) + sum(
             1 for g in groups.values() if g.layer <= min(layer, self.num_layers - 1) and g.holds_gpu_memory
         )
-        for target in range(min(layer, self.num_layers) - 1, -1, -1):
+        for target in range(min(layer, self.num_layers) - 1, max(-1, layer - 1 - self.prefetch_depth), -1):
             group = groups.get(target)
             if group is None or group.state is not GroupState.OFFLOADED:
                 continue

@@ -96,10 +96,10 @@ def test_v2_delays_release_as_long_as_the_resident_limit_allows() -> None:
     # At layer 6, five non-offloaded layers are resident, so one offloaded group may stay.
     assert releases == [(0, 6), (1, 7)]
     assert max(resident_seen) <= 8 - 2
-    # Backward prefetches as soon as the budget has room: group 1 when layer 6 is reached
-    # (layers 2..6 = 5 resident + 1), group 0 at layer 5, long before they are needed.
+    # Backward prefetches two layers ahead: group 1 when layer 3 is reached, group 0 at layer 2.
     backward = [(a, g if a != "reach" else cur) for a, g, cur, ph in log if a in ("reach", "start_reload", "miss")]
-    assert backward[:6] == [("reach", 7), ("reach", 6), ("start_reload", 1), ("reach", 5), ("start_reload", 0), ("reach", 4)]
+    assert backward == [("reach", 7), ("reach", 6), ("reach", 5), ("reach", 4), ("reach", 3), ("start_reload", 1),
+                        ("reach", 2), ("start_reload", 0), ("reach", 1), ("reach", 0)]
 
 
 @pytest.mark.parametrize("n, k", [(4, 1), (4, 3), (6, 2), (6, 5), (8, 4)])
