@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import contextlib
 import time
 
 import torch
@@ -38,6 +39,37 @@ from .stats import StepCounters
 def _byte_view(storage: Any, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
     """A uint8 tensor over ``nbytes`` of ``storage`` from byte ``offset`` (fallback path only)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
+
+
+def copy_slots(group: Group, region: Region, *, use_native: bool, device: torch.device, stream: Optional["torch.cuda.Stream"]) -> None:
+    """The one offload copy path: every storage slot of ``group`` into its offset of ``region``.
+
+    Native: one batched submission (``cuMemcpyBatchAsync`` on ``stream``, or ``memcpy`` for host
+    memory when ``stream`` is None). Fallback: one ``copy_`` per slot.
+    """
+    sizes = group.slot_sizes()
+    if use_native:
+        base = region.block.data_ptr()
+        native.copy_batch(
+            [base + off for off in group.slot_offsets],
+            [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
+            sizes,
+            None if stream is None else stream.cuda_stream,
+        )
+        return
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, sizes):
+            region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, device), non_blocking=stream is not None)
+
+
+def copy_region(buffer: torch.Tensor, group: Group, *, use_native: bool, stream: Optional["torch.cuda.Stream"]) -> None:
+    """The one reload copy path: the group's whole host region into ``buffer`` in ONE copy."""
+    src = group.host.block
+    if use_native:
+        native.copy_batch([buffer.data_ptr()], [src.data_ptr()], [group.nbytes], None if stream is None else stream.cuda_stream)
+        return
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        buffer[: group.nbytes].copy_(src[: group.nbytes], non_blocking=stream is not None)
 
 
 class WallMark:
@@ -67,24 +99,10 @@ class HostTransport:
         self.device_index = -1
         self.use_native = use_native
 
-    def _copy_slots(self, group: Group, region: Region) -> None:
-        sizes = group.slot_sizes()
-        if self.use_native:
-            base = region.block.data_ptr()
-            native.copy_batch(
-                [base + off for off in group.slot_offsets],
-                [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
-                sizes,
-                None,
-            )
-            return
-        for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, sizes):
-            region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, self.device))
-
     def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
         """Copy the group's slots into ``region``; returns the copy's end event (None here)."""
         start = WallMark()
-        self._copy_slots(group, region)
+        copy_slots(group, region, use_native=self.use_native, device=self.device, stream=None)
         counters.copies.append(("d2h", start, WallMark()))
         return None
 
@@ -95,11 +113,7 @@ class HostTransport:
         """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
         buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
         start = WallMark()
-        src = group.host.block
-        if self.use_native:
-            native.copy_batch([buffer.data_ptr()], [src.data_ptr()], [group.nbytes], None)
-        else:
-            buffer[: group.nbytes].copy_(src[: group.nbytes])
+        copy_region(buffer, group, use_native=self.use_native, stream=None)
         counters.copies.append(("h2d", start, WallMark()))
         return buffer, None
 
@@ -148,19 +162,7 @@ class CudaTransport:
         if region.ready is not None:
             stream.wait_event(region.ready)
         start = self._timed(stream)
-        sizes = group.slot_sizes()
-        if self.use_native:
-            base = region.block.data_ptr()
-            native.copy_batch(
-                [base + off for off in group.slot_offsets],
-                [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
-                sizes,
-                stream.cuda_stream,
-            )
-        else:
-            with torch.cuda.stream(stream):
-                for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, sizes):
-                    region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, self.device), non_blocking=True)
+        copy_slots(group, region, use_native=self.use_native, device=self.device, stream=stream)
         end = self._timed(stream)
         counters.copies.append(("d2h", start, end))
         return end
@@ -176,12 +178,7 @@ class CudaTransport:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         stream.wait_event(group.d2h_done)
         start = self._timed(stream)
-        src = group.host.block
-        if self.use_native:
-            native.copy_batch([buffer.data_ptr()], [src.data_ptr()], [group.nbytes], stream.cuda_stream)
-        else:
-            with torch.cuda.stream(stream):
-                buffer[: group.nbytes].copy_(src[: group.nbytes], non_blocking=True)
+        copy_region(buffer, group, use_native=self.use_native, stream=stream)
         end = self._timed(stream)
         counters.copies.append(("h2d", start, end))
         return buffer, end
