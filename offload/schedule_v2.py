@@ -115,9 +115,12 @@ class ScheduleV2(Schedule):
             resident += 1
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        engine.start_reload(group)
+        # Same as the marker firing late: reload the group, prefetch below it. A group of an
+        # older step (a retained graph) has no siblings to prefetch.
         if engine.step is not None and engine.step.index == group.step:
             self.on_backward_reach(engine, group.layer)
+        else:
+            engine.start_reload(group)
 
 
 class ManualSchedule(Schedule):

@@ -43,7 +43,8 @@ def test_gpt_gradients_bitwise_v2(gpt, num_layers: int) -> None:
     stats = ctx.stats
     assert stats["offloaded_tensors"] > 0
     assert stats["groups_offloaded"] == num_layers
-    assert stats["bytes_d2h"] == stats["bytes_h2d"] > 0 or stats["bytes_h2d"] >= stats["bytes_d2h"]
+    # H2D moves whole regions (slots plus alignment padding), D2H only the slot spans.
+    assert 0 < stats["bytes_d2h"] == stats["offloaded_bytes"] <= stats["bytes_h2d"]
 
 
 def test_mlp_gradients_bitwise() -> None:
