@@ -2,7 +2,8 @@
 
 Public API: :func:`get_cpu_offload_context` (TransformerEngine's call shape),
 :class:`OffloadActivations` (one ``with`` around the forward), :func:`mark_not_offload`,
-:func:`mark_activation_offload` and :func:`native_available`.
+:func:`mark_activation_offload` and :func:`native_available`. CUDA graphs: ``offload.graphs``
+(:func:`offload.graphs.make_graphed_callables`, :class:`offload.graphs.StepGraph`).
 """
 
 from .api import (
@@ -14,16 +15,20 @@ from .api import (
     get_cpu_offload_context,
     resolve_mode,
 )
+from . import graphs
+from .arena import CaptureError
 from .marks import mark_activation_offload, mark_not_offload
 from .native import native_available
 
 __all__ = [
+    "CaptureError",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "MODE_ENV_VAR",
     "ManualController",
     "OffloadActivations",
     "OffloadContext",
     "get_cpu_offload_context",
+    "graphs",
     "mark_activation_offload",
     "mark_not_offload",
     "native_available",

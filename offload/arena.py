@@ -13,6 +13,15 @@ and the next user's copy stream waits on it (``Region.ready``).
 The budget caps the bytes the arena holds (in use + idle). Tensors are also counted against it at
 pack time (``reserve``), so that a step that would overrun it keeps the excess tensors on the GPU
 instead of failing later.
+
+CUDA-graph capture: a captured copy names its host address once, and every replay copies to and
+from that address again, with no Python running. So a region acquired under capture
+(``acquire(..., captured=True)``) is *owned by the graph*: when its group is freed it is not put
+back in the idle list (an eager step could otherwise overwrite what a replay reloads later); it
+stays held, and counted, for the life of the arena. Under capture nothing is allocated (pinning
+would synchronise the device, which capture forbids) and nothing is trimmed (that waits on events
+on the host): a capture takes idle blocks left by an earlier eager step, or fails with an error
+that says so.
 """
 
 from __future__ import annotations
@@ -39,6 +48,10 @@ def default_host_budget_bytes() -> int:
     return int(psutil.virtual_memory().available * 0.75)
 
 
+class CaptureError(RuntimeError):
+    """Offloading cannot proceed under the CUDA-graph capture in progress (the message says why)."""
+
+
 @dataclass(eq=False)
 class Region:
     """A host block lent to one group. ``ready`` is the event the next writer must wait on."""
@@ -46,6 +59,7 @@ class Region:
     block: torch.Tensor
     ready: Any = None
     used_in_step: int = -1
+    graph_owned: bool = False  # acquired under CUDA-graph capture: replays keep using it
 
 
 @dataclass
@@ -55,6 +69,7 @@ class ArenaCounters:
     bytes_in_use: int = 0
     failures: int = 0             # requests refused (budget or allocation failure)
     freed_blocks: int = 0
+    graph_owned_blocks: int = 0   # blocks kept for captured CUDA graphs (never reused eagerly)
 
 
 class HostArena:
@@ -73,7 +88,7 @@ class HostArena:
         self._free: list[Region] = []
         # Release happens from Group.__del__, which can run on autograd's device threads.
         self._lock = threading.Lock()
-        self._frozen = False  # under CUDA-graph capture nothing may be allocated
+        self._graph_owned: list[Region] = []
 
     # -- pack-time budget ------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> bool:
@@ -88,22 +103,38 @@ class HostArena:
         self.reserved = max(0, self.reserved - nbytes)
 
     # -- regions ---------------------------------------------------------------------------------
-    def acquire(self, nbytes: int, step: int) -> Optional[Region]:
-        """A block of at least ``nbytes``, or None when the budget or the allocator says no."""
+    def has_idle_blocks(self) -> bool:
+        """Whether a block is waiting to be reused (what a CUDA-graph capture needs)."""
+        return bool(self._free)
+
+    def acquire(self, nbytes: int, step: int, *, captured: bool = False) -> Optional[Region]:
+        """A block of at least ``nbytes``, or None when the budget or the allocator says no.
+
+        ``captured``: the caller is capturing a CUDA graph. Only an idle block can be handed out
+        (raises ``CaptureError`` when none fits), and the graph owns it from now on.
+        """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
         with self._lock:
             i = bisect.bisect_left(self._free_sizes, size)
-            if i < len(self._free) and self._free_sizes[i] <= size * REUSE_SLACK:
+            # Under capture any idle block that fits will do: the slack rule only keeps big
+            # blocks for big groups, and failing the capture would be worse.
+            fits = i < len(self._free) and (captured or self._free_sizes[i] <= size * REUSE_SLACK)
+            if fits:
                 self._free_sizes.pop(i)
                 region = self._free.pop(i)
                 self.counters.bytes_in_use += region.block.numel()
                 region.used_in_step = step
+                region.graph_owned = captured
+                self.counters.graph_owned_blocks += captured
                 return region
-            if self._frozen:
-                raise RuntimeError(
-                    f"offload: a host region of {size} bytes is needed while a CUDA graph is being "
-                    "captured, and none is free; pinned memory cannot be allocated under capture. "
-                    "Run one eager step first (warm arena) or pass retain_pinned_cpu_buffers=True."
+            if captured:
+                idle = ", ".join(str(n) for n in self._free_sizes) or "none"
+                raise CaptureError(
+                    f"offload: a pinned host region of {size} bytes is needed while a CUDA graph is "
+                    f"being captured, and no idle block fits (idle block sizes: {idle}). Pinned "
+                    "memory cannot be allocated under capture. Run one eager step (or warm-up "
+                    "iteration) with offloading on right before capturing, with "
+                    "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
                 )
             # Make room from idle blocks, largest first, before giving up on the budget.
             while self._free and self.counters.bytes_held + size > self.budget_bytes:
@@ -124,11 +155,17 @@ class HostArena:
         return Region(block=block, used_in_step=step)
 
     def release(self, region: Region, ready: Any) -> None:
-        """Take ``region`` back; its next writer waits on ``ready`` (None: nothing in flight)."""
-        region.ready = ready
+        """Take ``region`` back; its next writer waits on ``ready`` (None: nothing in flight).
+
+        A graph-owned region is kept aside instead: replays of its graph still use it.
+        """
         size = region.block.numel()
         with self._lock:
             self.counters.bytes_in_use -= size
+            if region.graph_owned:
+                self._graph_owned.append(region)
+                return
+            region.ready = ready
             i = bisect.bisect_right(self._free_sizes, size)
             self._free_sizes.insert(i, size)
             self._free.insert(i, region)
@@ -152,7 +189,3 @@ class HostArena:
             region.ready.synchronize()
         self.counters.bytes_held -= region.block.numel()
         self.counters.freed_blocks += 1
-
-    def freeze(self, frozen: bool) -> None:
-        """Forbid (True) or allow (False) new allocations, for CUDA-graph capture."""
-        self._frozen = frozen

@@ -13,6 +13,16 @@ Lifetime of one saved tensor (see DESIGN.md for the data flow):
 
 Autograd keeps the handles, not the engine: ``backward(retain_graph=True)`` a second time simply
 reloads again from the host region, which lives as long as the graph does.
+
+CUDA graphs (see ``offload.graphs``):
+- a step whose first layer starts while the current stream is capturing is a *captured step*:
+  the same schedule runs, its copies and waits are recorded into the graph (``Group.captured``),
+  its host regions become the graph's, and when its last group is handed back the side streams
+  are joined to the capture stream. Forward and backward must both be inside the capture.
+- a *local group* (``begin_local_group`` / ``end_local_group``) is one graphed layer's saved
+  tensors, self-contained because the layer's forward and backward are two separate graphs:
+  offloaded and released at the end of the forward (so its D2H joins inside that graph), and
+  reloaded on first use in the backward.
 """
 
 from __future__ import annotations
@@ -23,7 +33,7 @@ from typing import Any, Optional, Union
 import torch
 
 from . import native
-from .arena import HostArena
+from .arena import CaptureError, HostArena
 from .group import HOLDS_ORIGINALS, Group, GroupState
 from .marks import KEEP_ATTR
 from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
@@ -43,6 +53,7 @@ class StepState:
     groups: dict[int, Group] = field(default_factory=dict)  # layer -> group (offloaded layers)
     layers_started: int = 0
     forward_done: bool = False
+    captured: bool = False  # the step runs under CUDA-graph capture
 
 
 class StorageHandle:
@@ -100,18 +111,47 @@ class OffloadEngine:
         self._hooks_pushed = False
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._step_index = 0
+        # The graphed layer being captured or warmed up (offload.graphs), with its own hooks.
+        self.local_group: Optional[Group] = None
+        self._local_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_local, self.unpack)
+        self._local_hooks_pushed = False
 
     # -- step and layer lifecycle ----------------------------------------------------------------
-    def begin_step(self) -> None:
-        """Start a new step, finishing the previous one's bookkeeping."""
+    def begin_step(self, captured: Optional[bool] = None) -> None:
+        """Start a new step, finishing the previous one's bookkeeping.
+
+        ``captured``: whether the current stream is capturing a CUDA graph (asked if None).
+        """
+        if captured is None:
+            captured = self.transport.capturing()
         previous = self.step
         if previous is not None:
-            self._finish(previous)
+            # Trimming idle blocks waits on their events on the host: not under capture.
+            self._finish(previous, trim=not captured)
+            # Let go of its groups now: freed, they hand their host regions back to the arena,
+            # where a capture starting with this step looks for them.
+            self.step = None
+            del previous
+        if captured:
+            self._check_capture_ready("a step")
         self._step_index += 1
-        counters = StepCounters(step=self._step_index, mode=self.mode)
+        counters = StepCounters(step=self._step_index, mode=self.mode, captured=captured)
         counters.pinned_allocations = -self.arena.counters.pinned_allocations
-        self.step = StepState(index=self._step_index, counters=counters)
+        self.step = StepState(index=self._step_index, counters=counters, captured=captured)
         self.schedule.on_step_start(self)
+
+    def _check_capture_ready(self, what: str) -> None:
+        # Pinned memory cannot be allocated under capture, so the regions must exist already.
+        if self.schedule.num_layers > 0 and not self.arena.has_idle_blocks():
+            hint = (
+                "" if self.arena.retain else
+                " and pass retain_pinned_cpu_buffers=True so its blocks are kept for the capture"
+            )
+            raise CaptureError(
+                f"offload: CUDA-graph capture of {what} with offloading began, but no pinned host "
+                "buffers are ready: they cannot be allocated under capture. Run one eager step (or "
+                f"warm-up iteration) with offloading on right before capturing{hint}."
+            )
 
     def begin_layer(self) -> None:
         """Forward enters the next layer: schedule decisions, then capture its saved tensors."""
@@ -120,9 +160,17 @@ class OffloadEngine:
                 "offload: a layer context was entered while another is still open; offload "
                 "contexts do not nest: close the outer layer's `with` before entering the next"
             )
+        captured = self.transport.capturing()
         if self.step is None or self.step.forward_done:
-            self.begin_step()
+            self.begin_step(captured)
         step = self.step
+        if captured != step.captured:
+            raise CaptureError(
+                "offload: a step's layers must all run under the same CUDA-graph capture or all "
+                f"eagerly, but layer {step.layers_started} {'is' if captured else 'is not'} being "
+                "captured and the step's first layer was "
+                f"{'not ' if captured else ''}captured; capture the whole forward and backward"
+            )
         layer = step.layers_started
         step.layers_started += 1
         self.current_layer = layer
@@ -133,6 +181,7 @@ class OffloadEngine:
             group = Group(layer, step.index)
             group.on_free = self._group_freed
             group.counters = step.counters
+            group.captured = captured
             step.groups[layer] = group
             self.open_group = group
             self._hooks.__enter__()
@@ -192,17 +241,72 @@ class OffloadEngine:
                     group.saved_bytes = 0
         self.step = None
 
-    def _finish(self, step: StepState) -> None:
+    def _finish(self, step: StepState, trim: bool = True) -> None:
         if not step.counters.finished:
             step.counters.finished = True
             step.counters.pinned_allocations += self.arena.counters.pinned_allocations
         self.last_finished = step.counters
-        self.arena.end_step(step.index)
+        if trim and not step.captured:
+            self.arena.end_step(step.index)
 
     def _check_finished(self, step: StepState) -> None:
         # A step is finished once its forward is done and every group was handed back in full.
         if step.forward_done and all(g.consumed for g in step.groups.values()):
-            self._finish(step)
+            if step.captured and not step.counters.finished:
+                # Still inside the capture (the last unpack of its backward): join the side
+                # streams this step forked, or the capture cannot end.
+                self._join_side_streams(step.counters)
+            self._finish(step, trim=not step.captured)
+
+    def _join_side_streams(self, counters: StepCounters) -> None:
+        self.transport.join(d2h=counters.groups_offloaded > 0, h2d=counters.reloads > 0)
+
+    # -- graphed layers (offload.graphs) ---------------------------------------------------------
+    def begin_local_group(self, label: int, counters: StepCounters) -> Group:
+        """Collect the saved tensors of one graphed layer's forward into a self-contained group.
+
+        Used by ``offload.graphs`` around a layer's forward while it is warmed up and captured;
+        ``label`` names the layer in messages, ``counters`` receive its figures.
+        """
+        if self.local_group is not None:
+            raise RuntimeError("offload: graphed layers do not nest; a graphed layer's forward called another")
+        captured = self.transport.capturing()
+        if captured:
+            self._check_capture_ready(f"graphed layer {label}")
+        group = Group(label, step=0)
+        group.local = True
+        group.captured = captured
+        group.on_free = self._group_freed
+        group.counters = counters
+        self.local_group = group
+        if torch.is_grad_enabled():
+            self._local_hooks.__enter__()
+            self._local_hooks_pushed = True
+        return group
+
+    def end_local_group(self, failed: bool = False) -> None:
+        """Close the graphed layer's group: offload it and release its GPU memory at once.
+
+        Releasing here makes the forward wait for its own D2H, which is what joins the copy
+        stream back before the forward graph ends; with ``cuda_graph_event`` the caller's stream
+        does not have to wait for that tail (see ``offload.graphs``).
+        """
+        group = self.local_group
+        if group is None:
+            return
+        self.local_group = None
+        if self._local_hooks_pushed:
+            self._local_hooks_pushed = False
+            self._local_hooks.__exit__(None, None, None)
+        self.arena.unreserve(group.saved_bytes)
+        group.saved_bytes = 0
+        if failed or not group.entries:
+            group.state = GroupState.KEPT  # nothing to move; any handles autograd kept stay valid
+            return
+        offsets, total = native.plan_layout(group.slot_sizes())
+        group.close(offsets, total)
+        self.start_offload(group)
+        self.release(group)
 
     # -- hooks -----------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
@@ -210,23 +314,29 @@ class OffloadEngine:
         group = self.open_group
         if group is None:
             return t
+        return self._pack_into(group, t)
+
+    def _pack_local(self, t: torch.Tensor) -> Any:
+        return self._pack_into(self.local_group, t)  # type: ignore[arg-type]
+
+    def _pack_into(self, group: Group, t: Any) -> Any:
         reason = self.policy.decide(t)
         if reason is not None:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
-                return self._pack_storage(t)
-            self.step.counters.keep(reason)  # type: ignore[union-attr]
+                return self._pack_storage(group, t)
+            group.counters.keep(reason)
             return t
         group.saved_bytes += t.nbytes
         return (group, group.add(t))
 
-    def _pack_storage(self, storage: Any) -> Any:
+    def _pack_storage(self, group: Group, storage: Any) -> Any:
         # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends): each
         # component is decided and packed on its own, and the storage is rebuilt on unpack.
         if getattr(storage, KEEP_ATTR, False):
-            self.step.counters.keep(KEEP_MARKED)  # type: ignore[union-attr]
+            group.counters.keep(KEEP_MARKED)
             return storage
         components, restorable = storage.prepare_for_saving()
-        return StorageHandle(restorable, [None if c is None else self.pack(c) for c in components])
+        return StorageHandle(restorable, [None if c is None else self._pack_into(group, c) for c in components])
 
     def unpack(self, packed: Any) -> Any:
         """Unpack hook: hand back the original, or a typed view of the reloaded group."""
@@ -242,7 +352,8 @@ class OffloadEngine:
                 self._consumed(group)
             return tensor
         if group.state is GroupState.OFFLOADED:
-            self.schedule.on_unpack_miss(self, group)
+            if not group.local:  # a graphed layer's group is outside the schedule's steps
+                self.schedule.on_unpack_miss(self, group)
             if group.state is GroupState.OFFLOADED:
                 self.start_reload(group)
         if not group.h2d_waited:
@@ -263,6 +374,9 @@ class OffloadEngine:
         return handle.restorable
 
     def _consumed(self, group: Group) -> None:
+        if group.local:
+            group.consumed = True
+            return
         if not group.consumed:
             group.consumed = True
             self.schedule.on_consumed(self, group)
@@ -278,7 +392,12 @@ class OffloadEngine:
         if group.state is not GroupState.RESIDENT:
             return
         counters = group.counters
-        region = self.arena.acquire(group.nbytes, group.step)
+        try:
+            region = self.arena.acquire(group.nbytes, group.step, captured=group.captured)
+        except CaptureError:
+            # Join what this capture forked so that it can end and this error is the one seen.
+            self._join_side_streams(counters)
+            raise
         if region is None:
             group.mark_kept()
             counters.groups_kept += 1
@@ -302,7 +421,20 @@ class OffloadEngine:
         """Start the one H2D copy of an offloaded group (into a fresh or the given buffer)."""
         if group.state is not GroupState.OFFLOADED:
             return
-        buffer, done = self.transport.reload(group, group.counters, into)
+        captured = self.transport.capturing()
+        if captured != group.captured:
+            raise CaptureError(
+                f"offload: the saved tensors of layer {group.layer} were offloaded "
+                f"{'under CUDA-graph capture' if group.captured else 'eagerly'} but are needed "
+                f"{'under capture' if captured else 'eagerly'}; the forward and backward that "
+                "use offloading must be captured together (one graph for the step), or graphed "
+                "per layer with offload.graphs.make_graphed_callables"
+            )
+        group.reload_captured = captured
+        # A graphed layer's D2H is in its forward graph, its H2D in the backward graph: the
+        # H2D cannot wait on an event of another graph (replay order covers it instead).
+        wait_d2h = not (captured and group.local)
+        buffer, done = self.transport.reload(group, group.counters, into, wait_d2h=wait_d2h)
         group.mark_reloaded(buffer, done)
         group.counters.bytes_h2d += group.nbytes
         group.counters.reloads += 1

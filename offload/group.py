@@ -91,6 +91,13 @@ class Group:
         self.consumed = False           # every entry handed back at least once
         self.counters: Any = None       # the StepCounters of the group's step
         self.on_free: Any = None        # called once when the group is garbage (returns the region)
+        # CUDA graphs. A *local* group belongs to one graphed layer (offload.graphs): it is
+        # offloaded and released inside the layer's forward graph and reloaded inside its
+        # backward graph, outside any step. ``captured`` / ``reload_captured``: its D2H / its
+        # H2D were recorded into a graph (they then run on each replay, not now).
+        self.local = False
+        self.captured = False
+        self.reload_captured = False
 
     # -- building --------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int:

@@ -31,6 +31,10 @@ class StepCounters:
     waits: list[tuple[Any, Any]] = field(default_factory=list)
     pinned_allocations: int = 0
     finished: bool = False
+    # Recorded into a CUDA graph: the figures describe what every replay does; copy and stall
+    # times are not measured (captured work does not run at capture time, and replays run no
+    # Python).
+    captured: bool = False
 
     def keep(self, reason: str, count: int = 1) -> None:
         """Count ``count`` tensors kept for ``reason``."""
@@ -76,6 +80,7 @@ def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport
         "pinned_bytes_held": pinned_bytes_held,
         "pinned_allocations": c.pinned_allocations,
         "finished": c.finished,
+        "captured": c.captured,
     }
 
 
@@ -95,7 +100,8 @@ def format_report(s: dict[str, Any]) -> str:
 
     kept = ", ".join(f"{k}={v}" for k, v in sorted(s["kept"].items())) or "none"
     rows = [
-        ("step", f"{s['step']} ({'finished' if s['finished'] else 'in progress'})"),
+        ("step", f"{s['step']} ({'finished' if s['finished'] else 'in progress'}"
+                 f"{', captured in a CUDA graph: times not measured' if s['captured'] else ''})"),
         ("mode / transport", f"{s['mode']} / {s['transport']} ({'native' if s['native'] else 'python'} copies)"),
         ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} groups"),
         ("bytes offloaded", f"{_fmt_bytes(s['offloaded_bytes'])} ({_fmt_bytes(s['released_bytes'])} released from the GPU)"),

@@ -17,6 +17,15 @@ Stream rules (why each wait is there):
 - Unpack (``wait_reloaded``): the compute stream waits on the H2D end before it reads a view.
 The current stream is looked up at each use, never cached.
 
+Under CUDA-graph capture (``group.captured`` / ``captured``) the same calls are recorded into the
+graph, with three differences. No timing events and no ``query``: a captured event never runs, so
+it can be neither timed nor asked whether it finished (querying one during capture is an error).
+Every wait is issued: a wait skipped because the copy "already finished" at capture time would be
+missing from every replay. And waits on events recorded outside this capture (a region's
+``ready``, a graphed layer's D2H seen from its backward graph) are not issued: CUDA refuses
+dependencies that cross a capture's boundary, and that work is ordered already (capture starts
+after a device synchronisation, and graphs replay in capture order).
+
 ``HostTransport`` does the same copies synchronously on host memory, so everything above the
 transport runs (and is tested) on CPU-only torch with real copies.
 """
@@ -99,6 +108,13 @@ class HostTransport:
         self.device_index = -1
         self.use_native = use_native
 
+    def capturing(self) -> bool:
+        """Host copies are never captured."""
+        return False
+
+    def join(self, *, d2h: bool, h2d: bool) -> None:
+        """Nothing to join: the host transport has no side streams."""
+
     def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
         """Copy the group's slots into ``region``; returns the copy's end event (None here)."""
         start = WallMark()
@@ -109,7 +125,7 @@ class HostTransport:
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Order reuse of the originals' memory after the D2H (synchronous here: nothing)."""
 
-    def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Any]:
+    def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
         """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
         buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
         start = WallMark()
@@ -139,18 +155,44 @@ class CudaTransport:
         self.d2h_stream = d2h_stream if d2h_stream is not None else torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
 
+    def capturing(self) -> bool:
+        """Whether the current stream is capturing a CUDA graph (one cheap runtime query)."""
+        return torch.cuda.is_current_stream_capturing()
+
+    def join(self, *, d2h: bool, h2d: bool) -> None:
+        """Make the current stream wait for everything queued on the side streams so far.
+
+        A capture must end with every stream it forked joined back; a captured step calls this
+        for the streams it used, so a copy nobody waited on cannot leave the capture unjoined.
+        """
+        current = torch.cuda.current_stream(self.device)
+        if d2h:
+            current.wait_stream(self.d2h_stream)
+        if h2d:
+            current.wait_stream(self.h2d_stream)
+
     def _timed(self, stream: torch.cuda.Stream) -> Any:
         event = torch.cuda.Event(enable_timing=True)
         event.record(stream)
         return event
 
-    def _stall(self, event: Any, counters: StepCounters) -> None:
+    @staticmethod
+    def _ordering(stream: torch.cuda.Stream) -> Any:
+        # Under capture: an event that only orders streams inside the graph (never timed).
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def _stall(self, event: Any, counters: StepCounters, captured: bool) -> None:
+        current = torch.cuda.current_stream(self.device)
+        if captured:
+            current.wait_event(event)
+            return
         # A copy that already finished needs no wait (query is a non-blocking host call), which
         # saves a wait and two timing events on the common path where copies keep up.
         if event.query():
             return
         # Events around the wait on the compute stream measure how long it stalled.
-        current = torch.cuda.current_stream(self.device)
         before = self._timed(current)
         current.wait_event(event)
         counters.waits.append((before, self._timed(current)))
@@ -159,6 +201,9 @@ class CudaTransport:
         """Submit the group's D2H into ``region`` on the D2H stream; returns its end event."""
         stream = self.d2h_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
+        if group.captured:
+            copy_slots(group, region, use_native=self.use_native, device=self.device, stream=stream)
+            return self._ordering(stream)
         if region.ready is not None:
             stream.wait_event(region.ready)
         start = self._timed(stream)
@@ -169,14 +214,23 @@ class CudaTransport:
 
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's D2H before its originals are dropped."""
-        self._stall(group.d2h_done, counters)
+        self._stall(group.d2h_done, counters, group.captured)
 
-    def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, Any]:
-        """Submit ONE H2D of the group's region into a buffer from the compute stream's pool."""
+    def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
+        """Submit ONE H2D of the group's region into a buffer from the compute stream's pool.
+
+        Under capture the buffer comes from the graph's private pool (the allocator routes
+        allocations on a capturing stream there), so replays find it at the same address.
+        ``wait_d2h=False``: the D2H was recorded in another graph (see the module notes).
+        """
         buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
         stream = self.h2d_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        stream.wait_event(group.d2h_done)
+        if wait_d2h:
+            stream.wait_event(group.d2h_done)
+        if group.reload_captured:
+            copy_region(buffer, group, use_native=self.use_native, stream=stream)
+            return buffer, self._ordering(stream)
         start = self._timed(stream)
         copy_region(buffer, group, use_native=self.use_native, stream=stream)
         end = self._timed(stream)
@@ -185,7 +239,7 @@ class CudaTransport:
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's H2D before it reads the buffer."""
-        self._stall(group.h2d_done, counters)
+        self._stall(group.h2d_done, counters, group.reload_captured)
 
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""

@@ -40,6 +40,18 @@ def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> Non
         assert torch.equal(a, b), f"gradient {i} differs (max abs diff {(a.float() - b.float()).abs().max().item()})"
 
 
+class Delayed(torch.nn.Module):
+    """Puts a ``torch.cuda._sleep`` on the compute stream before the wrapped layer's kernels."""
+
+    def __init__(self, layer: torch.nn.Module, cycles: int) -> None:
+        super().__init__()
+        self.layer, self.cycles = layer, cycles
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return self.layer(x)
+
+
 def cpu_context(num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, ...]:
     """A host-transport context that offloads every eligible tensor, however small."""
     kw.setdefault("min_offload_bytes", 0)

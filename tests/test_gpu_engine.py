@@ -15,21 +15,12 @@ import torch
 import offload
 from offload.models import run_layers
 
-from _util import assert_bitwise, make_gpt_layers, train_step
+from _util import Delayed, assert_bitwise, make_gpt_layers, train_step
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
 HIDDEN, HEADS = 256, 4
 
-
-@pytest.fixture(autouse=True)
-def repeatable_attention():
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def gpt(n: int = 6, hidden: int = HIDDEN, heads: int = HEADS) -> torch.nn.ModuleList:
@@ -179,17 +170,6 @@ def sleepy(ctx, cycles: int):
 
     transport.offload, transport.reload = slow_offload, slow_reload
 
-
-class Delayed(torch.nn.Module):
-    """Puts a sleep on the compute stream before the wrapped layer's kernels."""
-
-    def __init__(self, layer: torch.nn.Module, cycles: int) -> None:
-        super().__init__()
-        self.layer, self.cycles = layer, cycles
-
-    def forward(self, x):
-        torch.cuda._sleep(self.cycles)
-        return self.layer(x)
 
 
 @pytest.mark.parametrize("mode", ["v1", "v2"])
