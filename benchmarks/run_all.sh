@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.." || exit 2
 PY="${PYTHON:-python}"
 
 failed=()
-for bench in gpt_a small fp8_mlp v1_vs_v2; do
+for bench in gpt_a small fp8_mlp v1_vs_v2 graphs; do
     echo
     echo "=================== benchmarks/${bench}.py $* ==================="
     start=$(date +%s)
