@@ -256,7 +256,7 @@ class OffloadEngine:
                 # Still inside the capture (the last unpack of its backward): join the side
                 # streams this step forked, or the capture cannot end.
                 self._join_side_streams(step.counters)
-            self._finish(step, trim=not step.captured)
+            self._finish(step)
 
     def _join_side_streams(self, counters: StepCounters) -> None:
         self.transport.join(d2h=counters.groups_offloaded > 0, h2d=counters.reloads > 0)
