@@ -245,7 +245,6 @@ class GraphedLayer(torch.nn.Module):
         self._signature = InputSignature(sample)
         self._graphs = graphs
         self._captured_training = self.training
-        self.counters.captured = True
 
     def stats(self) -> dict[str, Any]:
         """What the layer's graphs offload per replay (bytes, tensors; captured copies are not timed)."""

@@ -176,12 +176,19 @@ class CudaTransport:
         event.record(stream)
         return event
 
-    @staticmethod
-    def _ordering(stream: torch.cuda.Stream) -> Any:
-        # Under capture: an event that only orders streams inside the graph (never timed).
-        event = torch.cuda.Event()
-        event.record(stream)
-        return event
+    def _copy_started(self, stream: torch.cuda.Stream, captured: bool) -> Any:
+        # A timing event before the copy; none under capture (a captured event is never timed).
+        return None if captured else self._timed(stream)
+
+    def _copy_done(self, stream: torch.cuda.Stream, captured: bool, counters: StepCounters, direction: str, start: Any) -> Any:
+        """The copy's end event: timed and counted eagerly, a plain ordering event under capture."""
+        if captured:
+            event = torch.cuda.Event()
+            event.record(stream)
+            return event
+        end = self._timed(stream)
+        counters.copies.append((direction, start, end))
+        return end
 
     def _stall(self, event: Any, counters: StepCounters, captured: bool) -> None:
         current = torch.cuda.current_stream(self.device)
@@ -201,16 +208,12 @@ class CudaTransport:
         """Submit the group's D2H into ``region`` on the D2H stream; returns its end event."""
         stream = self.d2h_stream
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        if group.captured:
-            copy_slots(group, region, use_native=self.use_native, device=self.device, stream=stream)
-            return self._ordering(stream)
-        if region.ready is not None:
+        captured = group.captured
+        if region.ready is not None and not captured:
             stream.wait_event(region.ready)
-        start = self._timed(stream)
+        start = self._copy_started(stream, captured)
         copy_slots(group, region, use_native=self.use_native, device=self.device, stream=stream)
-        end = self._timed(stream)
-        counters.copies.append(("d2h", start, end))
-        return end
+        return self._copy_done(stream, captured, counters, "d2h", start)
 
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's D2H before its originals are dropped."""
@@ -228,14 +231,10 @@ class CudaTransport:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         if wait_d2h:
             stream.wait_event(group.d2h_done)
-        if group.reload_captured:
-            copy_region(buffer, group, use_native=self.use_native, stream=stream)
-            return buffer, self._ordering(stream)
-        start = self._timed(stream)
+        captured = group.reload_captured
+        start = self._copy_started(stream, captured)
         copy_region(buffer, group, use_native=self.use_native, stream=stream)
-        end = self._timed(stream)
-        counters.copies.append(("h2d", start, end))
-        return buffer, end
+        return buffer, self._copy_done(stream, captured, counters, "h2d", start)
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's H2D before it reads the buffer."""

@@ -141,6 +141,17 @@ def simulate_capture(ctx, monkeypatch, capturing: list[bool]) -> list[tuple[bool
     return joins
 
 
+def warm_simulated(monkeypatch):
+    """A 4-layer model and a host context (3 offloaded, buffers retained) after one eager step,
+    with capture simulated; ``capturing[0]`` switches it."""
+    layers, x = make_mlp_layers(4, 32), torch.randn(8, 32)
+    ctx, sync = cpu_context(3, 4, retain_pinned_cpu_buffers=True)
+    capturing = [False]
+    simulate_capture(ctx, monkeypatch, capturing)
+    train_step(layers, x, ctx, sync)
+    return layers, x, ctx, sync, capturing
+
+
 def test_captured_step_needs_a_warm_arena(monkeypatch) -> None:
     layers, x = make_mlp_layers(4, 32), torch.randn(8, 32)
     ctx, sync = cpu_context(3, 4)
@@ -173,11 +184,7 @@ def test_captured_step_runs_the_schedule_joins_and_keeps_its_regions(monkeypatch
 
 
 def test_step_half_captured_is_refused(monkeypatch) -> None:
-    layers, x = make_mlp_layers(4, 32), torch.randn(8, 32)
-    ctx, sync = cpu_context(3, 4, retain_pinned_cpu_buffers=True)
-    capturing = [False]
-    simulate_capture(ctx, monkeypatch, capturing)
-    train_step(layers, x, ctx, sync)
+    layers, x, ctx, sync, capturing = warm_simulated(monkeypatch)
 
     class FlipsCapture(torch.nn.Module):
         def forward(self, t):
@@ -192,11 +199,7 @@ def test_step_half_captured_is_refused(monkeypatch) -> None:
 def test_forward_captured_backward_eager_is_refused(monkeypatch) -> None:
     from offload.models import run_layers
 
-    layers, x = make_mlp_layers(4, 32), torch.randn(8, 32)
-    ctx, sync = cpu_context(3, 4, retain_pinned_cpu_buffers=True)
-    capturing = [False]
-    simulate_capture(ctx, monkeypatch, capturing)
-    train_step(layers, x, ctx, sync)
+    layers, x, ctx, sync, capturing = warm_simulated(monkeypatch)
     capturing[0] = True
     out = run_layers(layers, x.requires_grad_(True), ctx, sync)
     capturing[0] = False
