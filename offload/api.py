@@ -26,8 +26,7 @@ from .arena import HostArena
 from .engine import OffloadEngine
 from .group import GroupState
 from .policy import SelectionPolicy
-from .schedule_v1 import ScheduleV1
-from .schedule_v2 import ManualSchedule, Schedule, ScheduleV2
+from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
 from .transport import CudaTransport, HostTransport
 
 MODE_ENV_VAR = "NVTE_CPU_OFFLOAD_V1"

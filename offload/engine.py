@@ -28,7 +28,7 @@ CUDA graphs (see ``offload.graphs``):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -37,9 +37,11 @@ from .arena import CaptureError, HostArena
 from .group import HOLDS_ORIGINALS, Group, GroupState
 from .marks import KEEP_ATTR
 from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
-from .schedule_v2 import Schedule
 from .stats import StepCounters, format_report, snapshot
 from .transport import CudaTransport, HostTransport
+
+if TYPE_CHECKING:
+    from .schedules.base import Schedule
 
 Transport = Union[CudaTransport, HostTransport]
 

@@ -10,7 +10,7 @@ import torch
 import offload
 from offload.group import HOLDS_ORIGINALS
 from offload.models import run_layers
-from offload.schedule_v1 import window_layers
+from offload.schedules.v1 import window_layers
 
 from _util import assert_bitwise, cpu_context, make_mlp_layers, train_step
 

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
-from .group import Group, GroupState
-from .schedule_v2 import Schedule
+from ..group import Group, GroupState
+from .base import Schedule
 
 if TYPE_CHECKING:
-    from .engine import OffloadEngine
+    from ..engine import OffloadEngine
 
 
 def window_layers(num_groups: int, model_layers: int) -> list[int]:

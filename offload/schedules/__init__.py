@@ -1,0 +1,7 @@
+"""Schedules: when each layer's group is offloaded, released and reloaded (one module each)."""
+
+from .base import ManualSchedule, Schedule
+from .v1 import ScheduleV1, window_layers
+from .v2 import ScheduleV2
+
+__all__ = ["ManualSchedule", "Schedule", "ScheduleV1", "ScheduleV2", "window_layers"]

@@ -1,0 +1,62 @@
+"""The schedule interface: *when* each layer's group is offloaded, released and reloaded.
+
+The engine does the work (``start_offload``, ``release``, ``start_reload``) and calls the
+schedule at each event of a step. Schedules see the engine's current step through ``engine.step``
+and keep no tensors of their own. They know the engine only through these calls, so this module
+imports nothing from the engine at run time (no import cycle).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from ..group import Group
+
+if TYPE_CHECKING:
+    from ..engine import OffloadEngine
+
+
+class Schedule:
+    """Base schedule: offload the first ``num_layers`` layers; subclasses decide the timing."""
+
+    name = "base"
+
+    def __init__(self, num_layers: int, model_layers: int) -> None:
+        self.num_layers = num_layers
+        self.model_layers = model_layers
+
+    def offloads(self, layer: int) -> bool:
+        """Whether the group of ``layer`` is a candidate for offloading."""
+        return layer < self.num_layers
+
+    def on_step_start(self, engine: "OffloadEngine") -> None:
+        """A new step (forward) begins."""
+
+    def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
+        """Forward is about to run ``layer``."""
+
+    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+        """Forward finished ``layer``; ``group`` is its closed group (None if not offloaded)."""
+
+    def on_forward_end(self, engine: "OffloadEngine") -> None:
+        """The last layer of the forward finished."""
+
+    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
+        """Backward is about to run ``layer`` (the gradient of its output is ready)."""
+
+    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
+        """Backward needs ``group`` and it is not on the GPU: reload it now."""
+        engine.start_reload(group)
+
+    def on_consumed(self, engine: "OffloadEngine", group: Group) -> None:
+        """Every saved tensor of ``group`` has been handed back once since its reload."""
+
+
+class ManualSchedule(Schedule):
+    """Nothing happens by itself: the user's controller calls offload, release and reload.
+
+    A group that backward needs before the user reloaded it is reloaded on demand, so a missed
+    call costs time, never data.
+    """
+
+    name = "manual"
