@@ -10,11 +10,11 @@ from .api import (
     DEFAULT_MIN_OFFLOAD_BYTES,
     MODE_ENV_VAR,
     ManualController,
-    OffloadActivations,
     OffloadContext,
     get_cpu_offload_context,
     resolve_mode,
 )
+from .activations import OffloadActivations
 from . import graphs
 from .arena import CaptureError
 from .marks import mark_activation_offload, mark_not_offload

@@ -108,7 +108,7 @@ def build_engine(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
-    steps_by_layer_count: bool = True,
+    layer_contexts: bool = True,
 ) -> OffloadEngine:
     """Validate the options and assemble policy, schedule, transport and arena."""
     _check_counts(num_layers, model_layers)
@@ -157,7 +157,7 @@ def build_engine(
         arena=arena,
         mode=label,
         model_layers=model_layers,
-        steps_by_layer_count=steps_by_layer_count,
+        layer_contexts=layer_contexts,
     )
 
 
@@ -199,7 +199,9 @@ class SyncFunction:
                 f"offload: sync_function got {what}; pass the layer's output tensor, which must "
                 "require grad: its gradient is what tells the engine that backward reached the layer"
             )
-        self.engine.attach_backward_marker(tensor, self.engine.current_layer)
+        layer = self.engine.last_closed_layer
+        if layer is not None:  # None: the layer was passive (no_grad, or recomputed in backward)
+            self.engine.attach_backward_marker(tensor, layer)
         return tensor
 
 
@@ -294,78 +296,3 @@ def get_cpu_offload_context(
     if manual_synchronization:
         result += (ManualController(engine),)
     return result
-
-
-def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_grad_tensor(list(value.values()))
-    return None
-
-
-class OffloadActivations:
-    """One ``with`` around the whole forward; layer boundaries come from forward hooks.
-
-    ``layers`` are the modules that form the repeated layers (e.g. ``model.layers``), in call
-    order. By default all but the last are offloaded (``num_offload_layers=len(layers) - 1``).
-    The other options are those of :func:`get_cpu_offload_context`. The hooks exist only inside
-    the ``with``; outside it the model runs untouched.
-    """
-
-    def __init__(self, layers: Iterable[torch.nn.Module], num_offload_layers: Optional[int] = None, **options: Any) -> None:
-        self.layers = list(layers)
-        if not self.layers or not all(isinstance(m, torch.nn.Module) for m in self.layers):
-            raise ValueError("offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. model.layers)")
-        count = len(self.layers)
-        if num_offload_layers is None:
-            num_offload_layers = count - 1
-        options.setdefault("num_layers", num_offload_layers)
-        if options["num_layers"] != num_offload_layers:
-            raise ValueError("offload: pass num_offload_layers or num_layers, not both")
-        options.pop("enabled", None)
-        options.setdefault("model_layers", count)
-        self.engine = build_engine(steps_by_layer_count=False, **options)
-        self._handles: list[Any] = []
-
-    def __enter__(self) -> "OffloadActivations":
-        if self._handles:
-            raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
-        self.engine.begin_step()
-        for module in self.layers:
-            self._handles.append(module.register_forward_pre_hook(self._before_layer))
-            self._handles.append(module.register_forward_hook(self._after_layer))
-        return self
-
-    def _before_layer(self, module: torch.nn.Module, args: Any) -> None:
-        self.engine.begin_layer()
-
-    def _after_layer(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        layer = self.engine.current_layer
-        self.engine.end_layer()
-        marked = _first_grad_tensor(output)
-        if marked is not None:
-            self.engine.attach_backward_marker(marked, layer)
-
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-        if exc_type is not None:
-            self.engine.abort_step()
-        else:
-            self.engine.end_forward()
-
-    @property
-    def stats(self) -> dict[str, Any]:
-        """Figures of the last finished step (see ``offload.stats.snapshot``)."""
-        return self.engine.stats()
-
-    def report(self) -> str:
-        """A readable table of :attr:`stats`."""
-        return self.engine.report()

@@ -11,6 +11,23 @@ Lifetime of one saved tensor (see DESIGN.md for the data flow):
 - when autograd frees the saved tensors (and the engine has moved to the next step) the group is
   garbage and its host region goes back to the arena, tagged with the event of its last copy.
 
+Layer boundaries. In TransformerEngine's call shape the saved-tensor hooks are pushed by each
+layer's ``with ctx`` (only for layers the schedule offloads) and a step is ``model_layers`` layer
+contexts. ``OffloadActivations`` instead pushes the hooks once around the whole forward and only
+switches the open group at layer boundaries, so that a ``torch.utils.checkpoint`` inside the
+forward pushes its own hooks *inside* ours and wins for the tensors of the region it recomputes
+(only the checkpoint's inputs reach us). Tensors saved between two layers join the next layer's
+group: a checkpoint wrapped around a layer's ``__call__`` (transformers 5.17) saves the layer's
+inputs just before its pre-hook runs. A layer entered while autograd runs a backward is a
+checkpoint recomputing it, and a layer entered under ``no_grad`` outside a training forward saves
+nothing: both are *passive* (not counted, nothing recorded).
+
+The step's groups are held weakly: autograd's handles keep them alive. A forward whose graph is
+dropped before its backward (an exception between layers, a skipped backward) frees its groups,
+which marks the step abandoned, so the next layer starts a fresh step instead of counting on.
+Backward reaching a step whose forward is still open (fewer layer contexts than ``model_layers``)
+ends that forward, with a warning that says what was seen.
+
 Autograd keeps the handles, not the engine: ``backward(retain_graph=True)`` a second time simply
 reloads again from the host region, which lives as long as the graph does.
 
@@ -27,6 +44,8 @@ CUDA graphs (see ``offload.graphs``):
 
 from __future__ import annotations
 
+import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -52,10 +71,12 @@ class StepState:
 
     index: int
     counters: StepCounters
-    groups: dict[int, Group] = field(default_factory=dict)  # layer -> group (offloaded layers)
+    # layer -> group (offloaded layers), held weakly: see the module notes.
+    groups: "weakref.WeakValueDictionary[int, Group]" = field(default_factory=weakref.WeakValueDictionary)
     layers_started: int = 0
     forward_done: bool = False
     captured: bool = False  # the step runs under CUDA-graph capture
+    abandoned: bool = False  # a group died before the forward ended: its graph was dropped
 
 
 class StorageHandle:
@@ -94,7 +115,7 @@ class OffloadEngine:
         arena: HostArena,
         mode: str,
         model_layers: int,
-        steps_by_layer_count: bool,
+        layer_contexts: bool,
     ) -> None:
         self.policy = policy
         self.schedule = schedule
@@ -102,15 +123,23 @@ class OffloadEngine:
         self.arena = arena
         self.mode = mode
         self.model_layers = model_layers
-        # TransformerEngine's call shape has no "end of forward" call: a step is model_layers
-        # layer contexts. OffloadActivations ends the forward explicitly instead.
-        self.steps_by_layer_count = steps_by_layer_count
+        # True: TransformerEngine's call shape. It has no "end of forward" call, so a step is
+        # model_layers layer contexts, and each offloaded layer's context pushes the hooks.
+        # False: OffloadActivations, which pushes the hooks once and ends the forward itself.
+        self.layer_contexts = layer_contexts
         self.step: Optional[StepState] = None
         self.last_finished: Optional[StepCounters] = None
         self.open_group: Optional[Group] = None
+        # The next layer's group, opened early by a tensor saved between two layers. Strong
+        # reference: until its layer runs, no autograd handle may hold it yet.
+        self.pending_group: Optional[Group] = None
         self.current_layer = -1
+        self.last_closed_layer: Optional[int] = None  # None after a passive layer
         self.in_layer = False
+        self._passive_depth = 0  # open layer contexts that are not tracked (see module notes)
         self._hooks_pushed = False
+        self._forward_hooks_pushed = False
+        self._warned: set[str] = set()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
         self._step_index = 0
         # The graphed layer being captured or warmed up (offload.graphs), with its own hooks.
@@ -155,44 +184,104 @@ class OffloadEngine:
                 f"warm-up iteration) with offloading on right before capturing{hint}."
             )
 
-    def begin_layer(self) -> None:
-        """Forward enters the next layer: schedule decisions, then capture its saved tensors."""
+    def _forward_open(self) -> bool:
+        step = self.step
+        return step is not None and not step.forward_done and not step.abandoned
+
+    def _passive_layer(self) -> bool:
+        # Inside a backward (autograd's graph task is set): a checkpoint recomputing a layer.
+        # Under no_grad with no training forward open: an eval forward, which saves nothing.
+        # A no_grad layer *inside* a training forward (a frozen layer, a reentrant checkpoint)
+        # still counts, so that the layer numbering matches the model.
+        if torch._C._current_graph_task_id() != -1:
+            return True
+        return not torch.is_grad_enabled() and not self._forward_open()
+
+    def begin_layer(self) -> bool:
+        """Forward enters the next layer: schedule decisions, then capture its saved tensors.
+
+        Returns False for a passive layer (see the module notes): nothing is tracked until the
+        matching :meth:`end_layer`. Atomic: if it raises, the engine is as it was.
+        """
+        if self._passive_depth or self._passive_layer():
+            self._passive_depth += 1
+            return False
         if self.in_layer:
             raise RuntimeError(
                 "offload: a layer context was entered while another is still open; offload "
-                "contexts do not nest: close the outer layer's `with` before entering the next"
+                "contexts do not nest: close the outer layer's `with` before entering the next "
+                "(with OffloadActivations, pass layers that do not contain one another)"
             )
         captured = self.transport.capturing()
-        if self.step is None or self.step.forward_done:
-            self.begin_step(captured)
-        step = self.step
-        if captured != step.captured:
-            raise CaptureError(
-                "offload: a step's layers must all run under the same CUDA-graph capture or all "
-                f"eagerly, but layer {step.layers_started} {'is' if captured else 'is not'} being "
-                "captured and the step's first layer was "
-                f"{'not ' if captured else ''}captured; capture the whole forward and backward"
-            )
-        layer = step.layers_started
+        new_step = not self._forward_open()
+        layer = 0 if new_step else self.step.layers_started  # type: ignore[union-attr]
+        offloads = torch.is_grad_enabled() and self.schedule.offloads(layer)
+        push = offloads and self.layer_contexts
+        if push:
+            # First, before any state changes: pushing raises under
+            # torch.autograd.graph.disable_saved_tensors_hooks, and the engine must stay usable.
+            self._hooks.__enter__()
+        try:
+            if new_step:
+                self.begin_step(captured)
+            step = self.step
+            if captured != step.captured:
+                raise CaptureError(
+                    "offload: a step's layers must all run under the same CUDA-graph capture or all "
+                    f"eagerly, but layer {step.layers_started} {'is' if captured else 'is not'} being "
+                    "captured and the step's first layer was "
+                    f"{'not ' if captured else ''}captured; capture the whole forward and backward"
+                )
+        except BaseException:
+            if push:
+                self._hooks.__exit__(None, None, None)
+            raise
+        self._hooks_pushed = push
         step.layers_started += 1
         self.current_layer = layer
         self.in_layer = True
         self.schedule.on_layer_start(self, layer)
-        # Under no_grad nothing is saved; skipping the hooks makes such a forward free.
-        if torch.is_grad_enabled() and self.schedule.offloads(layer):
-            group = Group(layer, step.index)
-            group.on_free = self._group_freed
-            group.counters = step.counters
-            group.captured = captured
-            step.groups[layer] = group
+        if offloads:
+            group = self.pending_group
+            self.pending_group = None
+            if group is None or group.layer != layer:
+                group = self._new_group(layer, step)
             self.open_group = group
-            self._hooks.__enter__()
-            self._hooks_pushed = True
+        return True
 
-    def end_layer(self, failed: bool = False) -> None:
-        """Forward left the layer: close its group and let the schedule start its D2H."""
+    def _new_group(self, layer: int, step: StepState) -> Group:
+        group = Group(layer, step.index)
+        group.on_free = self._group_freed
+        group.counters = step.counters
+        group.captured = step.captured
+        step.groups[layer] = group
+        return group
+
+    def _between_layers_group(self) -> Optional[Group]:
+        """The group for a tensor saved between two layers of OffloadActivations' forward: the
+        next layer's (see the module notes), or None to keep it where it is."""
+        if self.in_layer or self._passive_depth or not self._forward_open():
+            return None
+        step = self.step
+        layer = step.layers_started  # type: ignore[union-attr]
+        group = self.pending_group
+        if group is None or group.layer != layer:
+            if not self.schedule.offloads(layer):
+                return None
+            group = self.pending_group = self._new_group(layer, step)  # type: ignore[arg-type]
+        return group
+
+    def end_layer(self, failed: bool = False) -> Optional[int]:
+        """Forward left the layer: close its group and let the schedule start its D2H.
+
+        Returns the layer's index, or None for a passive layer or after a failure.
+        """
+        self.last_closed_layer = None
+        if self._passive_depth:
+            self._passive_depth -= 1
+            return None
         if not self.in_layer:
-            return
+            return None
         self.in_layer = False
         if self._hooks_pushed:
             self._hooks_pushed = False
@@ -201,29 +290,83 @@ class OffloadEngine:
         self.open_group = None
         if failed:
             self.abort_step()
-            return
+            return None
         step = self.step
         if group is not None:
-            self.arena.unreserve(group.saved_bytes)
-            if group.entries:
-                offsets, total = native.plan_layout(group.slot_sizes())
-                group.close(offsets, total)
-            else:
-                group.state = GroupState.KEPT  # nothing saved: nothing to do, ever
-                del step.groups[group.layer]
-                group = None
+            group = self._close(group, step)
         self.schedule.on_layer_end(self, self.current_layer, group)
-        if self.steps_by_layer_count and step.layers_started >= self.model_layers:
+        self.last_closed_layer = self.current_layer
+        if self.layer_contexts and step.layers_started >= self.model_layers:
             self.end_forward()
+        return self.current_layer
+
+    def _close(self, group: Group, step: StepState) -> Optional[Group]:
+        # Lay the group out, or forget it when nothing was saved into it.
+        self.arena.unreserve(group.saved_bytes)
+        if group.entries:
+            offsets, total = native.plan_layout(group.slot_sizes())
+            group.close(offsets, total)
+            return group
+        group.state = GroupState.KEPT  # nothing saved: nothing to do, ever
+        step.groups.pop(group.layer, None)
+        return None
+
+    def begin_forward(self) -> bool:
+        """OffloadActivations' entry: start a step and push the hooks for the whole forward.
+
+        Returns False (and does nothing) under ``no_grad``, where a forward saves nothing.
+        Atomic like :meth:`begin_layer`.
+        """
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return False
+        self._hooks.__enter__()  # first: it may raise, and then nothing has changed
+        self._forward_hooks_pushed = True
+        try:
+            self.begin_step()
+        except BaseException:
+            self._pop_forward_hooks()
+            raise
+        return True
+
+    def _pop_forward_hooks(self) -> None:
+        if self._forward_hooks_pushed:
+            self._forward_hooks_pushed = False
+            self._hooks.__exit__(None, None, None)
 
     def end_forward(self) -> None:
         """The forward pass is over: the schedule releases what it still holds."""
+        self._pop_forward_hooks()
         step = self.step
         if step is None or step.forward_done:
             return
+        pending = self.pending_group
+        if pending is not None:
+            # Saved after the last layer that ran, for a layer that never came: keep it here.
+            self.pending_group = None
+            pending = self._close(pending, step)
+            if pending is not None:
+                pending.mark_kept()
         step.forward_done = True
         self.schedule.on_forward_end(self)
         self._check_finished(step)
+
+    def _backward_started(self, step: StepState) -> None:
+        # Backward reached a step whose forward is still open: the forward is over, whatever
+        # the layer count said. Say so when the count is the TE call shape's step boundary.
+        if self.layer_contexts and step.layers_started != self.model_layers:
+            self._warn_once(
+                "count",
+                f"offload: backward began after {step.layers_started} layer contexts, but "
+                f"model_layers={self.model_layers}; the step was ended there. Pass the number of "
+                "`with ctx` blocks one forward really runs as model_layers, or the schedule "
+                "offloads the wrong layers (gradients stay exact).",
+            )
+        self.end_forward()
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, stacklevel=3)
 
     def abort_step(self) -> None:
         """Forget the step after an exception in forward; the next layer starts a fresh step.
@@ -234,10 +377,13 @@ class OffloadEngine:
         if self._hooks_pushed:
             self._hooks_pushed = False
             self._hooks.__exit__(None, None, None)
+        self._pop_forward_hooks()
         self.in_layer = False
         self.open_group = None
+        self.pending_group = None
+        self._passive_depth = 0
         if self.step is not None:
-            for group in self.step.groups.values():
+            for group in list(self.step.groups.values()):
                 if group.state is GroupState.OPEN:
                     self.arena.unreserve(group.saved_bytes)
                     group.saved_bytes = 0
@@ -315,7 +461,9 @@ class OffloadEngine:
         """Pack hook: keep ``t`` as it is, or record it in the open group."""
         group = self.open_group
         if group is None:
-            return t
+            group = self._between_layers_group()
+            if group is None:
+                return t
         return self._pack_into(group, t)
 
     def _pack_local(self, t: torch.Tensor) -> Any:
@@ -347,6 +495,9 @@ class OffloadEngine:
                 return self._unpack_storage(packed)
             return packed
         group, index = packed
+        step = self.step
+        if step is not None and not step.forward_done and group.step == step.index:
+            self._backward_started(step)
         group.unpacks += 1
         if group.state in HOLDS_ORIGINALS:
             tensor = group.original(index)
@@ -443,7 +594,10 @@ class OffloadEngine:
 
     def on_backward_reach(self, step: int, layer: int) -> None:
         """Called by the backward markers: backward is about to run ``layer`` of ``step``."""
-        if self.step is not None and self.step.index == step:
+        current = self.step
+        if current is not None and current.index == step:
+            if not current.forward_done:
+                self._backward_started(current)
             self.schedule.on_backward_reach(self, layer)
 
     def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
@@ -457,6 +611,15 @@ class OffloadEngine:
         if group.host is not None:
             self.arena.release(group.host, self.transport.last_host_use(group))
             group.host = None
+        step = self.step
+        if (
+            self.layer_contexts  # OffloadActivations knows where each forward starts
+            and group.entries
+            and step is not None
+            and group.step == step.index
+            and not step.forward_done
+        ):
+            step.abandoned = True
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -76,6 +76,12 @@ def test_full_gpt_with_offload_activations() -> None:
     for _ in range(2):
         assert_bitwise(expected, step(oa))
     assert oa.stats["groups_offloaded"] == 2  # all but the last layer
+    # Outside the `with` the hooks (registered once, not per step) do nothing ...
+    step_before = oa.engine.step
+    assert_bitwise(expected, step(None))
+    assert oa.engine.step is step_before and not hooks_installed()
+    # ... and close() removes them.
+    oa.close()
     assert not model.layers[0]._forward_pre_hooks and not model.layers[0]._forward_hooks
 
 
@@ -188,6 +194,8 @@ def test_exception_inside_offload_activations_removes_hooks(gpt) -> None:
         with oa:
             offload.models.run_layers(stack, x.requires_grad_(True))
     assert not hooks_installed()
+    assert oa.engine.step is None and not oa.active  # the aborted step is forgotten
+    oa.close()
     assert all(not m._forward_pre_hooks and not m._forward_hooks for m in stack)
     oa2 = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
     for p in layers.parameters():

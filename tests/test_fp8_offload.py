@@ -78,8 +78,9 @@ def test_storage_components_round_trip_as_typed_aligned_views(device: str, kind:
     layers = torch.nn.ModuleList(StorageLayer(kind, bulk) for _ in range(3))
     ctx, sync = context(device, 2, 3)
     x = torch.randn(128, 256, device=device, requires_grad=True)
-    run_layers(layers, x, ctx, sync).sum().backward()
-    groups = ctx.engine.step.groups
+    out = run_layers(layers, x, ctx, sync)
+    groups = dict(ctx.engine.step.groups)  # the step holds them weakly; backward frees them
+    out.sum().backward()
     for layer in (0, 1):
         # Really offloaded: the originals were dropped and the data came back from the host copy.
         assert groups[layer].state.value == "offloaded" and groups[layer].originals is None
