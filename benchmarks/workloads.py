@@ -12,6 +12,10 @@ and rounded; the number of layers never changes, so a num_layers sweep stays the
 * SMALL: 16 x (Linear 1024->1024 + GELU), 256 tokens, bf16 (CPU-bound).
 * FP8-MLP: 8 x MLPBlock (the GPT-A MLP) with the FP8 Linear (tensorwise), batch 2 x seq 4096
   tokens; ``fp8=False`` gives the same stack with ``nn.Linear`` in bf16 for comparison.
+* LLAMA-1B / LLAMA-2B: real model code nobody here wrote, HuggingFace ``LlamaForCausalLM`` with
+  random init (no download), bf16, SDPA attention, no KV cache, vocab 32000. ``LlamaSpec.build``
+  returns ``(model, ids)``: the repeated layers are ``model.model.layers``, and the loss is
+  ``model(input_ids=ids, labels=ids).loss``. Needs ``transformers``.
 """
 
 from __future__ import annotations
@@ -145,6 +149,67 @@ class MLPSpec:
                 f"seq {self.seq}, {str(self.dtype).replace('torch.', '')}")
 
 
+@dataclass(frozen=True)
+class LlamaSpec:
+    """A HuggingFace Llama causal LM with random weights, fed random token ids."""
+
+    name: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    batch: int
+    seq: int
+    vocab: int = 32000
+    dtype: torch.dtype = torch.bfloat16
+
+    def scaled(self, scale: float) -> "LlamaSpec":
+        if scale == 1.0:
+            return self
+        heads = max(2, int(self.heads * scale))
+        kv = max(1, min(heads, int(self.kv_heads * scale)))
+        while heads % kv:
+            kv -= 1
+        return replace(self, hidden=_scaled(self.hidden, scale, 8 * heads), intermediate=_scaled(self.intermediate, scale),
+                       heads=heads, kv_heads=kv, seq=_scaled(self.seq, scale), vocab=_scaled(self.vocab, scale))
+
+    def config(self) -> Any:
+        import transformers
+
+        cfg = transformers.LlamaConfig(
+            hidden_size=self.hidden, intermediate_size=self.intermediate, num_hidden_layers=self.layers,
+            num_attention_heads=self.heads, num_key_value_heads=self.kv_heads, vocab_size=self.vocab,
+            max_position_embeddings=self.seq, use_cache=False,
+        )
+        cfg._attn_implementation = "sdpa"
+        return cfg
+
+    def build(self, device: torch.device, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+        import transformers
+
+        torch.manual_seed(seed)
+        with torch.device(device):  # random init on the device: seconds instead of minutes
+            model = transformers.LlamaForCausalLM(self.config())
+        model.to(dtype=self.dtype).train()
+        g = torch.Generator(device=device).manual_seed(seed)
+        ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g, device=device)
+        return model, ids
+
+    def describe(self) -> str:
+        return (f"{self.name}: HF LlamaForCausalLM, hidden {self.hidden}, intermediate {self.intermediate}, "
+                f"{self.layers} layers, {self.heads}/{self.kv_heads} heads, batch {self.batch}, seq {self.seq}, "
+                f"vocab {self.vocab}, {str(self.dtype).replace('torch.', '')}, sdpa")
+
+
+def llama_1b(scale: float = 1.0) -> LlamaSpec:
+    return LlamaSpec("LLAMA-1B", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, batch=4, seq=4096).scaled(scale)
+
+
+def llama_2b(scale: float = 1.0) -> LlamaSpec:
+    return LlamaSpec("LLAMA-2B", hidden=4096, intermediate=14336, layers=8, heads=64, kv_heads=16, batch=2, seq=4096).scaled(scale)
+
+
 def gpt_a(scale: float = 1.0) -> GPTSpec:
     return GPTSpec("GPT-A", hidden=4096, heads=32, layers=8, batch=2, seq=4096).scaled(scale)
 
@@ -162,7 +227,9 @@ def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise"
     return MLPSpec(name, hidden=4096, layers=8, batch=2, seq=4096, fp8=fp8, scaling=scaling).scaled(scale)
 
 
-WORKLOADS: dict[str, Callable[..., Any]] = {"gpt_a": gpt_a, "gpt_b": gpt_b, "small": small, "fp8_mlp": fp8_mlp}
+WORKLOADS: dict[str, Callable[..., Any]] = {
+    "gpt_a": gpt_a, "gpt_b": gpt_b, "small": small, "fp8_mlp": fp8_mlp, "llama_1b": llama_1b, "llama_2b": llama_2b,
+}
 
 
 def scale_for(smoke: bool, override: Optional[float] = None) -> float:

@@ -15,7 +15,8 @@ from .api import (
     resolve_mode,
 )
 from .activations import OffloadActivations
-from . import graphs
+from . import graphs, planner
+from .planner import plan
 from .arena import CaptureError
 from .marks import mark_activation_offload, mark_not_offload
 from .native import native_available
@@ -32,6 +33,8 @@ __all__ = [
     "mark_activation_offload",
     "mark_not_offload",
     "native_available",
+    "plan",
+    "planner",
     "resolve_mode",
 ]
 __version__ = "0.1.0"

@@ -13,12 +13,19 @@ can still be copied or saved.
 
 from __future__ import annotations
 
+import copy
+import time
 import weakref
 from typing import Any, Iterable, Optional
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from .api import build_engine
+from .planner.make import LOWEST, Budget, check_budget, choose, probe_policy, step_figures
+from .planner.probe import ProbeStep, measure_link
+from .planner.types import Plan
+from .schedules.planned import PlannedSchedule
 
 
 def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
@@ -63,6 +70,34 @@ class _LayerHook:
         return (_LayerHook, (None, self._after))
 
 
+class _RecomputeForward:
+    """Stands in for a layer's ``forward`` and runs it under non-reentrant checkpointing when
+    the plan recomputes the layer being run (a weight-shared module is decided per call).
+
+    Like the hooks, it holds its context weakly, and its copies simply call the copied forward.
+    """
+
+    __slots__ = ("_owner", "fn")
+
+    def __init__(self, owner: Optional["OffloadActivations"], fn: Any) -> None:
+        self._owner = weakref.ref(owner) if owner is not None else None
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        owner = self._owner() if self._owner is not None else None
+        if owner is not None and owner.active and owner._recompute_current():
+            # The pre-hook has opened the layer's group: checkpoint's inputs are saved into it
+            # (and offloaded), everything inside goes to checkpoint's own hooks.
+            return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "_RecomputeForward":
+        return _RecomputeForward(None, copy.deepcopy(self.fn, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_RecomputeForward, (None, self.fn))
+
+
 class OffloadActivations:
     """One ``with`` around the whole forward; layer boundaries come from module hooks.
 
@@ -75,6 +110,15 @@ class OffloadActivations:
     Checkpointing composes: layers run under ``torch.utils.checkpoint`` (reentrant or not,
     around ``forward`` or ``__call__``, e.g. HF ``gradient_checkpointing_enable``) offload only
     their checkpoint inputs, which come back before the layer's recompute.
+
+    Plans (per layer keep / offload / recompute, see ``offload.planner``):
+    ``memory_budget_bytes=N`` (or ``"lowest"``) probes the first step plainly, then plans and
+    follows the fastest plan whose predicted peak fits ``N`` from the second step on;
+    ``plan=offload.plan(...)`` follows a plan made beforehand. Recomputed layers are run under
+    non-reentrant checkpointing here: leave the model's own checkpointing off.
+    :attr:`plan` is the plan in force and :meth:`plan_report` its table with the measured step
+    time (and peak with ``measure_peak=True``, which resets CUDA's peak-memory counter at each
+    planned step's entry to read the step's own peak).
     """
 
     def __init__(
@@ -83,6 +127,9 @@ class OffloadActivations:
         num_offload_layers: Optional[int] = None,
         *,
         enabled: bool = True,
+        plan: Optional[Plan] = None,
+        memory_budget_bytes: Budget = None,
+        measure_peak: bool = False,
         **options: Any,
     ) -> None:
         self.layers = list(layers)
@@ -91,6 +138,22 @@ class OffloadActivations:
                 "offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. model.layers)"
             )
         count = len(self.layers)
+        self.budget = check_budget(memory_budget_bytes, "OffloadActivations:")
+        planned = plan is not None or self.budget is not None
+        if planned:
+            if plan is not None and self.budget is not None:
+                raise ValueError("offload: OffloadActivations takes plan or memory_budget_bytes, not both")
+            if num_offload_layers is not None or "num_layers" in options:
+                raise ValueError(
+                    "offload: OffloadActivations takes num_offload_layers (a fixed count) or a plan / "
+                    "memory_budget_bytes (per-layer actions), not both"
+                )
+            if plan is not None and len(plan.layers) != count:
+                raise ValueError(
+                    f"offload: the plan was made for {len(plan.layers)} layers, but {count} layers "
+                    "were given; make the plan for this model (offload.plan(layers, step_fn, ...))"
+                )
+            num_offload_layers = 0  # until the plan's schedule takes over
         if num_offload_layers is None:
             num_offload_layers = count - 1
         options.setdefault("num_layers", num_offload_layers)
@@ -99,6 +162,13 @@ class OffloadActivations:
         options.setdefault("model_layers", count)
         self.enabled = bool(enabled)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
+        self.measure_peak = bool(measure_peak)
+        self.plan: Optional[Plan] = None
+        self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
+        self._probe: Optional[ProbeStep] = None
+        self._step_mark: Any = None
+        if self.engine is not None and plan is not None:
+            self._follow(plan)
         self.active = False
         self._tracking = False  # this forward is tracked (grad enabled at entry)
         self._handles: list[Any] = []
@@ -109,6 +179,15 @@ class OffloadActivations:
             raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
         if self.engine is None:
             return self
+        planning = self.budget is not None or self.plan is not None
+        if planning and torch.is_grad_enabled():
+            self._between_steps()
+            if self.plan is None:  # the first step: a plain probe
+                if self._probe is None:
+                    self._probe = ProbeStep(self.layers, probe_policy(self.engine.transport.device, self.engine.policy.min_offload_bytes, self.engine.policy.selection), self.engine.transport.device)
+                    self._probe.begin()
+                    self._tracking = True
+                return self
         if not self._handles:
             self._register_hooks()
         self._tracking = self.engine.begin_forward()
@@ -120,17 +199,75 @@ class OffloadActivations:
             return
         self.active = False
         self._tracking = False
+        if self._probe is not None and self.plan is None:
+            self._probe.end_forward()
+            if exc_type is not None:
+                self._probe = None  # probe again on the next step
+            return
         if exc_type is not None:
             self.engine.abort_step()
             return
         counted = self.engine.step.layers_started if self.engine.step is not None else 0
-        self.engine.end_forward()
+        self.engine.finish_forward()
         if counted != len(self.layers):
             self.engine._warn_once(
                 "count",
                 f"offload: the forward ran {counted} of the {len(self.layers)} layers given to "
                 "OffloadActivations; pass the modules one forward really calls, in call order",
             )
+
+    # -- plans -------------------------------------------------------------------------------------
+    def _between_steps(self) -> None:
+        # Called at the entry of a planned step: the previous step (forward, backward and
+        # whatever the loop did after it) is over, so its figures are final.
+        device = self.engine.transport.device  # type: ignore[union-attr]
+        cuda = device.type == "cuda"
+        mark = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+        if cuda:
+            mark.record()
+        if self._probe is not None and self.plan is None:
+            self._probe.end_step()
+            profile = self._probe.profile(measure_link(device))
+            self._probe = None
+            self._follow(choose(profile, self.budget))
+        elif self._step_mark is not None:
+            # Read lazily (plan_report): reading the events now would make the host wait.
+            peak = torch.cuda.max_memory_allocated(device) if cuda and self.measure_peak else None
+            self._last_step = (self._step_mark, mark, peak)
+        if cuda and self.measure_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        self._step_mark = mark
+
+    def _follow(self, plan: Plan) -> None:
+        if plan.profile is None:
+            raise ValueError("offload: this plan carries no profile; make it with offload.plan(...)")
+        self.plan = plan
+        self.engine.schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[union-attr]
+        self.engine.model_layers = len(plan.layers)  # type: ignore[union-attr]
+        if plan.recomputes():
+            self._install_recompute()
+
+    def _recompute_current(self) -> bool:
+        engine = self.engine
+        return engine is not None and engine.in_layer and engine.schedule.recomputes(engine.current_layer)
+
+    def _install_recompute(self) -> None:
+        for module in dict.fromkeys(self.layers):
+            if not isinstance(module.__dict__.get("forward"), _RecomputeForward):
+                module.forward = _RecomputeForward(self, module.forward)
+
+    def plan_report(self) -> str:
+        """The plan in force, layer by layer, with predicted and (after a step) measured figures."""
+        if self.plan is None:
+            return "offload: no plan yet (the first step of a memory budget is the probe)"
+        return self.plan.table(measured=self.measured)
+
+    @property
+    def measured(self) -> Optional[dict[str, Any]]:
+        """The last whole planned step's time (entry to next entry) and peak (``measure_peak``)."""
+        if self._last_step is None:
+            return None
+        return step_figures(*self._last_step)
 
     def _register_hooks(self) -> None:
         # One pair of hooks per distinct module: a module listed twice is called twice.
@@ -139,10 +276,13 @@ class OffloadActivations:
             self._handles.append(module.register_forward_hook(_LayerHook(self, after=True)))
 
     def close(self) -> None:
-        """Remove the module hooks (registered on first entry; inert outside the ``with``)."""
+        """Remove the module hooks and checkpoint wrappers (inert outside the ``with`` anyway)."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in dict.fromkeys(self.layers):
+            if isinstance(module.__dict__.get("forward"), _RecomputeForward):
+                del module.forward
 
     # -- layer boundaries --------------------------------------------------------------------------
     def _before_layer(self) -> None:

@@ -55,7 +55,7 @@ from . import native
 from .arena import CaptureError, HostArena
 from .group import HOLDS_ORIGINALS, Group, GroupState
 from .marks import KEEP_ATTR
-from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
+from .policy import KEEP_MARKED, KEEP_SMALL, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
 from .transport import CudaTransport, HostTransport
 
@@ -251,6 +251,7 @@ class OffloadEngine:
 
     def _new_group(self, layer: int, step: StepState) -> Group:
         group = Group(layer, step.index)
+        group.min_offload_bytes = self.schedule.min_offload_bytes(layer)
         group.on_free = self._group_freed
         group.counters = step.counters
         group.captured = step.captured
@@ -333,9 +334,17 @@ class OffloadEngine:
             self._forward_hooks_pushed = False
             self._hooks.__exit__(None, None, None)
 
-    def end_forward(self) -> None:
-        """The forward pass is over: the schedule releases what it still holds."""
+    def finish_forward(self) -> None:
+        """OffloadActivations' exit: pop the forward's hooks, then :meth:`end_forward`."""
         self._pop_forward_hooks()
+        self.end_forward()
+
+    def end_forward(self) -> None:
+        """The forward pass is over: the schedule releases what it still holds.
+
+        Also called from backward (see :meth:`_backward_started`), possibly on autograd's
+        device thread, so it leaves the hooks alone: they belong to the thread that pushed them.
+        """
         step = self.step
         if step is None or step.forward_done:
             return
@@ -475,6 +484,12 @@ class OffloadEngine:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
                 return self._pack_storage(group, t)
             group.counters.keep(reason)
+            return t
+        floor = group.min_offload_bytes
+        if floor is not None and t.nbytes < floor:
+            # A plan that offloads only this layer's large tensors.
+            self.arena.unreserve(t.nbytes)
+            group.counters.keep(KEEP_SMALL)
             return t
         group.saved_bytes += t.nbytes
         return (group, group.add(t))

@@ -75,6 +75,7 @@ class Group:
         self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...]]] = []
         self.originals: Optional[list[torch.Tensor]] = []
         self.saved_bytes = 0
+        self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close().
         self.slot_offsets: list[int] = []
         self.nbytes = 0

@@ -125,6 +125,10 @@ class HostTransport:
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Order reuse of the originals' memory after the D2H (synchronous here: nothing)."""
 
+    def offload_finished(self, group: Group) -> bool:
+        """Whether the group's D2H is done (always: host copies are synchronous)."""
+        return True
+
     def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
         """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
         buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
@@ -218,6 +222,11 @@ class CudaTransport:
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's D2H before its originals are dropped."""
         self._stall(group.d2h_done, counters, group.captured)
+
+    def offload_finished(self, group: Group) -> bool:
+        """Whether the group's D2H has completed (a non-blocking query; never under capture,
+        where nothing has run yet and querying is an error)."""
+        return not group.captured and group.d2h_done.query()
 
     def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
         """Submit ONE H2D of the group's region into a buffer from the compute stream's pool.

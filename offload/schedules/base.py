@@ -29,6 +29,14 @@ class Schedule:
         """Whether the group of ``layer`` is a candidate for offloading."""
         return layer < self.num_layers
 
+    def min_offload_bytes(self, layer: int) -> Optional[int]:
+        """A size floor for ``layer``'s offloaded tensors, or None for the policy's default."""
+        return None
+
+    def recomputes(self, layer: int) -> bool:
+        """Whether ``layer`` runs under checkpointing (planned schedules only)."""
+        return False
+
     def on_step_start(self, engine: "OffloadEngine") -> None:
         """A new step (forward) begins."""
 

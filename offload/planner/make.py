@@ -1,0 +1,124 @@
+"""Making a plan: probe one step, then search (``offload.plan``), and measuring how it went.
+
+``offload.plan(layers, step_fn, memory_budget_bytes=...)`` runs ``step_fn`` (one whole training
+step: forward and backward) once under a :class:`~offload.planner.probe.ProbeStep`, measures the
+host link, and returns the fastest plan under the budget. ``OffloadActivations(layers,
+memory_budget_bytes=...)`` does the same on its own first step (see ``offload/activations.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from ..api import DEFAULT_MIN_OFFLOAD_BYTES, resolve_device
+from ..policy import SelectionPolicy
+from .probe import ProbeStep, measure_link
+from .search import BudgetError, best_plan, lowest_peak
+from .types import LinkProfile, Plan, StepProfile
+
+Budget = Union[int, str, None]
+
+LOWEST = "lowest"
+
+
+def check_budget(memory_budget_bytes: Budget, where: str) -> Budget:
+    """Validate a budget argument: bytes (int > 0), ``"lowest"``, or None (no budget)."""
+    if memory_budget_bytes is None or memory_budget_bytes == LOWEST:
+        return memory_budget_bytes
+    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0:
+        raise ValueError(
+            f"offload: {where} memory_budget_bytes must be a positive int number of bytes "
+            f"(e.g. 20 << 30 for 20 GiB) or 'lowest', got {memory_budget_bytes!r}"
+        )
+    return memory_budget_bytes
+
+
+def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = "auto") -> SelectionPolicy:
+    """The engine's selection rules with no host budget: the probe only counts."""
+    return SelectionPolicy(
+        device_index=-1 if device.type == "cpu" else (device.index or 0),
+        min_offload_bytes=min_offload_bytes,
+        selection=selection,
+        reserve_host_bytes=lambda nbytes: True,
+    )
+
+
+def choose(profile: StepProfile, memory_budget_bytes: Budget) -> Plan:
+    """The fastest plan under the budget (``"lowest"``: the lowest-peak plan)."""
+    if memory_budget_bytes == LOWEST:
+        return lowest_peak(profile)
+    if memory_budget_bytes is None:
+        return best_plan(profile, profile.plain_peak_bytes)
+    return best_plan(profile, int(memory_budget_bytes))
+
+
+def profile_step(
+    layers: Sequence[torch.nn.Module],
+    step_fn: Callable[[], Any],
+    *,
+    device: Union[None, str, torch.device] = None,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    link: Optional[LinkProfile] = None,
+) -> StepProfile:
+    """Run ``step_fn()`` (one whole training step) once, plainly, and measure it per layer.
+
+    ``link``: the host link's speed; measured (one pinned buffer, a few copies) if None.
+    Raises RuntimeError when the step raises, ValueError when it runs none of ``layers``.
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("offload.plan: no layers given; pass the model's repeated layers (e.g. model.model.layers)")
+    dev = resolve_device(device)
+    probe = ProbeStep(layers, probe_policy(dev, min_offload_bytes), dev)
+    probe.begin()
+    try:
+        step_fn()
+    except Exception as exc:
+        probe.end_forward()
+        raise RuntimeError(
+            f"offload.plan: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
+            "step_fn() once, plainly (no offload); fix the step so that it runs on its own first"
+        ) from exc
+    probe.end_step()
+    return probe.profile(link if link is not None else measure_link(dev))
+
+
+def plan(
+    layers: Sequence[torch.nn.Module],
+    step_fn: Callable[[], Any],
+    memory_budget_bytes: Budget = None,
+    *,
+    device: Union[None, str, torch.device] = None,
+    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+    link: Optional[LinkProfile] = None,
+) -> Plan:
+    """Probe one step of ``step_fn`` and return the fastest plan whose peak fits the budget.
+
+    ``layers``: the repeated layer modules in call order (e.g. ``model.model.layers``).
+    ``step_fn()``: one whole training step, forward and backward (the probe runs it plainly,
+    so it needs the plain step's memory once). ``memory_budget_bytes``: peak device bytes the
+    plan may use, ``"lowest"`` for the lowest-memory plan, or None for no limit. ``link``: the
+    host link's speed, measured if None. Pass the plan to ``OffloadActivations(layers,
+    plan=...)``; ``print(plan.table())`` shows it layer by layer.
+
+    Raises :class:`BudgetError` (a ValueError) when no plan fits, naming the lowest reachable
+    peak, and RuntimeError when the probe step itself raises.
+    """
+    budget = check_budget(memory_budget_bytes, "plan():")
+    profile = profile_step(layers, step_fn, device=device, min_offload_bytes=min_offload_bytes, link=link)
+    return choose(profile, budget)
+
+
+def step_figures(start: Any, end: Any, peak_bytes: Optional[int]) -> dict[str, Any]:
+    """Measured figures of one step for ``Plan.table(measured=...)``."""
+    if isinstance(start, float):
+        ms = (end - start) * 1e3
+    else:
+        end.synchronize()
+        ms = float(start.elapsed_time(end))
+    return {"step_ms": ms, "peak_bytes": peak_bytes}
+
+
+__all__ = ["BudgetError", "LOWEST", "plan", "profile_step", "choose", "check_budget", "probe_policy", "step_figures"]

@@ -1,0 +1,303 @@
+"""The probe step: one plain training step, measured per layer, that the planner plans from.
+
+Nothing is offloaded during the probe. It records, per layer:
+- the storage slots the layer's group would copy (the engine's own ``Group`` dedups views and
+  aligns spans, and the engine's ``SelectionPolicy`` picks the tensors, so the bytes are exactly
+  what an offloading step would move);
+- the bytes a checkpoint of the layer would save (its positional tensor inputs);
+- its forward time (events at the module's pre-hook and hook) and its backward time (from the
+  moment the gradient of its output is ready to the moment the gradient of its input is).
+
+Plus the time before the first layer, the head (after the last layer, forward and backward), the
+time after layer 0's backward, the memory at forward start and the step's peak (CUDA), and the
+host link's speed each way and both ways at once (:func:`measure_link`).
+
+Times come from CUDA events on the stream each hook runs on (read once the step is over), or the
+host clock on CPU. The probe's saved-tensor hooks return each tensor as it is, so the probe step
+keeps everything on the device like a plain step, and its peak is the plain peak.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from ..group import Group
+from ..policy import SelectionPolicy
+from .types import LayerProfile, LinkProfile, StepProfile
+
+
+class _Clock:
+    """Marks on one device's timeline: CUDA events, or the host clock on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def ms(self, start: Any, end: Any) -> float:
+        if start is None or end is None:
+            return 0.0
+        if self.cuda:
+            end.synchronize()
+            return max(0.0, float(start.elapsed_time(end)))
+        return max(0.0, (end - start) * 1e3)
+
+
+def _tensor_input_bytes(args: Sequence[Any]) -> int:
+    # What torch.utils.checkpoint saves for backward: the positional tensor arguments.
+    seen: set[int] = set()
+    total = 0
+    for a in args:
+        if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in seen:
+            seen.add(a.untyped_storage().data_ptr())
+            total += a.nbytes
+    return total
+
+
+def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = _first_grad_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return _first_grad_tensor(list(value.values()))
+    return None
+
+
+class _LayerRecord:
+    __slots__ = ("group", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end")
+
+    def __init__(self, index: int) -> None:
+        self.group = Group(index, step=0)
+        self.input_bytes = 0
+        self.fwd_start: Any = None
+        self.fwd_end: Any = None
+        self.bwd_start: Any = None  # gradient of the layer's output ready
+        self.bwd_end: Any = None    # gradient of the layer's input ready
+
+
+class ProbeStep:
+    """Records one plain step over ``layers``; use :meth:`forward` around its forward.
+
+    ``policy`` selects the tensors exactly as the engine would (parameters, marks, sizes).
+    After the step's backward, :meth:`profile` turns the records into a :class:`StepProfile`.
+    """
+
+    def __init__(self, layers: Sequence[torch.nn.Module], policy: SelectionPolicy, device: torch.device) -> None:
+        self.layers = list(layers)
+        self.policy = policy
+        self.device = device
+        self.clock = _Clock(device)
+        self.records: list[_LayerRecord] = []
+        self._open: Optional[_LayerRecord] = None
+        self._pending: Optional[_LayerRecord] = None
+        self._handles: list[Any] = []
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self.step_start: Any = None
+        self.forward_end: Any = None
+        self.step_end: Any = None
+        self.base_bytes = 0
+        self.peak_bytes = 0
+        self.active = False
+
+    # -- the forward -------------------------------------------------------------------------------
+    def begin(self) -> None:
+        """Start the step: hooks on, clocks and the device's peak counter reset."""
+        if self.clock.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.step_start = self.clock.mark()
+        me = weakref.ref(self)
+        for module in dict.fromkeys(self.layers):
+            self._handles.append(module.register_forward_pre_hook(lambda m, a, me=me: me() and me()._before(a)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, me=me: me() and me()._after(o)))
+        self._saved_hooks.__enter__()
+        self.active = True
+
+    def end_forward(self) -> None:
+        """The forward is over (the backward may follow outside)."""
+        if not self.active:
+            return
+        self.active = False
+        self._saved_hooks.__exit__(None, None, None)
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self.forward_end = self.clock.mark()
+
+    def end_step(self) -> None:
+        """The whole step, backward included, is over."""
+        self.end_forward()
+        self.step_end = self.clock.mark()
+        if self.clock.cuda:
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+
+    def _passive(self) -> bool:
+        return torch._C._current_graph_task_id() != -1  # a checkpoint recomputing in backward
+
+    def _before(self, args: Any) -> None:
+        if not self.active or self._passive():
+            return
+        index = len(self.records)
+        record = self._pending if self._pending is not None else _LayerRecord(index)
+        self._pending = None
+        if index == 0 and self.clock.cuda:
+            self.base_bytes = torch.cuda.memory_allocated(self.device)
+        record.input_bytes = _tensor_input_bytes(args)
+        record.fwd_start = self.clock.mark()
+        grad_input = _first_grad_tensor(args)
+        if grad_input is not None:
+            grad_input.register_hook(_Mark(self, record, "bwd_end"))
+        self.records.append(record)
+        self._open = record
+
+    def _after(self, output: Any) -> None:
+        record = self._open
+        if record is None or not self.active or self._passive():
+            return
+        self._open = None
+        record.fwd_end = self.clock.mark()
+        grad_output = _first_grad_tensor(output)
+        if grad_output is not None:
+            grad_output.register_hook(_Mark(self, record, "bwd_start"))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        record = self._open
+        if record is None:
+            # Between layers: the next layer's, as in the engine (a checkpoint around __call__
+            # saves the layer's inputs there).
+            if self._pending is None:
+                self._pending = _LayerRecord(len(self.records))
+            record = self._pending
+        if self.policy.decide(t) is None:
+            record.group.add(t)
+        return t
+
+    @staticmethod
+    def _unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    # -- the result --------------------------------------------------------------------------------
+    def profile(self, link: LinkProfile, plain_step_ms: Optional[float] = None) -> StepProfile:
+        """The measured step as a :class:`StepProfile` (call after :meth:`end_step`)."""
+        if not self.records:
+            raise ValueError(
+                "offload: the probe step ran none of the given layers; pass the modules the "
+                "forward really calls (e.g. model.model.layers)"
+            )
+        ms = self.clock.ms
+        records = self.records
+        layers = []
+        for r in records:
+            slots = tuple(r.group.slot_sizes())
+            # Layer 0's input gradient may not exist (token ids): its backward then runs until
+            # the end of the step's backward, which post_ms then does not double count.
+            bwd_end = r.bwd_end if r.bwd_end is not None else self.step_end
+            signature = f"{len(slots)}:{sum(slots)}:{r.input_bytes}"
+            layers.append(LayerProfile(
+                slot_bytes=slots,
+                input_bytes=r.input_bytes,
+                forward_ms=ms(r.fwd_start, r.fwd_end),
+                backward_ms=ms(r.bwd_start, bwd_end) if r.bwd_start is not None else 0.0,
+                signature=signature,
+            ))
+        first, last = records[0], records[-1]
+        step_ms = ms(self.step_start, self.step_end)
+        pre_ms = ms(self.step_start, first.fwd_start)
+        # The head: from the last layer's end to the gradient of its output (its forward, the
+        # loss, and their backward).
+        head_ms = ms(last.fwd_end, last.bwd_start) if last.bwd_start is not None else 0.0
+        post_ms = ms(first.bwd_end, self.step_end) if first.bwd_end is not None else 0.0
+        saved = sum(l.saved_bytes for l in layers)
+        if self.clock.cuda:
+            base, peak = self.base_bytes, self.peak_bytes
+        else:
+            # No allocator to ask on the host: plan on the activations alone.
+            base, peak = 0, max(1, saved)
+        return StepProfile(
+            layers=tuple(layers),
+            link=link,
+            base_bytes=base,
+            head_bytes=max(0, peak - base - saved),
+            pre_ms=pre_ms,
+            head_ms=head_ms,
+            post_ms=post_ms,
+            plain_step_ms=plain_step_ms if plain_step_ms is not None else max(step_ms, 1e-6),
+            plain_peak_bytes=peak,
+            device="cuda" if self.clock.cuda else "cpu",
+        )
+
+
+class _Mark:
+    """Gradient hook that stamps one time mark on a layer record (runs in backward)."""
+
+    __slots__ = ("probe", "record", "field")
+
+    def __init__(self, probe: ProbeStep, record: _LayerRecord, field: str) -> None:
+        self.probe, self.record, self.field = probe, record, field
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        if getattr(self.record, self.field) is None:
+            setattr(self.record, self.field, self.probe.clock.mark())
+
+
+def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> LinkProfile:
+    """The host link's GB/s each way and both ways at once, on pinned memory (host memcpy on CPU).
+
+    Costs one pinned allocation of ``nbytes`` (tens of ms) and a few copies.
+    """
+    if device.type != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        gbps = nbytes * repeats / (time.perf_counter() - start) / 1e9
+        return LinkProfile(d2h_gbps=gbps, h2d_gbps=gbps, duplex_gbps=gbps, slowdown_one_way=0.0, slowdown_duplex=0.0)
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    d2h, h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+
+    def timed(run: Callable[[], None]) -> float:
+        run()  # warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3 / repeats
+
+    def out() -> None:
+        with torch.cuda.stream(d2h):
+            host_a.copy_(dev_a, non_blocking=True)
+
+    def back() -> None:
+        with torch.cuda.stream(h2d):
+            dev_b.copy_(host_b, non_blocking=True)
+
+    def both() -> None:
+        out()
+        back()
+
+    d2h_ms, h2d_ms, both_ms = timed(out), timed(back), timed(both)
+    return LinkProfile(
+        d2h_gbps=nbytes / d2h_ms / 1e6,
+        h2d_gbps=nbytes / h2d_ms / 1e6,
+        duplex_gbps=2 * nbytes / both_ms / 1e6,
+    )

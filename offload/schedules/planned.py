@@ -1,0 +1,144 @@
+"""The planned schedule: per-layer keep / offload / recompute, releases and reloads by budget.
+
+It carries out a :class:`offload.planner.Plan` with the rules of the planner's cost model
+(``offload/planner/model.py``: that docstring is the spec; this module follows it step for
+step, with the byte figures of the probe):
+
+- forward, at each layer start: groups whose D2H has finished are released (free); while
+  ``base + held + saved_bytes(layer) > budget`` the oldest in-flight group is released by force
+  (the compute stream waits for its D2H). After the last layer the same with ``head_bytes``.
+  Without a budget nothing is forced, and the D2H of late layers runs on into backward.
+- backward, when it reaches layer ``i``: a group of ``i`` still in flight is never released (the
+  originals serve its backward); layer ``i``'s group is reloaded if it was released; while the
+  budget is exceeded the oldest in-flight group below ``i`` is released by force; then up to two
+  groups below ``i`` are prefetched while they fit the budget.
+
+Recomputed layers are wrapped in non-reentrant checkpointing by ``OffloadActivations``; their
+group holds only the checkpoint's inputs.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from ..group import Group, GroupState
+from ..planner.model import PREFETCH_DEPTH, held_bytes, resident_bytes, transient_bytes
+from ..planner.types import Action, Plan, StepProfile
+from .base import Schedule
+
+if TYPE_CHECKING:
+    from ..engine import OffloadEngine
+
+
+class PlannedSchedule(Schedule):
+    """Carry out ``plan`` (made from ``profile``) on every step."""
+
+    name = "planned"
+
+    def __init__(self, plan: Plan, profile: StepProfile) -> None:
+        plan.check_matches(profile.signature(), len(profile.layers))
+        actions = [lp.action for lp in plan.layers]
+        super().__init__(num_layers=sum(a is not Action.KEEP for a in actions), model_layers=len(actions))
+        self.plan = plan
+        self.profile = profile
+        self.budget = plan.budget_bytes
+        self.actions = actions
+        n = len(actions)
+        self._held_full = [held_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
+        self._held_after_release = [resident_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
+        self._transient = [transient_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
+        self._saved = [profile.layers[i].saved_bytes for i in range(n)]
+        self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
+        self._in_flight: list[Group] = []  # D2H submitted, not released: oldest first
+
+    # -- what the engine asks --------------------------------------------------------------------
+    def offloads(self, layer: int) -> bool:
+        return layer < len(self.actions) and self.actions[layer] is not Action.KEEP
+
+    def min_offload_bytes(self, layer: int) -> Optional[int]:
+        """Offload only slots of at least this size in ``layer`` (None: the policy's default)."""
+        if layer < len(self.actions) and self.actions[layer] is Action.OFFLOAD:
+            return self.plan.layers[layer].min_offload_bytes or None
+        return None
+
+    def recomputes(self, layer: int) -> bool:
+        """Whether ``layer`` runs under checkpointing in this plan."""
+        return layer < len(self.actions) and self.actions[layer] is Action.RECOMPUTE
+
+    # -- accounting ------------------------------------------------------------------------------
+    def _over(self, extra: int) -> bool:
+        return self.budget is not None and self.profile.base_bytes + sum(self.held) + extra > self.budget
+
+    def _release(self, engine: "OffloadEngine", group: Group) -> None:
+        engine.release(group)
+        self._in_flight.remove(group)
+        self.held[group.layer] = self._held_after_release[group.layer]
+
+    def _release_finished(self, engine: "OffloadEngine", below: int) -> None:
+        for group in list(self._in_flight):
+            if group.layer < below and engine.transport.offload_finished(group):
+                self._release(engine, group)
+
+    def _force(self, engine: "OffloadEngine", extra: int, below: int) -> None:
+        while self._in_flight and self._over(extra):
+            oldest = self._in_flight[0]
+            if oldest.layer >= below:
+                break
+            self._release(engine, oldest)
+
+    # -- forward ---------------------------------------------------------------------------------
+    def on_step_start(self, engine: "OffloadEngine") -> None:
+        self.held = [0] * len(self.actions)
+        self._in_flight = []
+
+    def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
+        n = len(self.actions)
+        self._release_finished(engine, n)
+        self._force(engine, self._saved[layer] if layer < n else 0, n)
+
+    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+        n = len(self.actions)
+        if layer >= n:
+            return
+        self.held[layer] = self._held_full[layer]
+        if group is not None:
+            engine.start_offload(group)
+            if group.state is GroupState.OFFLOADING:
+                self._in_flight.append(group)
+        if layer == n - 1:  # the head comes next: the forward's peak
+            self._release_finished(engine, n)
+            self._force(engine, self.profile.head_bytes, n)
+
+    # -- backward --------------------------------------------------------------------------------
+    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
+        groups = engine.step.groups
+        for done in range(layer + 1, len(self.held)):
+            self.held[done] = 0  # their backward is over: autograd freed their tensors
+        self._in_flight = [g for g in self._in_flight if g.layer < layer]
+        needed = groups.get(layer)
+        if needed is not None and needed.state is GroupState.OFFLOADED:
+            engine.start_reload(needed)
+            self.held[layer] = self._held_full[layer]
+        transient = self._transient[layer] if layer < len(self._transient) else 0
+        self._force(engine, transient, layer)
+        depth = 0
+        for below in range(layer - 1, -1, -1):
+            if depth >= PREFETCH_DEPTH:
+                break
+            if self.actions[below] is Action.KEEP:
+                continue
+            depth += 1
+            group = groups.get(below)
+            if group is None or group.state is not GroupState.OFFLOADED:
+                continue
+            extra = self._held_full[below] - self.held[below] + transient
+            if self._over(extra):
+                break
+            engine.start_reload(group)
+            self.held[below] = self._held_full[below]
+
+    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
+        if engine.step is not None and engine.step.index == group.step:
+            self.on_backward_reach(engine, group.layer)
+        else:
+            engine.start_reload(group)

@@ -1,0 +1,167 @@
+"""Plans on CPU: probing, following a plan (keep / offload / partial / recompute) bit for bit,
+planning on the first step of a budget, a tiny HF Llama, and the errors of bad input."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.models import run_layers
+from offload.planner import Action, BudgetError, LayerPlan, plan_for
+
+from _util import assert_bitwise, make_gpt_layers, train_step
+
+
+def oa_step(layers: nn.ModuleList, x: torch.Tensor, oa: offload.OffloadActivations) -> list[torch.Tensor]:
+    for p in layers.parameters():
+        p.grad = None
+    xin = x.detach().requires_grad_(True)
+    with oa:
+        out = run_layers(layers, xin)
+    (out.float() ** 2).mean().backward()
+    return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
+
+
+@pytest.fixture
+def gpt() -> tuple[nn.ModuleList, torch.Tensor]:
+    return make_gpt_layers(n=4), torch.randn(2, 16, 64)
+
+
+def probe(layers: nn.ModuleList, x: torch.Tensor, budget: object = "lowest") -> offload.planner.Plan:
+    return offload.plan(layers, lambda: train_step(layers, x), budget, device="cpu", min_offload_bytes=0)
+
+
+def measure(layers: nn.ModuleList, x: torch.Tensor) -> offload.planner.StepProfile:
+    return offload.planner.profile_step(layers, lambda: train_step(layers, x), device="cpu", min_offload_bytes=0)
+
+
+def test_probe_measures_every_layer(gpt) -> None:
+    layers, x = gpt
+    plan = probe(layers, x)
+    profile = plan.profile
+    assert len(profile.layers) == 4 and profile.device == "cpu"
+    for layer in profile.layers:
+        assert layer.saved_bytes > 10 * x.nbytes  # a GPT block saves many activations
+        assert layer.input_bytes == x.nbytes
+        assert layer.forward_ms > 0 and layer.backward_ms > 0
+    # The lowest-memory plan recomputes (or offloads) every layer but keeps nothing big.
+    assert plan.prediction.peak_bytes < profile.plain_peak_bytes / 3
+
+
+ACTIONS = [LayerPlan(Action.KEEP), LayerPlan(Action.OFFLOAD), LayerPlan(Action.RECOMPUTE)]
+
+
+@pytest.mark.parametrize("actions", list(itertools.product(ACTIONS, repeat=2)))
+def test_every_plan_is_bitwise_exact(gpt, actions) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    profile = measure(layers, x)
+    made = plan_for(profile, [actions[0], actions[1], actions[0], LayerPlan(Action.KEEP)])
+    oa = offload.OffloadActivations(layers, plan=made, device="cpu", min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    stats = oa.stats
+    recomputed = [i for i, a in enumerate(made.layers) if a.action is Action.RECOMPUTE]
+    offloaded = [i for i, a in enumerate(made.layers) if a.action is Action.OFFLOAD]
+    # A recomputed layer moves only its input (layer 0's input is the leaf x: kept); an
+    # offloaded layer moves all its saved activations.
+    expected_bytes = sum(x.nbytes for i in recomputed if i > 0) + sum(profile.layers[i].saved_bytes for i in offloaded)
+    assert stats["offloaded_bytes"] == expected_bytes, (made.describe(), stats)
+    assert oa.engine.schedule.name == "planned"
+    oa.close()
+    assert all("forward" not in m.__dict__ for m in layers)
+
+
+def test_partial_offload_moves_only_large_slots(gpt) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    profile = measure(layers, x)
+    floor = sorted(set(profile.layers[1].slot_bytes))[-1]  # the largest slots only
+    made = plan_for(profile, [LayerPlan(Action.KEEP), LayerPlan(Action.OFFLOAD, floor), LayerPlan(Action.KEEP), LayerPlan(Action.KEEP)])
+    oa = offload.OffloadActivations(layers, plan=made, device="cpu", min_offload_bytes=0)
+    assert_bitwise(expected, oa_step(layers, x, oa))
+    big = sum(s for s in profile.layers[1].slot_bytes if s >= floor)
+    assert oa.stats["offloaded_bytes"] == big < profile.layers[1].saved_bytes
+
+
+def test_budget_plans_on_the_second_step(gpt) -> None:
+    layers, x = gpt
+    expected = train_step(layers, x)
+    plain = measure(layers, x).plain_peak_bytes
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=plain // 2, device="cpu", min_offload_bytes=0)
+    assert_bitwise(expected, oa_step(layers, x, oa))  # the probe: plain
+    assert oa.plan is None and oa.stats["offloaded_tensors"] == 0
+    for _ in range(2):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    assert oa.plan is not None and oa.plan.prediction.peak_bytes <= plain // 2
+    assert oa.stats["offloaded_bytes"] > 0
+    assert oa.measured is not None and oa.measured["step_ms"] > 0  # the entry closes a step's figures
+    table = oa.plan_report()
+    assert "measured" in table and "predicted" in table
+
+
+def test_budget_below_the_lowest_peak_names_it(gpt) -> None:
+    layers, x = gpt
+    with pytest.raises(BudgetError, match=r"lowest peak reachable"):
+        probe(layers, x, 1024)
+
+
+def test_plan_for_another_model_is_refused(gpt) -> None:
+    layers, x = gpt
+    made = probe(layers, x)
+    with pytest.raises(ValueError, match="made for 4 layers, but 3"):
+        offload.OffloadActivations(layers[:3], plan=made, device="cpu")
+
+
+def test_bad_budgets_and_probe_failures(gpt) -> None:
+    layers, x = gpt
+    with pytest.raises(ValueError, match="no layers"):
+        offload.plan([], lambda: None, 1 << 20, device="cpu")
+    with pytest.raises(ValueError, match="positive int"):
+        offload.OffloadActivations(layers, memory_budget_bytes=-5, device="cpu")
+    with pytest.raises(ValueError, match="not both"):
+        offload.OffloadActivations(layers, num_offload_layers=2, memory_budget_bytes=1 << 20, device="cpu")
+
+    def broken() -> None:
+        raise KeyError("boom")
+
+    with pytest.raises(RuntimeError, match="probe step raised KeyError"):
+        offload.plan(layers, broken, 1 << 20, device="cpu")
+    with pytest.raises(ValueError, match="ran none of the given layers"):
+        offload.plan(layers, lambda: None, 1 << 20, device="cpu")
+
+
+def test_hf_llama_plan_on_cpu() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    model.config.use_cache = False
+    ids = torch.randint(0, 128, (2, 32))
+
+    def step(oa: object = None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if oa is None:
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            with oa:
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    expected = step()
+    assert_bitwise(expected, step())
+    made = offload.plan(model.model.layers, step, "lowest", device="cpu", min_offload_bytes=0)
+    assert {lp.action for lp in made.layers} != {Action.KEEP}
+    oa = offload.OffloadActivations(model.model.layers, plan=made, device="cpu", min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(expected, step(oa))
+    assert oa.stats["offloaded_bytes"] > 0
+    print(made.table())
