@@ -1,0 +1,306 @@
+"""The cost model: step time and peak memory of a plan, by simulating one step.
+
+This docstring is the spec the runtime follows; where the two differ, one of them is wrong.
+
+Resources. Three serial resources: the compute stream, the D2H link and the H2D link; each link
+runs its copies one at a time, first queued first served. A copy costs ``latency_ms`` then its
+bytes at the link's rate: ``d2h_gbps`` / ``h2d_gbps`` alone; while both directions copy, each gets
+its share of ``duplex_gbps`` (split in proportion to the one-way rates, never above them). Compute
+runs ``1 + slowdown_one_way`` times slower while one direction copies, ``1 + slowdown_duplex``
+while both do (the rate changes at each copy start and end). GB/s are 1e9 bytes per second.
+
+Per layer, by action (sizes from :func:`offloaded_bytes`, :func:`held_bytes`,
+:func:`resident_bytes`):
+  KEEP       holds saved_bytes until its backward ends; copies nothing.
+  OFFLOAD    holds saved_bytes until released, then the resident slots (< min_offload_bytes);
+             copies the slots >= min_offload_bytes out, and back before its backward.
+  RECOMPUTE  holds input_bytes until released, then nothing; copies its inputs out and back;
+             its backward costs forward_ms + backward_ms and holds saved_bytes transiently.
+  A layer whose copy would be 0 bytes copies nothing and is never "in flight".
+
+Forward. ``pre_ms``; then for each layer i in order:
+  1. every group whose D2H has finished is released (free);
+  2. with a budget, while ``base + held + saved_bytes(i) > budget`` (saved_bytes for every action:
+     a checkpointed forward builds its activations transiently too) the oldest in-flight group
+     is released by force: compute waits for its D2H to end (forward stall);
+  3. memory ``base + held + saved_bytes(i)`` is a peak candidate ("forward layer i");
+  4. compute ``forward_ms``; then the layer holds ``held_bytes`` and its D2H is queued.
+After the last layer: step 1; with a budget, step 2 with ``base + held + head_bytes``; the peak
+candidate ``base + held + head_bytes`` ("end of forward"); compute ``head_ms``.
+Without a budget nothing is forced: D2H runs on into backward (duplex with H2D).
+
+Backward, for i = N-1 .. 0:
+  1. layer i's own group, if its D2H was queued but the group was not released, is never
+     released: backward uses the originals and the copy counts as wasted;
+  2. every group below i whose D2H has finished is released (free);
+  3. if layer i's group was released and not yet reloaded, its H2D is queued now (on demand);
+  4. with a budget, while ``base + held + transient(i) > budget`` the oldest in-flight group below
+     i is released by force (backward stall); transient(i) = saved_bytes for RECOMPUTE, else 0;
+  5. prefetch: the next ``PREFETCH_DEPTH`` groups below i that copy bytes, nearest first; each
+     one released and not reloaded gets its H2D queued if ``base + held + its bytes + transient(i)
+     <= budget`` (always without a budget); the first that does not fit stops the prefetch.
+     Reloaded bytes are held from the moment their H2D is queued (the buffer is allocated then);
+  6. compute waits for layer i's H2D if any (backward stall);
+  7. the peak candidate ``base + held + transient(i)`` ("backward layer i");
+  8. compute ``backward_ms`` (+ ``forward_ms`` for RECOMPUTE); then every byte of layer i is freed.
+Then ``post_ms``. The step ends when compute is done and both links are idle (a copy still
+running then delays the next step; that wait counts as backward stall).
+
+Peak = the largest candidate, and ``base_bytes`` at the start. Step = compute (stretched by the
+slowdowns) + stalls.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Optional, Sequence
+
+from .types import Action, LayerPlan, LayerProfile, Prediction, StepProfile
+
+PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides its own)
+
+# Group states in the simulation.
+_HELD, _IN_FLIGHT, _RELEASED, _RELOADING, _ORIGINALS, _FREED = range(6)
+
+
+def offloaded_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
+    """Bytes the layer copies to host (and back): its offloaded slots, or its inputs."""
+    if lp.action is Action.OFFLOAD:
+        return sum(s for s in layer.slot_bytes if s >= lp.min_offload_bytes)
+    if lp.action is Action.RECOMPUTE:
+        return layer.input_bytes
+    return 0
+
+
+def held_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
+    """GPU bytes the layer holds from the end of its forward until its group is released."""
+    return layer.input_bytes if lp.action is Action.RECOMPUTE else layer.saved_bytes
+
+
+def resident_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
+    """GPU bytes the layer holds after its release, until its reload (slots never offloaded)."""
+    return held_bytes(layer, lp) - offloaded_bytes(layer, lp)
+
+
+def transient_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
+    """Extra bytes during the layer's backward: a recompute rebuilds its activations."""
+    return layer.saved_bytes if lp.action is Action.RECOMPUTE else 0
+
+
+def backward_cost_ms(layer: LayerProfile, lp: LayerPlan) -> float:
+    """Compute time of the layer's backward, recompute included (before any slowdown)."""
+    extra = layer.forward_ms if lp.action is Action.RECOMPUTE else 0.0
+    return layer.backward_ms + extra
+
+
+class _Link:
+    """One FIFO copy direction. ``lat``/``left`` describe the copy at the head of the queue."""
+
+    __slots__ = ("alone", "both", "latency", "queue", "lat", "left", "done_at")
+
+    def __init__(self, alone: float, both: float, latency: float, n: int) -> None:
+        self.alone = alone      # bytes per ms while the other direction is idle
+        self.both = both        # bytes per ms while it copies too
+        self.latency = latency
+        self.queue: deque[tuple[int, int]] = deque()  # (layer, bytes), head is running
+        self.lat = 0.0
+        self.left = 0.0
+        self.done_at: list[Optional[float]] = [None] * n
+
+    def submit(self, layer: int, nbytes: int) -> None:
+        self.queue.append((layer, nbytes))
+        if len(self.queue) == 1:
+            self.lat, self.left = self.latency, float(nbytes)
+
+
+class _Sim:
+    """One step's timeline. Compute is the program; the links run on in the background."""
+
+    def __init__(self, profile: StepProfile) -> None:
+        link = profile.link
+        n = len(profile.layers)
+        total = link.d2h_gbps + link.h2d_gbps
+
+        def both(gbps: float) -> float:
+            # Duplex: each direction gets its share of the combined rate, never above its own.
+            return min(gbps, link.duplex_gbps * gbps / total) * 1e6
+
+        self.d2h = _Link(link.d2h_gbps * 1e6, both(link.d2h_gbps), link.latency_ms, n)
+        self.h2d = _Link(link.h2d_gbps * 1e6, both(link.h2d_gbps), link.latency_ms, n)
+        self.slow1 = 1.0 + link.slowdown_one_way
+        self.slow2 = 1.0 + link.slowdown_duplex
+        self.t = 0.0
+        self.stall = [0.0, 0.0]  # forward, backward
+        self.phase = 0
+        self.peak = -1
+        self.peak_at = ""
+
+    def mark(self, mem: int, where: str) -> None:
+        if mem > self.peak:
+            self.peak, self.peak_at = mem, where
+
+    def _step(self, work: float) -> float:
+        """Advance to the next event (a copy ends, or ``work`` ms of compute is done if > 0);
+        return the compute work left."""
+        d, h = self.d2h, self.h2d
+        dq, hq = bool(d.queue), bool(h.queue)
+        if dq and hq:
+            rd, rh, slow = d.both, h.both, self.slow2
+        else:
+            rd, rh, slow = d.alone, h.alone, (self.slow1 if (dq or hq) else 1.0)
+        dt = work * slow if work > 0 else float("inf")
+        td = (d.lat if d.lat > 0 else d.left / rd) if dq else float("inf")
+        th = (h.lat if h.lat > 0 else h.left / rh) if hq else float("inf")
+        dt = min(dt, td, th)
+        if dt == float("inf"):
+            raise RuntimeError("simulation waits on a link that has nothing queued")  # a bug here
+        self.t += dt
+        if work > 0:
+            work = 0.0 if dt >= work * slow else work - dt / slow
+        else:
+            self.stall[self.phase] += dt
+        for link, active, rate, tl in ((d, dq, rd, td), (h, hq, rh, th)):
+            if not active:
+                continue
+            if tl <= dt:  # this copy (or its latency phase) ends now
+                if link.lat > 0:
+                    link.lat = 0.0
+                    if link.left > 0:
+                        continue
+                layer, _ = link.queue.popleft()
+                link.done_at[layer] = self.t
+                if link.queue:
+                    link.lat, link.left = link.latency, float(link.queue[0][1])
+            elif link.lat > 0:
+                link.lat -= dt
+            else:
+                link.left -= dt * rate
+        return work
+
+    def compute(self, ms: float) -> None:
+        work = ms
+        while work > 0:
+            work = self._step(work)
+
+    def wait(self, link: _Link, layer: int) -> None:
+        while link.done_at[layer] is None:
+            self._step(0.0)
+
+    def drain(self) -> None:
+        while self.d2h.queue or self.h2d.queue:
+            self._step(0.0)
+
+
+def simulate(
+    profile: StepProfile, layers: Sequence[LayerPlan], budget_bytes: Optional[int] = None
+) -> Prediction:
+    """Predict step time and peak memory of running ``profile`` with per-layer ``layers``.
+
+    ``budget_bytes`` drives forced releases and prefetch limits as the runtime would (see the
+    module docstring); the peak may still exceed it when no release can help. Pure, deterministic.
+    """
+    n = len(profile.layers)
+    if len(layers) != n:
+        raise ValueError(f"plan has {len(layers)} layer actions, profile has {n} layers")
+    for i, lp in enumerate(layers):
+        if not isinstance(lp, LayerPlan):
+            raise ValueError(f"layers[{i}] must be a LayerPlan, got {type(lp).__name__}")
+    if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
+                                     or budget_bytes <= 0):
+        raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+
+    prof = profile.layers
+    off = [offloaded_bytes(l, lp) for l, lp in zip(prof, layers)]
+    pre = [held_bytes(l, lp) for l, lp in zip(prof, layers)]
+    trans = [transient_bytes(l, lp) for l, lp in zip(prof, layers)]
+    state = [_HELD] * n
+    sim = _Sim(profile)
+    base, budget = profile.base_bytes, budget_bytes
+    held = 0
+    inflight: deque[int] = deque()  # groups whose D2H was queued and that are not released, FIFO
+    d2h_bytes = h2d_bytes = wasted = 0
+
+    def release_finished(below: int) -> None:
+        nonlocal held
+        while inflight and sim.d2h.done_at[inflight[0]] is not None and inflight[0] < below:
+            j = inflight.popleft()
+            state[j] = _RELEASED
+            held -= off[j]
+
+    def force_release(extra: int, below: int) -> None:
+        nonlocal held
+        while inflight and inflight[0] < below and base + held + extra > budget:
+            j = inflight[0]
+            sim.wait(sim.d2h, j)
+            inflight.popleft()
+            state[j] = _RELEASED
+            held -= off[j]
+
+    sim.mark(base, "start of forward")
+    sim.compute(profile.pre_ms)
+    for i, layer in enumerate(prof):
+        release_finished(n)
+        if budget is not None:
+            force_release(layer.saved_bytes, n)
+        sim.mark(base + held + layer.saved_bytes, f"forward layer {i}")
+        sim.compute(layer.forward_ms)
+        held += pre[i]
+        if off[i] > 0:
+            sim.d2h.submit(i, off[i])
+            d2h_bytes += off[i]
+            inflight.append(i)
+            state[i] = _IN_FLIGHT
+    release_finished(n)
+    if budget is not None:
+        force_release(profile.head_bytes, n)
+    sim.mark(base + held + profile.head_bytes, "end of forward")
+    sim.compute(profile.head_ms)
+
+    sim.phase = 1
+    offl = [i for i in range(n) if off[i] > 0]  # groups that copy, ascending
+    below = len(offl)  # offl[:below] are the groups under the layer backward is at
+    for i in range(n - 1, -1, -1):
+        while below and offl[below - 1] >= i:
+            below -= 1
+        if state[i] == _IN_FLIGHT:
+            # Its copy is still queued or just done; the originals are here, use them.
+            state[i] = _ORIGINALS
+            wasted += off[i]
+        # Groups >= i left in the FIFO are wasted ones: drop them as their copies end.
+        while inflight and state[inflight[0]] == _ORIGINALS and sim.d2h.done_at[inflight[0]] is not None:
+            inflight.popleft()
+        release_finished(i)
+        if state[i] == _RELEASED:
+            sim.h2d.submit(i, off[i])
+            h2d_bytes += off[i]
+            held += off[i]
+            state[i] = _RELOADING
+        if budget is not None:
+            force_release(trans[i], i)
+        for j in offl[max(0, below - PREFETCH_DEPTH):below][::-1]:
+            if state[j] != _RELEASED:
+                continue
+            if budget is not None and base + held + off[j] + trans[i] > budget:
+                break
+            sim.h2d.submit(j, off[j])
+            h2d_bytes += off[j]
+            held += off[j]
+            state[j] = _RELOADING
+        if state[i] == _RELOADING:
+            sim.wait(sim.h2d, i)
+        sim.mark(base + held + trans[i], f"backward layer {i}")
+        sim.compute(backward_cost_ms(prof[i], layers[i]))
+        held -= pre[i]
+        state[i] = _FREED
+    sim.compute(profile.post_ms)
+    sim.drain()
+    return Prediction(
+        step_ms=sim.t,
+        peak_bytes=sim.peak,
+        forward_stall_ms=sim.stall[0],
+        backward_stall_ms=sim.stall[1],
+        d2h_bytes=d2h_bytes,
+        h2d_bytes=h2d_bytes,
+        peak_at=sim.peak_at,
+        wasted_d2h_bytes=wasted,
+    )

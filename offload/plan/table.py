@@ -1,0 +1,82 @@
+"""A plan as a readable table: what each layer does, and what the model predicts for the step.
+
+Given a measured step next to it, the footer shows the model's error, which is how a user (and
+T11) tells whether the prediction can be trusted.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from .model import backward_cost_ms, offloaded_bytes, resident_bytes
+from .types import Action, LayerPlan, Plan, StepProfile
+
+_MIB = 1 << 20
+_GIB = 1 << 30
+_MEASURED_KEYS = ("step_ms", "peak_bytes")
+
+
+def _action_text(lp: LayerPlan) -> str:
+    if lp.action is Action.OFFLOAD and lp.min_offload_bytes:
+        return f"offload >= {lp.min_offload_bytes / _MIB:.0f} MiB"
+    return lp.action.value
+
+
+def _error(predicted: float, measured: float) -> str:
+    if measured == 0:
+        return "n/a"
+    return f"{(predicted - measured) / measured * 100:+.1f}%"
+
+
+def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str, Any]] = None) -> str:
+    """Render ``plan`` for ``profile`` as a per-layer table plus a footer of predicted figures.
+
+    ``measured`` (optional) holds ``step_ms`` and/or ``peak_bytes`` from a real step; they are
+    shown next to the prediction with the prediction's error in percent.
+    """
+    plan.check_matches(profile.signature(), len(profile.layers))
+    if measured is not None:
+        unknown = sorted(set(measured) - set(_MEASURED_KEYS))
+        if unknown or not measured:
+            raise ValueError(f"measured takes {list(_MEASURED_KEYS)}, got {sorted(measured)}")
+
+    header = f"{'layer':>5}  {'action':<20} {'offloaded MiB':>13} {'resident MiB':>12} {'fwd ms':>7} {'bwd ms':>7}"
+    lines = [header, "-" * len(header)]
+    for i, (layer, lp) in enumerate(zip(profile.layers, plan.layers)):
+        # Resident: what stays on the GPU from release to reload (all of it when kept).
+        lines.append(
+            f"{i:>5}  {_action_text(lp):<20} {offloaded_bytes(layer, lp) / _MIB:>13.1f} "
+            f"{resident_bytes(layer, lp) / _MIB:>12.1f} {layer.forward_ms:>7.2f} "
+            f"{backward_cost_ms(layer, lp):>7.2f}"
+        )
+    lines.append("-" * len(header))
+
+    p = plan.prediction
+    budget = "none" if plan.budget_bytes is None else f"{plan.budget_bytes / _GIB:.2f} GiB"
+    lines.append(f"plan: {plan.describe()}; budget {budget}")
+    step = f"{p.step_ms:.1f} ms ({p.step_ms / profile.plain_step_ms:.3f}x plain)"
+    peak = f"{p.peak_bytes / _GIB:.2f} GiB ({p.peak_bytes / profile.plain_peak_bytes:.3f}x plain)"
+    if measured is None:
+        lines.append(f"predicted step {step}")
+        lines.append(f"predicted peak {peak}, at {p.peak_at}")
+    else:
+        lines.append(f"{'':<6}{'predicted':<30}{'measured':<30}error")
+        m_step = measured.get("step_ms")
+        if m_step is None:
+            lines.append(f"{'step':<6}{step:<30}{'-':<30}-")
+        else:
+            m = f"{m_step:.1f} ms ({m_step / profile.plain_step_ms:.3f}x plain)"
+            lines.append(f"{'step':<6}{step:<30}{m:<30}{_error(p.step_ms, m_step)}")
+        m_peak = measured.get("peak_bytes")
+        if m_peak is None:
+            lines.append(f"{'peak':<6}{peak:<30}{'-':<30}-")
+        else:
+            m = f"{m_peak / _GIB:.2f} GiB ({m_peak / profile.plain_peak_bytes:.3f}x plain)"
+            lines.append(f"{'peak':<6}{peak:<30}{m:<30}{_error(p.peak_bytes, m_peak)}")
+        lines.append(f"predicted peak at {p.peak_at}")
+    lines.append(
+        f"stalls: forward {p.forward_stall_ms:.1f} ms, backward {p.backward_stall_ms:.1f} ms; "
+        f"copies: {p.d2h_bytes / _GIB:.2f} GiB out, {p.h2d_bytes / _GIB:.2f} GiB back"
+        + (f", {p.wasted_d2h_bytes / _GIB:.2f} GiB out never used" if p.wasted_d2h_bytes else "")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,280 @@
+"""Data types of the planner: what a probe step measured, what a plan says, what the model predicts.
+
+Everything here is a frozen dataclass checked in ``__post_init__``: a profile with a NaN time or a
+negative size would make the cost model answer nonsense quietly, so it is refused where it is
+built, with the field named. Nothing here needs torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Optional
+
+
+class Action(str, Enum):
+    """What a plan does with one layer's saved tensors."""
+
+    KEEP = "keep"            # saved tensors stay on the GPU until the layer's backward
+    OFFLOAD = "offload"      # copied to host (all, or slots >= a size), released, reloaded
+    RECOMPUTE = "recompute"  # non-reentrant checkpoint: only the inputs are saved (and offloaded)
+
+
+# ---------------------------------------------------------------------------------------- checks
+
+def _check_int(owner: str, name: str, value: Any) -> None:
+    # bool is an int subclass; a True where a byte count belongs is a caller's bug.
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{owner}.{name} must be an int number of bytes, got {value!r}")
+    if value < 0:
+        raise ValueError(f"{owner}.{name} must be >= 0 bytes, got {value}")
+
+
+def _check_ms(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{owner}.{name} must be a number of milliseconds, got {value!r}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}.{name} must be a finite time >= 0 ms, got {value!r}")
+
+
+def _check_positive(owner: str, name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{owner}.{name} must be a number, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
+
+
+def _layer_hash(signature: str) -> str:
+    # Short and stable across processes (str hash() is salted per process).
+    return hashlib.blake2b(signature.encode("utf-8"), digest_size=6).hexdigest()
+
+
+def parse_signature(signature: str) -> tuple[int, tuple[str, ...]]:
+    """Split a :meth:`StepProfile.signature` into (layer count, per-layer hashes).
+
+    Raises ValueError if the string was not made by :meth:`StepProfile.signature`.
+    """
+    count, sep, rest = signature.partition(":")
+    if not sep or not count.isdigit():
+        raise ValueError(f"not a planner signature: {signature[:60]!r}")
+    hashes = tuple(rest.split(".")) if rest else ()
+    if len(hashes) != int(count):
+        raise ValueError(f"malformed planner signature: says {count} layers, lists {len(hashes)}")
+    return int(count), hashes
+
+
+# -------------------------------------------------------------------------------------- profiles
+
+@dataclass(frozen=True)
+class LayerProfile:
+    """What one layer saves and how long it takes, from the probe step."""
+
+    slot_bytes: tuple[int, ...]  # byte size of each saved storage slot (after dedup), any order
+    input_bytes: int             # what a checkpoint of the layer saves: its tensor inputs
+    forward_ms: float
+    backward_ms: float           # without recompute
+    signature: str               # fingerprint of the shapes/dtypes saved
+
+    def __post_init__(self) -> None:
+        slots = tuple(self.slot_bytes) if isinstance(self.slot_bytes, (list, tuple)) else None
+        if slots is None:
+            raise ValueError(f"LayerProfile.slot_bytes must be a tuple of ints, got {self.slot_bytes!r}")
+        object.__setattr__(self, "slot_bytes", slots)
+        for s in slots:
+            _check_int("LayerProfile", "slot_bytes[]", s)
+        _check_int("LayerProfile", "input_bytes", self.input_bytes)
+        _check_ms("LayerProfile", "forward_ms", self.forward_ms)
+        _check_ms("LayerProfile", "backward_ms", self.backward_ms)
+        if not isinstance(self.signature, str):
+            raise ValueError(f"LayerProfile.signature must be a str, got {self.signature!r}")
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the layer holds for its backward when kept."""
+        return sum(self.slot_bytes)
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """The host link, measured on pinned memory (GB/s are 1e9 bytes per second)."""
+
+    d2h_gbps: float
+    h2d_gbps: float
+    duplex_gbps: float            # both directions together, when both run
+    slowdown_one_way: float = 0.09  # compute runs this much slower while one direction copies
+    slowdown_duplex: float = 0.19   # ... while both do
+    latency_ms: float = 0.01      # fixed cost of each copy submission
+
+    def __post_init__(self) -> None:
+        for name in ("d2h_gbps", "h2d_gbps", "duplex_gbps"):
+            _check_positive("LinkProfile", name, getattr(self, name))
+        for name in ("slowdown_one_way", "slowdown_duplex", "latency_ms"):
+            _check_ms("LinkProfile", name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """One measured training step: its layers, the link, and what surrounds the layers."""
+
+    layers: tuple[LayerProfile, ...]
+    link: LinkProfile
+    base_bytes: int       # allocated at forward start (weights, grads, optimizer state, inputs)
+    head_bytes: int       # extra at the peak after the last layer: plain_peak - base - sum(saved)
+    pre_ms: float         # forward before the first layer (embedding)
+    head_ms: float        # forward + backward of what follows the last layer
+    post_ms: float        # backward after layer 0's backward
+    plain_step_ms: float
+    plain_peak_bytes: int
+    device: str           # "cuda" or "cpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, (list, tuple)):
+            raise ValueError(f"StepProfile.layers must be a tuple of LayerProfile, got {self.layers!r}")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        if not self.layers:
+            # A plan for no layers could only ever "keep nothing"; a budget on it means the probe
+            # did not see the layers the forward runs, which the caller must hear about now.
+            raise ValueError(
+                "StepProfile has no layers: the probe saw no layer run. Pass the modules the "
+                "forward actually calls (e.g. model.model.layers) to the probe."
+            )
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerProfile):
+                raise ValueError(f"StepProfile.layers[{i}] must be a LayerProfile, got {type(layer).__name__}")
+        if not isinstance(self.link, LinkProfile):
+            raise ValueError(f"StepProfile.link must be a LinkProfile, got {type(self.link).__name__}")
+        for name in ("base_bytes", "head_bytes", "plain_peak_bytes"):
+            _check_int("StepProfile", name, getattr(self, name))
+        for name in ("pre_ms", "head_ms", "post_ms"):
+            _check_ms("StepProfile", name, getattr(self, name))
+        _check_positive("StepProfile", "plain_step_ms", self.plain_step_ms)
+        _check_positive("StepProfile", "plain_peak_bytes", self.plain_peak_bytes)
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"StepProfile.device must be 'cuda' or 'cpu', got {self.device!r}")
+
+    def signature(self) -> str:
+        """Fingerprint of the model: layer count and a short hash of each layer's signature."""
+        return f"{len(self.layers)}:" + ".".join(_layer_hash(l.signature) for l in self.layers)
+
+
+# ------------------------------------------------------------------------------------------ plans
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The action for one layer."""
+
+    action: Action
+    min_offload_bytes: int = 0  # OFFLOAD only: offload slots >= this size, keep the rest resident
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "action", Action(self.action))
+        except ValueError:
+            raise ValueError(
+                f"LayerPlan.action must be one of {[a.value for a in Action]}, got {self.action!r}"
+            ) from None
+        _check_int("LayerPlan", "min_offload_bytes", self.min_offload_bytes)
+        if self.min_offload_bytes and self.action is not Action.OFFLOAD:
+            raise ValueError(
+                f"LayerPlan.min_offload_bytes applies to OFFLOAD only, got {self.min_offload_bytes} "
+                f"with {self.action.value}"
+            )
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What the cost model predicts for one plan."""
+
+    step_ms: float
+    peak_bytes: int
+    forward_stall_ms: float   # compute waiting on the link during forward (forced releases)
+    backward_stall_ms: float  # ... during backward (reloads late), and trailing copies
+    d2h_bytes: int
+    h2d_bytes: int
+    peak_at: str              # e.g. "end of forward", "backward layer 3"
+    wasted_d2h_bytes: int = 0  # copied out but never reloaded (D2H unfinished at the layer's backward)
+
+    def __post_init__(self) -> None:
+        for name in ("step_ms", "forward_stall_ms", "backward_stall_ms"):
+            _check_ms("Prediction", name, getattr(self, name))
+        for name in ("peak_bytes", "d2h_bytes", "h2d_bytes", "wasted_d2h_bytes"):
+            _check_int("Prediction", name, getattr(self, name))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Per-layer actions, the budget they were chosen for, and the model's prediction."""
+
+    layers: tuple[LayerPlan, ...]
+    budget_bytes: Optional[int]
+    prediction: Prediction
+    signature: str  # StepProfile.signature() of the model it was made for
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.layers, (list, tuple)) or not self.layers:
+            raise ValueError("Plan.layers must be a non-empty tuple of LayerPlan")
+        object.__setattr__(self, "layers", tuple(self.layers))
+        for i, lp in enumerate(self.layers):
+            if not isinstance(lp, LayerPlan):
+                raise ValueError(f"Plan.layers[{i}] must be a LayerPlan, got {type(lp).__name__}")
+        if self.budget_bytes is not None:
+            _check_int("Plan", "budget_bytes", self.budget_bytes)
+        if not isinstance(self.prediction, Prediction):
+            raise ValueError("Plan.prediction must be a Prediction")
+        count, _ = parse_signature(self.signature)
+        if count != len(self.layers):
+            raise ValueError(f"Plan has {len(self.layers)} layer actions but its signature is for {count} layers")
+
+    def check_matches(self, signature: str, num_layers: int) -> None:
+        """Raise ValueError naming what differs if this plan was not made for that model."""
+        if num_layers != len(self.layers):
+            raise ValueError(
+                f"plan made for {len(self.layers)} layers, model has {num_layers}: make a new plan"
+            )
+        count, theirs = parse_signature(signature)
+        if count != num_layers:
+            raise ValueError(f"model signature is for {count} layers but the model has {num_layers}")
+        _, ours = parse_signature(self.signature)
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:
+                raise ValueError(
+                    f"layer {i}'s saved tensors differ from those the plan was made for "
+                    f"(shapes or dtypes changed): make a new plan"
+                )
+
+    def describe(self) -> str:
+        """Counts of each action, e.g. ``keep 2, offload 3 (1 partial), recompute 11``."""
+        keep = sum(lp.action is Action.KEEP for lp in self.layers)
+        off = [lp for lp in self.layers if lp.action is Action.OFFLOAD]
+        partial = sum(lp.min_offload_bytes > 0 for lp in off)
+        rec = sum(lp.action is Action.RECOMPUTE for lp in self.layers)
+        parts = []
+        if keep:
+            parts.append(f"keep {keep}")
+        if off:
+            parts.append(f"offload {len(off)}" + (f" ({partial} partial)" if partial else ""))
+        if rec:
+            parts.append(f"recompute {rec}")
+        return ", ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready), for saving a plan next to a checkpoint."""
+        p = self.prediction
+        return {
+            "layers": [[lp.action.value, lp.min_offload_bytes] for lp in self.layers],
+            "budget_bytes": self.budget_bytes,
+            "signature": self.signature,
+            "prediction": {k: getattr(p, k) for k in p.__dataclass_fields__},
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        """Inverse of :meth:`to_dict`."""
+        return cls(
+            layers=tuple(LayerPlan(Action(a), int(m)) for a, m in data["layers"]),
+            budget_bytes=data["budget_bytes"],
+            prediction=Prediction(**data["prediction"]),
+            signature=data["signature"],
+        )
