@@ -84,7 +84,8 @@ def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport
     }
 
 
-def _fmt_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """``n`` bytes in B, KiB, MiB or GiB, whichever reads best."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
@@ -104,15 +105,15 @@ def format_report(s: dict[str, Any]) -> str:
                  f"{', captured in a CUDA graph: times not measured' if s['captured'] else ''})"),
         ("mode / transport", f"{s['mode']} / {s['transport']} ({'native' if s['native'] else 'python'} copies)"),
         ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} groups"),
-        ("bytes offloaded", f"{_fmt_bytes(s['offloaded_bytes'])} ({_fmt_bytes(s['released_bytes'])} released from the GPU)"),
+        ("bytes offloaded", f"{format_bytes(s['offloaded_bytes'])} ({format_bytes(s['released_bytes'])} released from the GPU)"),
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         ("groups kept on GPU", str(s["groups_kept"])),
-        ("D2H", f"{_fmt_bytes(s['bytes_d2h'])} in {s['d2h_ms']:.2f} ms, {rate(s['d2h_gbps'])}"),
-        ("H2D", f"{_fmt_bytes(s['bytes_h2d'])} in {s['h2d_ms']:.2f} ms, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
+        ("D2H", f"{format_bytes(s['bytes_d2h'])} in {s['d2h_ms']:.2f} ms, {rate(s['d2h_gbps'])}"),
+        ("H2D", f"{format_bytes(s['bytes_h2d'])} in {s['h2d_ms']:.2f} ms, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (
             "pinned held" if s["transport"] == "cuda" else "host arena held",
-            f"{_fmt_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)",
+            f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)",
         ),
     ]
     width = max(len(k) for k, _ in rows)

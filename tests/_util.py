@@ -56,3 +56,22 @@ def cpu_context(num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, ...
     """A host-transport context that offloads every eligible tensor, however small."""
     kw.setdefault("min_offload_bytes", 0)
     return offload.get_cpu_offload_context(True, num_layers=num_layers, model_layers=model_layers, device="cpu", **kw)
+
+
+def sleepy(ctx: Any, cycles: int) -> None:
+    """Delay the D2H and H2D streams of ``ctx``'s engine before every copy they run."""
+    engine = ctx.engine
+    transport = engine.transport
+    offload_copy, reload_copy = transport.offload, transport.reload
+
+    def slow_offload(*args: Any, **kwargs: Any) -> Any:
+        with torch.cuda.stream(transport.d2h_stream):
+            torch.cuda._sleep(cycles)
+        return offload_copy(*args, **kwargs)
+
+    def slow_reload(*args: Any, **kwargs: Any) -> Any:
+        with torch.cuda.stream(transport.h2d_stream):
+            torch.cuda._sleep(cycles)
+        return reload_copy(*args, **kwargs)
+
+    transport.offload, transport.reload = slow_offload, slow_reload

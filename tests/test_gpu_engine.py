@@ -15,7 +15,7 @@ import torch
 import offload
 from offload.models import run_layers
 
-from _util import Delayed, assert_bitwise, make_gpt_layers, train_step
+from _util import Delayed, assert_bitwise, make_gpt_layers, sleepy, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -151,25 +151,6 @@ def test_memory_at_release_points(mode: str) -> None:
     assert [(g, at) for g, at, _, _ in drops] == expected_points
     for group, at, freed, nbytes in drops:
         assert freed >= 0.95 * nbytes, (group, at, freed, nbytes)
-
-
-def sleepy(ctx, cycles: int):
-    """Delay the D2H and H2D streams before every copy they run."""
-    transport = ctx.engine.transport
-    offload_copy, reload_copy = transport.offload, transport.reload
-
-    def slow_offload(*args, **kwargs):
-        with torch.cuda.stream(transport.d2h_stream):
-            torch.cuda._sleep(cycles)
-        return offload_copy(*args, **kwargs)
-
-    def slow_reload(*args, **kwargs):
-        with torch.cuda.stream(transport.h2d_stream):
-            torch.cuda._sleep(cycles)
-        return reload_copy(*args, **kwargs)
-
-    transport.offload, transport.reload = slow_offload, slow_reload
-
 
 
 @pytest.mark.parametrize("mode", ["v1", "v2"])

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from offload.plan import (
+from offload.planner import (
     Action,
     BudgetError,
     LayerPlan,
@@ -32,7 +32,7 @@ from offload.plan import (
     resident_bytes,
     simulate,
 )
-from offload.plan import search as search_mod
+from offload.planner import search as search_mod
 
 MB = 1_000_000
 MiB = 1 << 20
@@ -238,7 +238,7 @@ def test_budget_error_names_budget_and_lowest_peak():
         best_plan(p, 5 * GiB)
     assert isinstance(err.value, ValueError)
     msg = str(err.value)
-    assert "5.00 GiB" in msg and "Raise the budget" in msg
+    assert "5.0 GiB" in msg and "Raise the budget" in msg
     floor = float(re.search(r"lowest peak reachable is ([\d.]+) GiB", msg).group(1))
     assert floor * GiB == pytest.approx(lowest, rel=0.015)
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 from ..group import Group, GroupState
-from ..planner.model import PREFETCH_DEPTH, held_bytes, resident_bytes, transient_bytes
+from ..planner.model import PREFETCH_DEPTH, held_bytes, offloaded_bytes, resident_bytes, transient_bytes
 from ..planner.types import Action, Plan, StepProfile
 from .base import Schedule
 
@@ -48,6 +48,7 @@ class PlannedSchedule(Schedule):
         self._held_after_release = [resident_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
         self._transient = [transient_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
         self._saved = [profile.layers[i].saved_bytes for i in range(n)]
+        self._copies = [offloaded_bytes(profile.layers[i], plan.layers[i]) > 0 for i in range(n)]
         self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
         self._in_flight: list[Group] = []  # D2H submitted, not released: oldest first
 
@@ -125,7 +126,7 @@ class PlannedSchedule(Schedule):
         for below in range(layer - 1, -1, -1):
             if depth >= PREFETCH_DEPTH:
                 break
-            if self.actions[below] is Action.KEEP:
+            if not self._copies[below]:
                 continue
             depth += 1
             group = groups.get(below)

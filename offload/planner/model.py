@@ -32,7 +32,8 @@ Without a budget nothing is forced: D2H runs on into backward (duplex with H2D).
 Backward, for i = N-1 .. 0:
   1. layer i's own group, if its D2H was queued but the group was not released, is never
      released: backward uses the originals and the copy counts as wasted;
-  2. every group below i whose D2H has finished is released (free);
+  2. groups below i still in flight stay so (releasing them now would only add an H2D: memory
+     falls through backward, and step 4 releases them when the budget needs it);
   3. if layer i's group was released and not yet reloaded, its H2D is queued now (on demand);
   4. with a budget, while ``base + held + transient(i) > budget`` the oldest in-flight group below
      i is released by force (backward stall); transient(i) = saved_bytes for RECOMPUTE, else 0;
@@ -269,7 +270,6 @@ def simulate(
         # Groups >= i left in the FIFO are wasted ones: drop them as their copies end.
         while inflight and state[inflight[0]] == _ORIGINALS and sim.d2h.done_at[inflight[0]] is not None:
             inflight.popleft()
-        release_finished(i)
         if state[i] == _RELEASED:
             sim.h2d.submit(i, off[i])
             h2d_bytes += off[i]

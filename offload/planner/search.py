@@ -31,10 +31,10 @@ from __future__ import annotations
 import heapq
 from typing import Optional, Sequence, Union
 
+from ..stats import format_bytes
 from .model import held_bytes, offloaded_bytes, resident_bytes, simulate
 from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile
 
-GIB = 1 << 30
 MAX_THRESHOLDS = 4         # partial-offload thresholds tried per layer (largest distinct sizes)
 EXHAUSTIVE_LIMIT = 4096    # enumerate every plan when the space is no larger than this
 LOWEST_PEAK_TOLERANCE = 0.01  # lowest_peak: peaks within 1% of the lowest count as equal
@@ -266,7 +266,7 @@ def _check_budget(budget_bytes: object) -> int:
 
 
 def _to_plan(profile: StepProfile, plans: Sequence[LayerPlan], budget: Optional[int]) -> Plan:
-    return Plan(tuple(plans), budget, simulate(profile, plans, budget), profile.signature())
+    return Plan(tuple(plans), budget, simulate(profile, plans, budget), profile.signature(), profile=profile)
 
 
 def _floor(profile: StepProfile, cands: list[list[LayerPlan]]) -> tuple[int, Key]:
@@ -326,10 +326,10 @@ def best_plan(profile: StepProfile, budget_bytes: int) -> Plan:
     ev = _search(profile, cands, budget, seeds=[floor_key] if floor <= budget else [])
     if ev.best is None:
         raise BudgetError(
-            f"no plan fits a memory budget of {budget / GIB:.2f} GiB: the lowest peak reachable "
-            f"is {floor / GIB:.2f} GiB (weights, optimizer state and the head alone take "
-            f"{(profile.base_bytes + profile.head_bytes) / GIB:.2f} GiB). Raise the budget to at "
-            f"least {floor / GIB:.2f} GiB, or shrink the batch or sequence length."
+            f"no plan fits a memory budget of {format_bytes(budget)}: the lowest peak reachable "
+            f"is {format_bytes(floor)} ({floor} bytes; weights, optimizer state and the head alone "
+            f"take {format_bytes(profile.base_bytes + profile.head_bytes)}). Raise the budget to at "
+            f"least {format_bytes(floor)}, or shrink the batch or sequence length."
         )
     key = ev.best[2]
     return _to_plan(profile, [c[k] for c, k in zip(cands, key)], budget)

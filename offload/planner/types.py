@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional
 
@@ -211,6 +211,9 @@ class Plan:
     budget_bytes: Optional[int]
     prediction: Prediction
     signature: str  # StepProfile.signature() of the model it was made for
+    # The probe's figures the plan was made from: the runtime follows the plan with them
+    # (budget accounting). Not part of a plan's identity.
+    profile: Optional["StepProfile"] = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)) or not self.layers:
@@ -243,6 +246,18 @@ class Plan:
                     f"layer {i}'s saved tensors differ from those the plan was made for "
                     f"(shapes or dtypes changed): make a new plan"
                 )
+
+    def recomputes(self) -> bool:
+        """Whether any layer is recomputed (run under checkpointing)."""
+        return any(lp.action is Action.RECOMPUTE for lp in self.layers)
+
+    def table(self, measured: Optional[dict[str, Any]] = None) -> str:
+        """The per-layer table (see :func:`offload.planner.table.format_plan`)."""
+        if self.profile is None:
+            raise ValueError("this plan carries no profile to print a table from; make it with offload.plan(...)")
+        from .table import format_plan  # table imports this module
+
+        return format_plan(self, self.profile, measured)
 
     def describe(self) -> str:
         """Counts of each action, e.g. ``keep 2, offload 3 (1 partial), recompute 11``."""

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from ..stats import format_bytes
 from .model import backward_cost_ms, offloaded_bytes, resident_bytes
 from .types import Action, LayerPlan, Plan, StepProfile
 
 _MIB = 1 << 20
-_GIB = 1 << 30
 _MEASURED_KEYS = ("step_ms", "peak_bytes")
 
 
@@ -52,10 +52,10 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
     lines.append("-" * len(header))
 
     p = plan.prediction
-    budget = "none" if plan.budget_bytes is None else f"{plan.budget_bytes / _GIB:.2f} GiB"
+    budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
     lines.append(f"plan: {plan.describe()}; budget {budget}")
     step = f"{p.step_ms:.1f} ms ({p.step_ms / profile.plain_step_ms:.3f}x plain)"
-    peak = f"{p.peak_bytes / _GIB:.2f} GiB ({p.peak_bytes / profile.plain_peak_bytes:.3f}x plain)"
+    peak = f"{format_bytes(p.peak_bytes)} ({p.peak_bytes / profile.plain_peak_bytes:.3f}x plain)"
     if measured is None:
         lines.append(f"predicted step {step}")
         lines.append(f"predicted peak {peak}, at {p.peak_at}")
@@ -71,12 +71,12 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
         if m_peak is None:
             lines.append(f"{'peak':<6}{peak:<30}{'-':<30}-")
         else:
-            m = f"{m_peak / _GIB:.2f} GiB ({m_peak / profile.plain_peak_bytes:.3f}x plain)"
+            m = f"{format_bytes(m_peak)} ({m_peak / profile.plain_peak_bytes:.3f}x plain)"
             lines.append(f"{'peak':<6}{peak:<30}{m:<30}{_error(p.peak_bytes, m_peak)}")
         lines.append(f"predicted peak at {p.peak_at}")
     lines.append(
         f"stalls: forward {p.forward_stall_ms:.1f} ms, backward {p.backward_stall_ms:.1f} ms; "
-        f"copies: {p.d2h_bytes / _GIB:.2f} GiB out, {p.h2d_bytes / _GIB:.2f} GiB back"
-        + (f", {p.wasted_d2h_bytes / _GIB:.2f} GiB out never used" if p.wasted_d2h_bytes else "")
+        f"copies: {format_bytes(p.d2h_bytes)} out, {format_bytes(p.h2d_bytes)} back"
+        + (f", {format_bytes(p.wasted_d2h_bytes)} out never used" if p.wasted_d2h_bytes else "")
     )
     return "\n".join(lines)

@@ -1,0 +1,169 @@
+"""Checkpointing and plans on a CUDA GPU: bitwise gradients under delayed streams, memory drops,
+no leaks, and HF transformers' own checkpointing composed with offloading.
+
+Bitwise comparisons use the efficient/math SDPA backends (the FLASH backward is not repeatable on
+our H100); each test first checks that the plain run repeats itself.
+"""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.models import run_layers
+from offload.planner import Action, LayerPlan, plan_for
+
+from _util import Delayed, assert_bitwise, make_gpt_layers, sleepy, train_step
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
+
+HIDDEN, HEADS = 256, 4
+CYCLES = 20_000_000  # ~10 ms at H100 clocks: longer than any copy here
+
+
+def gpt(n: int = 6) -> nn.ModuleList:
+    return make_gpt_layers(n, HIDDEN, HEADS, device="cuda", dtype=torch.bfloat16)
+
+
+def tokens(seq: int = 512, batch: int = 2) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    return torch.randn(batch, seq, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def oa_step(layers: nn.Module, x: torch.Tensor, oa: offload.OffloadActivations) -> list[torch.Tensor]:
+    for p in layers.parameters():
+        p.grad = None
+    xin = x.detach().requires_grad_(True)
+    with oa:
+        out = run_layers(layers, xin)
+    (out.float() ** 2).mean().backward()
+    return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
+
+
+def mixed_plan(layers: nn.ModuleList, x: torch.Tensor) -> offload.planner.Plan:
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
+    floor = max(profile.layers[2].slot_bytes)
+    return plan_for(profile, [
+        LayerPlan(Action.RECOMPUTE), LayerPlan(Action.OFFLOAD), LayerPlan(Action.OFFLOAD, floor),
+        LayerPlan(Action.RECOMPUTE), LayerPlan(Action.OFFLOAD), LayerPlan(Action.KEEP),
+    ])
+
+
+@pytest.mark.parametrize("delay", ["none", "copies", "compute", "both"])
+def test_mixed_plan_bitwise_under_delayed_streams(delay: str) -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    made = mixed_plan(layers, x)
+    stack = layers if delay in ("none", "copies") else nn.ModuleList(Delayed(m, CYCLES) for m in layers)
+    oa = offload.OffloadActivations(stack, plan=made)
+    if delay in ("copies", "both"):
+        sleepy(oa, CYCLES)
+    for _ in range(3):
+        assert_bitwise(expected, oa_step(stack, x, oa))
+    stats = oa.stats
+    assert stats["groups_offloaded"] == 4 and stats["reloads"] == 4, stats
+
+
+def test_lowest_plan_lowers_the_peak_below_checkpointing() -> None:
+    layers, x = gpt(), tokens(seq=1024)
+    expected = train_step(layers, x)
+
+    def peak_of(step) -> int:
+        step()  # warm (allocator, pinned blocks)
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        step()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    plain = peak_of(lambda: train_step(layers, x))
+    ckpt_layers = nn.ModuleList(_Checkpointed(m) for m in layers)
+    ckpt = peak_of(lambda: train_step(ckpt_layers, x))
+    made = offload.plan(layers, lambda: train_step(layers, x), "lowest")
+    oa = offload.OffloadActivations(layers, plan=made)
+    ours = peak_of(lambda: oa_step(layers, x, oa))
+    assert_bitwise(expected, oa_step(layers, x, oa))
+    # Checkpointing keeps every layer's input; the lowest plan offloads them too.
+    assert ours < ckpt < plain, (ours, ckpt, plain, made.describe())
+    inputs = sum(layer.input_bytes for layer in made.profile.layers[:-1])
+    assert ckpt - ours >= 0.5 * inputs, (ckpt, ours, inputs)
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.inner, x, use_reentrant=False)
+
+
+def test_planned_steps_return_memory_to_baseline() -> None:
+    layers, x = gpt(), tokens()
+    made = mixed_plan(layers, x)
+    oa = offload.OffloadActivations(layers, plan=made)
+    oa_step(layers, x, oa)
+    seen = []
+    for _ in range(4):
+        gc.collect()
+        torch.cuda.synchronize()
+        seen.append(torch.cuda.memory_allocated())
+        oa_step(layers, x, oa)
+    assert len(set(seen)) == 1, seen
+
+
+def test_budget_plans_then_follows_on_gpu() -> None:
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
+    budget = profile.base_bytes + profile.head_bytes + profile.plain_peak_bytes // 4 + sum(l.saved_bytes for l in profile.layers) // 2
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True)
+    for _ in range(4):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    assert oa.plan is not None and oa.measured is not None
+    assert oa.measured["peak_bytes"] > 0
+    print(oa.plan_report())
+
+
+def test_hf_llama_checkpointing_offloads_only_layer_inputs() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=256, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1024, max_position_embeddings=512, use_cache=False,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.LlamaForCausalLM(config)
+    model.to(torch.bfloat16).train()
+    ids = torch.randint(0, 1024, (2, 512), device="cuda")
+
+    def step(oa=None) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        if oa is None:
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            with oa:
+                loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    expected = step()
+    assert_bitwise(expected, step())
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    assert_bitwise(expected, step())
+    oa = offload.OffloadActivations(model.model.layers, min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(expected, step(oa))
+    stats = oa.stats
+    hidden_bytes = 2 * 512 * 256 * 2
+    # Layers 0..2: one hidden-state input each, plus the token ids the embedding saved.
+    assert stats["offloaded_tensors"] == 4, stats
+    assert stats["offloaded_bytes"] == 3 * hidden_bytes + ids.nbytes, stats
