@@ -244,6 +244,7 @@ class OffloadActivations:
         self.plan = plan
         self.engine.schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[union-attr]
         self.engine.model_layers = len(plan.layers)  # type: ignore[union-attr]
+        self.engine.mode = "planned"  # type: ignore[union-attr]
         if plan.recomputes():
             self._install_recompute()
 

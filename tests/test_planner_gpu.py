@@ -44,13 +44,16 @@ def oa_step(layers: nn.Module, x: torch.Tensor, oa: offload.OffloadActivations) 
     return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
 
 
-def mixed_plan(layers: nn.ModuleList, x: torch.Tensor) -> offload.planner.Plan:
+def mixed_plan(layers: nn.ModuleList, x: torch.Tensor, *, tight: bool = True) -> offload.planner.Plan:
+    """Recompute, offload, partial offload, keep. ``tight``: a budget that no group fits, so
+    every group is released (and reloaded) as early as the rules allow, delays or not."""
     profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
     floor = max(profile.layers[2].slot_bytes)
-    return plan_for(profile, [
+    actions = [
         LayerPlan(Action.RECOMPUTE), LayerPlan(Action.OFFLOAD), LayerPlan(Action.OFFLOAD, floor),
         LayerPlan(Action.RECOMPUTE), LayerPlan(Action.OFFLOAD), LayerPlan(Action.KEEP),
-    ])
+    ]
+    return plan_for(profile, actions, budget_bytes=profile.base_bytes + 1 if tight else None)
 
 
 @pytest.mark.parametrize("delay", ["none", "copies", "compute", "both"])

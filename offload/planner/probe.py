@@ -77,10 +77,13 @@ def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 class _LayerRecord:
-    __slots__ = ("group", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end")
+    __slots__ = ("group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end")
 
     def __init__(self, index: int) -> None:
-        self.group = Group(index, step=0)
+        # The group only counts: it holds the saved tensors until the forward ends, then only
+        # their slot sizes are kept (``slots``), so the probe never outlives the step's memory.
+        self.group: Optional[Group] = Group(index, step=0)
+        self.slots: tuple[int, ...] = ()
         self.input_bytes = 0
         self.fwd_start: Any = None
         self.fwd_end: Any = None
@@ -135,6 +138,12 @@ class ProbeStep:
             handle.remove()
         self._handles.clear()
         self.forward_end = self.clock.mark()
+        for record in self.records + ([self._pending] if self._pending is not None else []):
+            if record.group is not None:
+                record.slots = tuple(record.group.slot_sizes())
+                record.group = None
+        self._pending = None
+        self._open = None
 
     def end_step(self) -> None:
         """The whole step, backward included, is over."""
@@ -181,7 +190,7 @@ class ProbeStep:
             if self._pending is None:
                 self._pending = _LayerRecord(len(self.records))
             record = self._pending
-        if self.policy.decide(t) is None:
+        if record.group is not None and self.policy.decide(t) is None:
             record.group.add(t)
         return t
 
@@ -201,7 +210,7 @@ class ProbeStep:
         records = self.records
         layers = []
         for r in records:
-            slots = tuple(r.group.slot_sizes())
+            slots = r.slots
             # Layer 0's input gradient may not exist (token ids): its backward then runs until
             # the end of the step's backward, which post_ms then does not double count.
             bwd_end = r.bwd_end if r.bwd_end is not None else self.step_end
@@ -241,16 +250,19 @@ class ProbeStep:
 
 
 class _Mark:
-    """Gradient hook that stamps one time mark on a layer record (runs in backward)."""
+    """Gradient hook that stamps one time mark on a layer record (runs in backward).
 
-    __slots__ = ("probe", "record", "field")
+    It holds the clock and the record, not the probe: a hook kept alive by a tensor that the
+    caller holds on to must not keep the probe's records alive with it."""
+
+    __slots__ = ("clock", "record", "field")
 
     def __init__(self, probe: ProbeStep, record: _LayerRecord, field: str) -> None:
-        self.probe, self.record, self.field = probe, record, field
+        self.clock, self.record, self.field = probe.clock, record, field
 
     def __call__(self, grad: torch.Tensor) -> None:
         if getattr(self.record, self.field) is None:
-            setattr(self.record, self.field, self.probe.clock.mark())
+            setattr(self.record, self.field, self.clock.mark())
 
 
 def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> LinkProfile:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+import torch
+
 from ..group import Group, GroupState
 from ..planner.model import PREFETCH_DEPTH, held_bytes, offloaded_bytes, resident_bytes, transient_bytes
 from ..planner.types import Action, Plan, StepProfile
@@ -51,6 +53,9 @@ class PlannedSchedule(Schedule):
         self._copies = [offloaded_bytes(profile.layers[i], plan.layers[i]) > 0 for i in range(n)]
         self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
         self._in_flight: list[Group] = []  # D2H submitted, not released: oldest first
+        # Set to a list to record (event, layer, model's bytes, allocated bytes) at every
+        # decision point: where a measured peak departs from the prediction, this shows where.
+        self.trace: Optional[list[tuple[str, int, int, int]]] = None
 
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
@@ -67,6 +72,12 @@ class PlannedSchedule(Schedule):
         return layer < len(self.actions) and self.actions[layer] is Action.RECOMPUTE
 
     # -- accounting ------------------------------------------------------------------------------
+    def _record(self, engine: "OffloadEngine", event: str, layer: int) -> None:
+        if self.trace is not None:
+            device = engine.transport.device
+            actual = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            self.trace.append((event, layer, self.profile.base_bytes + sum(self.held), actual))
+
     def _over(self, extra: int) -> bool:
         return self.budget is not None and self.profile.base_bytes + sum(self.held) + extra > self.budget
 
@@ -96,6 +107,7 @@ class PlannedSchedule(Schedule):
         n = len(self.actions)
         self._release_finished(engine, n)
         self._force(engine, self._saved[layer] if layer < n else 0, n)
+        self._record(engine, "forward", layer)
 
     def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
         n = len(self.actions)
@@ -109,6 +121,7 @@ class PlannedSchedule(Schedule):
         if layer == n - 1:  # the head comes next: the forward's peak
             self._release_finished(engine, n)
             self._force(engine, self.profile.head_bytes, n)
+            self._record(engine, "head", layer)
 
     # -- backward --------------------------------------------------------------------------------
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
@@ -137,6 +150,7 @@ class PlannedSchedule(Schedule):
                 break
             engine.start_reload(group)
             self.held[below] = self._held_full[below]
+        self._record(engine, "backward", layer)
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
         if engine.step is not None and engine.step.index == group.step:
