@@ -22,12 +22,17 @@ def make_mlp_layers(n: int = 4, width: int = 64, device: str = "cpu", dtype: tor
     return torch.nn.ModuleList(LinearGELU(width, device=device, dtype=dtype) for _ in range(n))
 
 
-def train_step(layers: torch.nn.ModuleList, x: torch.Tensor, context: Any = None, sync: Optional[Callable] = None, *, retain_graph: bool = False) -> list[torch.Tensor]:
-    """Forward in TransformerEngine's call shape, backward, and the gradients (input grad last)."""
+def train_step(layers: torch.nn.ModuleList, x: torch.Tensor, context: Any = None, sync: Optional[Callable] = None, *, retain_graph: bool = False, scale_input: bool = False) -> list[torch.Tensor]:
+    """Forward in TransformerEngine's call shape, backward, and the gradients (input grad last).
+
+    ``scale_input``: multiply the input by 1.0 before the first layer, so that layer 0 saves an
+    activation like every other layer (not the leaf input, which is kept): all groups then have
+    the same size, which v1's double buffering needs.
+    """
     for p in layers.parameters():
         p.grad = None
     x = x.detach().requires_grad_(True)
-    out = run_layers(layers, x, context, sync)
+    out = run_layers(layers, x * 1.0 if scale_input else x, context, sync)
     loss = (out.float() ** 2).mean()
     loss.backward(retain_graph=retain_graph)
     return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]

@@ -143,6 +143,21 @@ def test_fp8_linear_stack_bitwise_with_offload(device: str, scaling: str, mode: 
         assert stats["kept"].get("not_selected", 0) > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_layers, num_layers", [(8, 4), (12, 4)])
+def test_fp8_linear_stack_bitwise_with_v1_double_buffering(device: str, model_layers: int, num_layers: int) -> None:
+    # Each group (the opted-in FP8 inputs of one block) has the same size, so every reload goes
+    # into one of the two shared buffers: a buffer reused before its last reader ran shows here.
+    layers = fp8_mlp(device, "tensorwise", n=model_layers)
+    x = torch.randn(64, 128, device=device, dtype=torch.bfloat16)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    ctx, sync = context(device, num_layers, model_layers, mode="v1", double_buffering=True)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["reloads"] == num_layers and all(b is not None for b in ctx.engine.schedule._buffers)
+
+
 class ToyQuantized(torch.Tensor):
     """A tensor subclass with the storage protocol, like TransformerEngine's Float8Tensor: the
     pack hook receives it whole and must split it into components."""

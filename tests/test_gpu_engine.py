@@ -187,6 +187,41 @@ def test_race_with_delayed_streams(mode: str, delay: str) -> None:
         assert_bitwise(expected, got)
 
 
+def delay_backward_readers(ctx, cycles: int) -> None:
+    """After every unpack, sleep on the compute stream: the kernels of the node that asked for the
+    tensor are queued behind the sleep, so anything that overwrites the tensor's memory without
+    waiting for them lands first."""
+    engine = ctx.engine
+    unpack = engine.unpack
+
+    def slow_unpack(packed):
+        tensor = unpack(packed)
+        torch.cuda._sleep(cycles)
+        return tensor
+
+    engine._hooks = torch.autograd.graph.saved_tensors_hooks(engine.pack, slow_unpack)
+
+
+@pytest.mark.parametrize("model_layers, num_layers", [(8, 4), (9, 3)])
+@pytest.mark.parametrize("delay", ["compute", "copies", "both"])
+def test_v1_double_buffering_race_with_delayed_streams(model_layers: int, num_layers: int, delay: str) -> None:
+    """A shared reload buffer is overwritten only after the node that read its group last ran."""
+    layers, x = gpt(model_layers), tokens()
+    expected = train_step(layers, x, scale_input=True)
+    assert_bitwise(expected, train_step(layers, x, scale_input=True))
+    cycles = 2_000_000  # ~1 ms per unpack (and per layer forward): longer than one group's H2D
+    stack = layers if delay == "copies" else torch.nn.ModuleList(Delayed(m, cycles) for m in layers)
+    ctx, sync = context(num_layers, model_layers, mode="v1", selection="auto", double_buffering=True)
+    if delay != "copies":
+        delay_backward_readers(ctx, cycles)
+    if delay != "compute":
+        sleepy(ctx, 10 * cycles)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(stack, x, ctx, sync, scale_input=True))
+    assert ctx.stats["reloads"] == num_layers
+    assert all(b is not None for b in ctx.engine.schedule._buffers)
+
+
 def test_no_pinned_allocation_after_first_step(monkeypatch) -> None:
     layers, x = gpt(), tokens()
     real_empty = torch.empty
