@@ -8,6 +8,11 @@ and after reload every saved tensor comes back as a view of one buffer::
 
 so each component keeps its own dtype (float32 scales stay float32, uint8 stays uint8).
 
+Lazy conjugate and negative views (``t.conj()`` of a complex tensor, ``torch._neg_view``) share
+their base's bytes and carry the operation as a bit on the tensor; the bytes copied are the
+unconjugated ones. The bits are recorded per entry and put back on the restored view, so the
+values autograd reads are the saved ones, exactly.
+
 Alignment: a slot's span starts at its lowest byte rounded *down* to 256, and slots sit at 256-byte
 aligned offsets, so a restored view has the same address modulo 256 as the original. Anything
 that was aligned for an FP8 GEMM (cuBLASLt wants 16 bytes) stays aligned, and the element offset
@@ -45,6 +50,19 @@ HOLDS_ORIGINALS = frozenset({GroupState.OPEN, GroupState.RESIDENT, GroupState.KE
 _ALIGN_MASK = ~(ALIGNMENT - 1)
 
 
+CONJ_BIT = 1
+NEG_BIT = 2
+
+
+def _with_lazy_bits(view: torch.Tensor, lazy: int) -> torch.Tensor:
+    # The bytes are the base's; the bits say how the saved tensor reads them.
+    if lazy & CONJ_BIT:
+        view = torch.conj(view)
+    if lazy & NEG_BIT:
+        view = torch._neg_view(view)
+    return view
+
+
 def storage_extent_bytes(t: torch.Tensor) -> int:
     """Bytes from the first to one past the last element ``t`` addresses in its storage."""
     if t.is_contiguous():
@@ -71,8 +89,9 @@ class Group:
         self.slot_storages: list[Any] = []
         self.slot_lo: list[int] = []
         self.slot_hi: list[int] = []
-        # Entries: (slot, byte offset in its storage, dtype, shape, stride), one per saved tensor.
-        self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...]]] = []
+        # Entries: (slot, byte offset in its storage, dtype, shape, stride, lazy bits), one per
+        # saved tensor; lazy bits: CONJ_BIT | NEG_BIT as the tensor carried them.
+        self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...], int]] = []
         self.originals: Optional[list[torch.Tensor]] = []
         self.saved_bytes = 0
         # Filled by close().
@@ -119,7 +138,7 @@ class Group:
                 self.slot_lo[slot] = lo & _ALIGN_MASK
             if hi > self.slot_hi[slot]:
                 self.slot_hi[slot] = hi
-        self.entries.append((slot, lo, t.dtype, t.shape, t.stride()))
+        self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
         self.originals.append(t)  # type: ignore[union-attr]
         return len(self.entries) - 1
 
@@ -134,7 +153,7 @@ class Group:
         self.nbytes = total
         self.entry_element_offsets = [
             (offsets[slot] + byte_offset - self.slot_lo[slot]) // dtype.itemsize
-            for slot, byte_offset, dtype, _, _ in self.entries
+            for slot, byte_offset, dtype, _, _, _ in self.entries
         ]
         self._slot_of_ptr.clear()
 
@@ -198,12 +217,15 @@ class Group:
 
     def restore(self, index: int) -> torch.Tensor:
         """Entry ``index`` as a typed view of the reload buffer, with its dtype, shape and stride."""
-        _, _, dtype, shape, stride = self.entries[index]
+        _, _, dtype, shape, stride, lazy = self.entries[index]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.gpu.view(dtype)  # type: ignore[union-attr]
             self.typed[dtype] = typed
-        return typed.as_strided(shape, stride, self.entry_element_offsets[index])
+        view = typed.as_strided(shape, stride, self.entry_element_offsets[index])
+        if lazy:
+            view = _with_lazy_bits(view, lazy)
+        return view
 
     def __del__(self) -> None:
         # Returning the host region must happen exactly once, when the last saved-tensor handle

@@ -79,6 +79,40 @@ def test_full_gpt_with_offload_activations() -> None:
     assert not model.layers[0]._forward_pre_hooks and not model.layers[0]._forward_hooks
 
 
+class LazyBitLayer(torch.nn.Module):
+    """Saves a lazy conjugate or negative view of its activation next to the activation itself."""
+
+    def __init__(self, width: int, kind: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.kind = kind
+        self.fc = torch.nn.Linear(width, width, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        other = {"conj": h.conj, "neg": lambda: torch._neg_view(h), "conj_neg": lambda: torch._neg_view(h.conj())}[self.kind]()
+        return torch.tanh(h * other)
+
+
+@pytest.mark.parametrize("kind, dtype", [("conj", torch.complex64), ("neg", torch.complex64), ("conj_neg", torch.complex64), ("neg", torch.float32)])
+def test_lazy_conjugate_and_negative_views_bitwise(kind: str, dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(LazyBitLayer(16, kind, dtype) for _ in range(3))
+    x = torch.randn(8, 16, dtype=dtype)
+
+    def step(ctx=None, sync=None) -> list[torch.Tensor]:
+        for p in layers.parameters():
+            p.grad = None
+        xin = x.detach().requires_grad_(True)
+        (offload.models.run_layers(layers, xin, ctx, sync).abs() ** 2).mean().backward()
+        return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
+
+    expected = step()
+    assert_bitwise(expected, step())
+    ctx, sync = cpu_context(2, 3)
+    assert_bitwise(expected, step(ctx, sync))
+    assert ctx.stats["offloaded_tensors"] >= 2 * 2 and ctx.stats["released_bytes"] > 0
+
+
 def test_native_and_python_copy_paths_agree(gpt, monkeypatch) -> None:
     layers, x = gpt
     expected = train_step(layers, x)

@@ -170,6 +170,22 @@ def test_typed_views_keep_their_dtype() -> None:
         assert torch.equal(r, t)
 
 
+def test_lazy_conjugate_and_negative_views_restore_with_their_bits() -> None:
+    z = torch.randn(8, 8, dtype=torch.complex64)
+    r = torch.randn(8, 8)
+    items = [z, z.conj(), torch._neg_view(z), torch._neg_view(z.conj()), z.conj().imag, torch._neg_view(r), r]
+    group = Group(0, 1)
+    for t in items:
+        group.add(t)
+    assert len(group.slot_storages) == 2  # the views share their base's bytes
+    close(group)
+    reload_from_originals(group)
+    for i, t in enumerate(items):
+        back = group.restore(i)
+        assert (back.is_conj(), back.is_neg()) == (t.is_conj(), t.is_neg()), i
+        assert torch.equal(back.resolve_conj().resolve_neg(), t.resolve_conj().resolve_neg()), i
+
+
 def test_shared_uint8_buffer_components_offloaded_once() -> None:
     bulk = torch.randint(0, 255, (4096,), dtype=torch.uint8)
     data = bulk[:1024].view(32, 32)
