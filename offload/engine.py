@@ -1,8 +1,9 @@
 """The engine: saved-tensor hooks, the step and layer lifecycle, and the primitives schedules use.
 
 Lifetime of one saved tensor (see DESIGN.md for the data flow):
-- ``pack`` (forward): the policy keeps it (the tensor itself is returned: nothing else happens) or
-  it joins the open layer's group and ``(group, index)`` is returned to autograd.
+- ``pack`` (forward): the policy keeps it (``(tensor, version, layer)`` is returned, the tensor
+  detached unless it is a parameter, see below) or it joins the open layer's group and
+  ``(group, index)`` is returned to autograd.
 - the schedule offloads the group (D2H into an arena region), releases the GPU originals, and
   reloads the group (one H2D into one buffer) ahead of its backward.
 - ``unpack`` (backward): the original if the group still holds it, else a typed view of the
@@ -13,6 +14,18 @@ Lifetime of one saved tensor (see DESIGN.md for the data flow):
 
 Autograd keeps the handles, not the engine: ``backward(retain_graph=True)`` a second time simply
 reloads again from the host region, which lives as long as the graph does.
+
+Nothing the engine or a handle holds may refer back to the graph: autograd gives the pack hook a
+node's *output* with that node as its ``grad_fn``, and the node holds what pack returns, so a
+handle holding the output would make a cycle through C++ that Python's GC cannot see (an
+abandoned or failed step would then keep its activations and host regions for good). Tensors
+that require grad are therefore held detached (same storage and version counter); autograd puts
+the grad_fn back when it unpacks. Parameters are leaves: they hold no node.
+
+In-place changes: autograd skips its version check for tensors saved through hooks, so the
+engine records ``t._version`` at pack and compares at unpack, raising autograd's error. Once a
+group is released it holds nothing that shares the version counter, so the check also runs at
+release, and after it through a weak reference to the caller's tensor object while that lives.
 
 CUDA graphs (see ``offload.graphs``):
 - a step whose first layer starts while the current stream is capturing is a *captured step*:
@@ -34,9 +47,9 @@ import torch
 
 from . import native
 from .arena import CaptureError, HostArena
-from .group import HOLDS_ORIGINALS, Group, GroupState
+from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR
-from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
+from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
 from .transport import CudaTransport, HostTransport
 
@@ -44,6 +57,8 @@ if TYPE_CHECKING:
     from .schedules.base import Schedule
 
 Transport = Union[CudaTransport, HostTransport]
+
+_detach = torch.Tensor.detach
 
 
 @dataclass
@@ -327,7 +342,9 @@ class OffloadEngine:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
                 return self._pack_storage(group, t)
             group.counters.keep(reason)
-            return t
+            if reason is not KEEP_PARAMETER and t.requires_grad:
+                return (_detach(t), t._version, group.layer)
+            return (t, t._version, group.layer)
         group.saved_bytes += t.nbytes
         return (group, group.add(t))
 
@@ -346,13 +363,24 @@ class OffloadEngine:
             if type(packed) is StorageHandle:
                 return self._unpack_storage(packed)
             return packed
+        if len(packed) == 3:  # kept: (tensor, version at pack, layer)
+            tensor, version, layer = packed
+            if tensor._version != version:
+                raise modified_error(tensor.shape, tensor.dtype, layer, tensor._version, version)
+            return tensor
         group, index = packed
-        group.unpacks += 1
         if group.state in HOLDS_ORIGINALS:
             tensor = group.original(index)
+            if tensor._version != group.versions[index]:
+                group.check_version(index, tensor)
+            group.unpacks += 1
             if group.unpacks == len(group.entries):
                 self._consumed(group)
             return tensor
+        caller = group.callers[index]()
+        if group.modified is not None or (caller is not None and caller._version != group.versions[index]):
+            group.check_version(index, caller)
+        group.unpacks += 1
         if group.state is GroupState.OFFLOADED:
             if not group.local:  # a graphed layer's group is outside the schedule's steps
                 self.schedule.on_unpack_miss(self, group)

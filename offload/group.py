@@ -28,6 +28,7 @@ States (transitions are checked; a wrong one is a bug in a schedule, and says so
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -52,6 +53,21 @@ _ALIGN_MASK = ~(ALIGNMENT - 1)
 
 CONJ_BIT = 1
 NEG_BIT = 2
+
+_detach = torch.Tensor.detach
+_weakref = weakref.ref
+
+
+def modified_error(shape: Any, dtype: torch.dtype, layer: int, now: int, saved: int) -> RuntimeError:
+    """Autograd's error for a saved tensor changed in place, naming what the engine knows."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: a tensor of shape {list(shape)} and dtype {dtype} saved for backward in "
+        f"offloaded layer {layer} is at version {now}; expected version {saved} instead. "
+        "(offload checks this in place of autograd, which skips its check for tensors saved "
+        "through saved-tensor hooks.) Hint: change a copy (.clone()) or use the out-of-place "
+        "operation instead."
+    )
 
 
 def _with_lazy_bits(view: torch.Tensor, lazy: int) -> torch.Tensor:
@@ -92,7 +108,21 @@ class Group:
         # Entries: (slot, byte offset in its storage, dtype, shape, stride, lazy bits), one per
         # saved tensor; lazy bits: CONJ_BIT | NEG_BIT as the tensor carried them.
         self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...], int]] = []
+        # What the group holds until release: each saved tensor detached when it requires grad.
+        # Autograd hands the pack hook a node's *output* with its grad_fn (that very node), and
+        # the node holds what pack returned: holding the output itself would close a cycle
+        # group -> tensor -> grad_fn -> saved handle -> group that only the cyclic GC (which
+        # cannot see the C++ edges) could ever break, so a step abandoned before backward
+        # would keep its activations and host regions. ``detach`` shares storage and version
+        # counter; autograd re-attaches the grad_fn when it unpacks.
         self.originals: Optional[list[torch.Tensor]] = []
+        # Version counter of each saved tensor at pack: autograd skips its own in-place check for
+        # tensors saved through hooks, so the engine does it (see ``check_version``).
+        self.versions: list[int] = []
+        self.modified: Optional[dict[int, int]] = None  # entry -> version seen at release
+        # The caller's tensor objects, weakly: after release the group holds nothing that shares
+        # their version counters, but a caller still holding one can still change it in place.
+        self.callers: list[Any] = []
         self.saved_bytes = 0
         # Filled by close().
         self.slot_offsets: list[int] = []
@@ -139,7 +169,9 @@ class Group:
             if hi > self.slot_hi[slot]:
                 self.slot_hi[slot] = hi
         self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
-        self.originals.append(t)  # type: ignore[union-attr]
+        self.versions.append(t._version)
+        self.callers.append(_weakref(t))
+        self.originals.append(_detach(t) if t.requires_grad else t)  # type: ignore[union-attr]
         return len(self.entries) - 1
 
     def slot_sizes(self) -> list[int]:
@@ -183,8 +215,19 @@ class Group:
         self.d2h_done = d2h_done
 
     def mark_released(self) -> None:
-        """Drop the GPU originals (the caller has ordered their reuse after the D2H)."""
+        """Drop the GPU originals (the caller has ordered their reuse after the D2H).
+
+        Changes made in place since pack are noted first: once the originals are gone they can
+        no longer be seen, and autograd would have refused them (the error is raised at unpack,
+        where autograd raises it).
+        """
         self._move({GroupState.OFFLOADING}, GroupState.OFFLOADED)
+        versions = self.versions
+        for index, t in enumerate(self.originals):  # type: ignore[arg-type]
+            if t._version != versions[index]:
+                if self.modified is None:
+                    self.modified = {}
+                self.modified[index] = t._version
         self.originals = None
         self.slot_storages = []
 
@@ -214,6 +257,23 @@ class Group:
     def original(self, index: int) -> torch.Tensor:
         """The tensor as it was saved (only while the group still holds the originals)."""
         return self.originals[index]  # type: ignore[index]
+
+    def check_version(self, index: int, tensor: Optional[torch.Tensor]) -> None:
+        """Raise autograd's in-place error if entry ``index`` changed since it was saved.
+
+        ``tensor``: one that shares the saved tensor's version counter (the original the group
+        holds, or the caller's object), or None. After release the version noted at release
+        counts too.
+        """
+        saved = self.versions[index]
+        now = saved
+        if self.modified is not None:
+            now = self.modified.get(index, saved)
+        if now == saved and tensor is not None:
+            now = tensor._version
+        if now != saved:
+            _, _, dtype, shape, _, _ = self.entries[index]
+            raise modified_error(shape, dtype, self.layer, now, saved)
 
     def restore(self, index: int) -> torch.Tensor:
         """Entry ``index`` as a typed view of the reload buffer, with its dtype, shape and stride."""

@@ -257,3 +257,43 @@ def test_gpu_memory_returns_to_baseline() -> None:
         torch.cuda.synchronize()
         seen.append(torch.cuda.memory_allocated())
     assert seen == [baseline] * 5, (baseline, seen)
+
+
+class Boom(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("fault", ["exception", "no_backward"])
+@pytest.mark.parametrize("keep", ["offloaded", "kept_budget"])
+def test_failed_and_abandoned_steps_give_back_gpu_and_host_memory(fault: str, keep: str) -> None:
+    """With the cyclic GC off: steps that raised in a layer, or whose backward was skipped, give
+    back every GPU byte and host block by the end of the next step."""
+    layers, x = gpt(), tokens()
+    ctx, sync = context(5, 6, **({} if keep == "offloaded" else {"host_budget_bytes": 0}))
+    train_step(layers, x, ctx, sync)
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    held = ctx.engine.arena.counters.bytes_held
+    stack = torch.nn.ModuleList([*layers[:4], Boom(), layers[5]]) if fault == "exception" else layers
+    gc.disable()
+    try:
+        for _ in range(3):
+            xin = x.clone().requires_grad_(True)
+            try:
+                loss = (run_layers(stack, xin, ctx, sync).float() ** 2).mean()
+                del loss
+            except RuntimeError as exc:
+                assert "boom" in str(exc)
+            del xin
+        if fault == "exception":
+            assert ctx.engine.arena.counters.bytes_in_use == 0
+        train_step(layers, x, ctx, sync)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == baseline, (baseline, torch.cuda.memory_allocated())
+        assert ctx.engine.arena.counters.bytes_held == held
+        if keep == "offloaded":
+            assert ctx.stats["groups_offloaded"] == 5 and ctx.stats["pinned_allocations"] == 0
+    finally:
+        gc.enable()
