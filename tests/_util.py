@@ -35,7 +35,16 @@ def train_step(layers: torch.nn.ModuleList, x: torch.Tensor, context: Any = None
     out = run_layers(layers, x * 1.0 if scale_input else x, context, sync)
     loss = (out.float() ** 2).mean()
     loss.backward(retain_graph=retain_graph)
-    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+    return [p.grad.clone() for p in layers.parameters() if p.requires_grad] + [x.grad.clone()]
+
+
+def plain_reference(layers: torch.nn.ModuleList, x: torch.Tensor, **kw: Any) -> list[torch.Tensor]:
+    """The gradients without offload, once the plain run is seen to repeat itself bit for bit
+    (otherwise a bitwise comparison with an offloaded run would prove nothing)."""
+    expected = train_step(layers, x, **kw)
+    again = train_step(layers, x, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(expected, again)), "the plain run does not repeat itself"
+    return expected
 
 
 def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:

@@ -14,7 +14,7 @@ import offload
 from offload.group import GroupState
 from offload.models import GPT
 
-from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, train_step
+from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, plain_reference, train_step
 
 
 def hooks_installed() -> bool:
@@ -29,15 +29,10 @@ def gpt() -> tuple[torch.nn.ModuleList, torch.Tensor]:
 
 
 # -- exactness ------------------------------------------------------------------------------------
-def test_plain_run_repeats_itself(gpt) -> None:
-    layers, x = gpt
-    assert_bitwise(train_step(layers, x), train_step(layers, x))
-
-
 @pytest.mark.parametrize("num_layers", [1, 2, 3])
 def test_gpt_gradients_bitwise_v2(gpt, num_layers: int) -> None:
     layers, x = gpt
-    expected = train_step(layers, x)
+    expected = plain_reference(layers, x)
     ctx, sync = cpu_context(num_layers, 4)
     for _ in range(3):  # later steps reuse the arena
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
@@ -51,7 +46,7 @@ def test_gpt_gradients_bitwise_v2(gpt, num_layers: int) -> None:
 def test_mlp_gradients_bitwise() -> None:
     layers = make_mlp_layers(n=5)
     x = torch.randn(8, 64)
-    expected = train_step(layers, x)
+    expected = plain_reference(layers, x)
     ctx, sync = cpu_context(4, 5)
     assert_bitwise(expected, train_step(layers, x, ctx, sync))
     assert ctx.stats["offloaded_tensors"] >= 4
@@ -435,13 +430,58 @@ def test_unchanged_saved_tensors_pass_the_version_check() -> None:
     assert_bitwise(expected, train_step(stack, x, ctx, sync))
 
 
-def test_no_grad_forward_offloads_nothing(gpt) -> None:
+class HookProbe(torch.nn.Module):
+    """Records, for each call, whether saved-tensor hooks were installed while the layer ran."""
+
+    def __init__(self, layer: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+        self.seen: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(hooks_installed())
+        return self.layer(x)
+
+
+def test_eval_forward_between_steps_installs_nothing_and_keeps_the_arena(gpt) -> None:
+    # Under no_grad nothing is saved: the engine installs no hooks, opens no groups, and the
+    # arena's idle blocks wait for the next training step instead of being freed (on a GPU,
+    # freeing them means pinning them again).
     layers, x = gpt
+    probes = torch.nn.ModuleList(HookProbe(m) for m in layers)
     ctx, sync = cpu_context(3, 4)
-    with torch.no_grad():
-        offload.models.run_layers(layers, x, ctx, sync)
-    assert ctx.stats["offloaded_tensors"] == 0 and ctx.stats["bytes_d2h"] == 0
+    train_step(probes, x, ctx, sync)
+    assert [p.seen for p in probes] == [[True], [True], [True], [False]]  # the probe sees hooks
+    arena = ctx.engine.arena.counters
+    blocks, held = arena.pinned_allocations, arena.bytes_held
+    assert blocks == 3
+    for _ in range(5):
+        for p in probes:
+            p.seen.clear()
+        with torch.no_grad():
+            offload.models.run_layers(probes, x, ctx, sync)
+        assert [p.seen for p in probes] == [[False]] * 4
+        assert ctx.engine.step.groups == {} and ctx.stats["offloaded_tensors"] == 0
+        assert arena.bytes_held == held
+        train_step(probes, x, ctx, sync)
+        assert ctx.stats["pinned_allocations"] == 0 and ctx.stats["groups_offloaded"] == 3
+    assert (arena.pinned_allocations, arena.bytes_held) == (blocks, held)
     assert not hooks_installed()
+
+
+def test_arena_trims_only_after_a_step_that_asked_for_regions() -> None:
+    from offload.arena import HostArena
+
+    arena = HostArena(pinned=False, budget_bytes=1 << 30, retain=False)
+    regions = [arena.acquire(n, step=1) for n in (100_000, 300_000)]
+    for region in regions:
+        arena.release(region, None)
+    arena.end_step(1)
+    arena.end_step(2)  # asked for nothing: says nothing about the blocks needed
+    assert arena.counters.bytes_held == 64 * 1024 * 2 + 320 * 1024
+    arena.release(arena.acquire(100_000, step=3), None)
+    arena.end_step(3)  # used one block: the other is trimmed
+    assert arena.counters.bytes_held == 128 * 1024 and arena.counters.freed_blocks == 1
 
 
 def test_exhausted_budget_keeps_tensors_and_loses_nothing(gpt) -> None:
@@ -478,11 +518,55 @@ def test_stats_and_arena_reuse(gpt) -> None:
         assert label in text
 
 
-def test_disabled_context_is_a_noop(gpt) -> None:
-    layers, x = gpt
-    ctx, sync = offload.get_cpu_offload_context(False)
-    assert sync(x) is x
-    assert_bitwise(train_step(layers, x), train_step(layers, x, ctx, sync))
+class SavePointer(torch.autograd.Function):
+    """Saves an intermediate and records its address in forward and in backward."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, x):
+        inter = x * 3.0
+        ctx.forward_ptr = inter.data_ptr()
+        ctx.save_for_backward(inter)
+        return x + 1.0
+
+    @staticmethod
+    def backward(ctx, g):
+        (inter,) = ctx.saved_tensors
+        SavePointer.seen.append(inter.data_ptr() == ctx.forward_ptr)
+        return g * inter
+
+
+class SavePointerLayer(torch.nn.Module):
+    def forward(self, x):
+        return SavePointer.apply(x)
+
+
+@pytest.mark.parametrize("enabled", [False, True])
+def test_disabled_context_installs_nothing_and_moves_nothing(enabled: bool) -> None:
+    # The enabled run shows that the probes see hooks and moved tensors when there are some.
+    layers = torch.nn.ModuleList(HookProbe(SavePointerLayer()) for _ in range(3))
+    SavePointer.seen = []
+    if enabled:
+        ctx, sync, control = cpu_context(2, 3, manual_synchronization=True)
+    else:
+        ctx, sync, control = offload.get_cpu_offload_context(False, num_layers=2, model_layers=3, manual_synchronization=True)
+        assert control is None
+    x = torch.randn(4096, requires_grad=True)
+    h = x
+    for i, layer in enumerate(layers):
+        with ctx:
+            h = layer(h)
+        h2 = sync(h)
+        assert h2 is h
+        if enabled and i < 2:
+            control.start_offload_layer(i)
+            control.release_activation_forward_gpu_memory(i)
+    h.sum().backward()
+    assert [p.seen for p in layers] == ([[True], [True], [False]] if enabled else [[False]] * 3)
+    # Backward runs the last layer first.
+    assert SavePointer.seen == ([True, False, False] if enabled else [True, True, True])
+    assert not hooks_installed()
 
 
 # -- argument validation ----------------------------------------------------------------------------
