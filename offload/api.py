@@ -80,6 +80,20 @@ def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
+def _modules_of(api: str, params_from: Any) -> list[torch.nn.Module]:
+    if params_from is None:
+        return []
+    if isinstance(params_from, torch.nn.Module):
+        return [params_from]
+    modules = list(params_from) if isinstance(params_from, Iterable) and not isinstance(params_from, (str, bytes)) else None
+    if modules is None or not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise TypeError(
+            f"offload: {api}: params_from must be an nn.Module or an iterable of nn.Module (whose "
+            f"parameters and buffers stay on the GPU), got {params_from!r} ({type(params_from).__name__})"
+        )
+    return modules
+
+
 def _check_counts(num_layers: int, model_layers: int) -> None:
     if not isinstance(model_layers, int) or model_layers < 1:
         raise ValueError(f"offload: model_layers must be an integer >= 1, got {model_layers!r}")
@@ -108,10 +122,12 @@ def build_engine(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
+    params_from: Any = None,
     steps_by_layer_count: bool = True,
 ) -> OffloadEngine:
     """Validate the options and assemble policy, schedule, transport and arena."""
     _check_counts(num_layers, model_layers)
+    modules = _modules_of("get_cpu_offload_context" if steps_by_layer_count else "OffloadActivations", params_from)
     if offload_weights:
         warnings.warn(
             "offload: offload_weights=True is accepted for TransformerEngine compatibility, but "
@@ -142,6 +158,8 @@ def build_engine(
         selection=selection,
         reserve_host_bytes=arena.reserve,
     )
+    if modules:
+        policy.set_module_storages(modules)
     schedule: Schedule
     if manual_synchronization:
         schedule = ManualSchedule(num_layers, model_layers)
@@ -259,6 +277,7 @@ def get_cpu_offload_context(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
+    params_from: Any = None,
 ) -> tuple[Any, ...]:
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
 
@@ -271,6 +290,9 @@ def get_cpu_offload_context(
     ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.
     ``host_budget_bytes``: cap on host memory held (default: 75% of available RAM, psutil).
     ``selection``: "auto" (every eligible tensor) or "marked" (opt-in; v1's default).
+    ``params_from``: a module (or modules) whose parameters' and buffers' memory stays on the
+    GPU in every form (views, ``.data`` aliases): offloading it would free nothing. Parameters
+    and their views are kept without it.
     """
     if not enabled:
         noop: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
@@ -289,6 +311,7 @@ def get_cpu_offload_context(
         min_offload_bytes=min_offload_bytes,
         host_budget_bytes=host_budget_bytes,
         selection=selection,
+        params_from=params_from,
     )
     result: tuple[Any, ...] = (OffloadContext(engine), SyncFunction(engine))
     if manual_synchronization:
@@ -330,6 +353,7 @@ class OffloadActivations:
             raise ValueError("offload: pass num_offload_layers or num_layers, not both")
         options.pop("enabled", None)
         options.setdefault("model_layers", count)
+        options.setdefault("params_from", self.layers)
         self.engine = build_engine(steps_by_layer_count=False, **options)
         self._handles: list[Any] = []
 

@@ -48,7 +48,7 @@ import torch
 from . import native
 from .arena import CaptureError, HostArena
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
-from .marks import KEEP_ATTR
+from .marks import KEEP_ATTR, emptied_copy
 from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
 from .transport import CudaTransport, HostTransport
@@ -349,12 +349,18 @@ class OffloadEngine:
         return (group, group.add(t))
 
     def _pack_storage(self, group: Group, storage: Any) -> Any:
-        # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends): each
-        # component is decided and packed on its own, and the storage is rebuilt on unpack.
-        if getattr(storage, KEEP_ATTR, False):
-            group.counters.keep(KEEP_MARKED)
-            return storage
-        components, restorable = storage.prepare_for_saving()
+        # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends; parameters
+        # were kept by the policy already): each component is decided and packed on its own, and
+        # the storage is rebuilt on unpack. The caller's object is never emptied: forward may
+        # still use it or save it again. An emptied copy is what the handle keeps, so once the
+        # components are released nothing here holds their GPU memory.
+        reason = KEEP_MARKED if getattr(storage, KEEP_ATTR, False) else None
+        shell = None if reason is not None else emptied_copy(storage)
+        if shell is None:
+            group.counters.keep(reason or KEEP_UNSUPPORTED)
+            # Not detached: a subclass's detach may not carry its internals (see emptied_copy).
+            return (storage, storage._version, group.layer)
+        restorable, components = shell
         return StorageHandle(restorable, [None if c is None else self._pack_into(group, c) for c in components])
 
     def unpack(self, packed: Any) -> Any:
@@ -485,6 +491,15 @@ class OffloadEngine:
         if group.host is not None:
             self.arena.release(group.host, self.transport.last_host_use(group))
             group.host = None
+
+    def register_module_storages(self, *modules: torch.nn.Module) -> None:
+        """Keep on the GPU every saved tensor over the memory of these modules' parameters and
+        buffers (views and aliases such as ``.data`` included): offloading it frees nothing.
+
+        Replaces what was registered before; call again after moving the modules' parameters.
+        Parameters themselves and views of them are kept without this.
+        """
+        self.policy.set_module_storages(modules)
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

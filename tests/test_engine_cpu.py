@@ -109,6 +109,121 @@ def test_lazy_conjugate_and_negative_views_bitwise(kind: str, dtype: torch.dtype
     assert ctx.stats["offloaded_tensors"] >= 2 * 2 and ctx.stats["released_bytes"] > 0
 
 
+class NestedLayer(torch.nn.Module):
+    """Runs its Linear on a nested tensor of two sequences (both nested layouts save one)."""
+
+    def __init__(self, layout: torch.layout) -> None:
+        super().__init__()
+        self.layout = layout
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        nt = torch.nested.as_nested_tensor([x[:3], x[3:]], layout=self.layout)
+        y = torch.nn.functional.gelu(self.fc(nt))
+        return torch.cat((y * y).unbind(), 0)
+
+
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+def test_nested_tensors_stay_on_the_gpu_and_gradients_stay_exact(layout: torch.layout) -> None:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(NestedLayer(layout) for _ in range(3))
+    x = torch.randn(7, 16)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(2, 3)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["kept"]["unsupported"] > 0
+
+
+def record_offloaded_storages(monkeypatch) -> list[int]:
+    """Storage addresses of every tensor a group takes in, from now on."""
+    from offload.group import Group
+
+    seen: list[int] = []
+    add = Group.add
+
+    def recording_add(self, t):
+        seen.append(t.untyped_storage().data_ptr())
+        return add(self, t)
+
+    monkeypatch.setattr(Group, "add", recording_add)
+    return seen
+
+
+def module_storages(modules) -> set[int]:
+    return {t.untyped_storage().data_ptr() for m in modules for t in [*m.parameters(), *m.buffers()]}
+
+
+class LoRALinear(torch.nn.Module):
+    """A frozen base weight (as in every LoRA/PEFT fine-tune) plus a trainable low-rank update."""
+
+    def __init__(self, width: int, rank: int = 4) -> None:
+        super().__init__()
+        self.base = torch.nn.Linear(width, width, bias=False)
+        self.base.requires_grad_(False)
+        self.a = torch.nn.Parameter(torch.randn(width, rank) * 0.1)
+        self.b = torch.nn.Parameter(torch.randn(rank, width) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(self.base(x) + (x @ self.a) @ self.b)
+
+
+def test_frozen_weights_are_not_copied(monkeypatch) -> None:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(LoRALinear(256) for _ in range(4))
+    x = torch.randn(8, 256)
+    expected = plain_reference(layers, x)
+    seen = record_offloaded_storages(monkeypatch)
+    ctx, sync = cpu_context(3, 4)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert seen and not set(seen) & module_storages(layers), "a parameter's memory was offloaded"
+    stats = ctx.stats
+    weight_bytes = 256 * 256 * 4
+    assert 0 < stats["offloaded_bytes"] < weight_bytes  # the activations only, no 256 KiB weight
+    assert stats["kept"]["parameter"] >= 3 * 3  # base weight view, a, b in each offloaded layer
+
+
+class BufferScaled(torch.nn.Module):
+    """Uses views of a registered buffer (rotary tables, masks...) and of its weight's ``.data``."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(width, width)
+        self.register_buffer("table", torch.randn(4, width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x) * self.table[1][None, :]
+        return torch.tanh(h * self.fc.weight.data[0][None, :])
+
+
+@pytest.mark.parametrize("api", ["context", "context_params_from", "offload_activations"])
+def test_views_of_module_buffers_are_not_copied(monkeypatch, api: str) -> None:
+    torch.manual_seed(0)
+    layers = torch.nn.ModuleList(BufferScaled(64) for _ in range(4))
+    x = torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    seen = record_offloaded_storages(monkeypatch)
+    if api == "offload_activations":
+        oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
+        for p in layers.parameters():
+            p.grad = None
+        xin = x.detach().requires_grad_(True)
+        with oa:
+            out = offload.models.run_layers(layers, xin)
+        (out.float() ** 2).mean().backward()
+        got = [p.grad for p in layers.parameters()] + [xin.grad]
+    else:
+        ctx, sync = cpu_context(3, 4, **({"params_from": layers} if api == "context_params_from" else {}))
+        got = train_step(layers, x, ctx, sync)
+    assert_bitwise(expected, got)
+    shared = set(seen) & module_storages(layers)
+    if api == "context":
+        assert shared  # without params_from the engine cannot know: the buffer views are copied
+    else:
+        assert seen and not shared, "a buffer's or weight's memory was offloaded"
+
+
 def test_native_and_python_copy_paths_agree(gpt, monkeypatch) -> None:
     layers, x = gpt
     expected = train_step(layers, x)

@@ -212,6 +212,57 @@ def test_quantized_tensor_subclass_is_split_and_rebuilt(device: str) -> None:
     assert ctx.stats["offloaded_tensors"] == 2 and ctx.stats["released_bytes"] > 0
 
 
+class UseToy(torch.autograd.Function):
+    """Multiplies by the dequantized toy (reading its data in forward) and saves the toy."""
+
+    @staticmethod
+    def forward(ctx, x, toy):
+        ctx.save_for_backward(toy)
+        return x * (toy._data.float() * toy._scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        (toy,) = ctx.saved_tensors
+        return g * (toy._data.float() * toy._scale), None
+
+
+class SharedToyLayer(torch.nn.Module):
+    """Every layer uses (and saves) the one toy object the model holds, like a cached FP8 weight."""
+
+    def __init__(self, toy: ToyQuantized) -> None:
+        super().__init__()
+        self.toy = toy
+
+    def forward(self, x):
+        return torch.tanh(UseToy.apply(x, self.toy))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_parameter", [False, True])
+def test_saving_a_storage_subclass_leaves_the_callers_object_whole(device: str, as_parameter: bool) -> None:
+    # The caller's object is used again by the next layers and saved again: packing it must not
+    # empty it. A subclass parameter (an FP8 weight) is kept whole, before any splitting.
+    data = torch.randint(1, 9, (64, 64), dtype=torch.uint8, device=device)
+    scale = torch.tensor([0.25], device=device)
+    toy = ToyQuantized.wrap(data, scale)
+    if as_parameter:
+        toy._is_param = True  # what nn.Parameter marks subclass parameters with
+    layers = torch.nn.ModuleList(SharedToyLayer(toy) for _ in range(3))
+    x = torch.randn(64, 64, device=device)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    ctx, sync = context(device, 2, 3)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        assert toy._data is data and toy._scale is scale
+    stats = ctx.stats
+    # Per offloaded layer: tanh's output, plus the toy's data and scale unless it is a parameter.
+    if as_parameter:
+        assert stats["kept"]["parameter"] == 2 and stats["offloaded_tensors"] == 2
+    else:
+        assert stats["offloaded_tensors"] == 2 * 3
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA_FP8, reason="needs an FP8 GPU")
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
