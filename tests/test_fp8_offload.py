@@ -251,7 +251,7 @@ def test_saving_a_storage_subclass_leaves_the_callers_object_whole(device: str, 
     x = torch.randn(64, 64, device=device)
     expected = train_step(layers, x)
     assert_bitwise(expected, train_step(layers, x))
-    ctx, sync = context(device, 2, 3)
+    ctx, sync = context(device, 2, 3, min_offload_bytes=0)
     for _ in range(2):
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
         assert toy._data is data and toy._scale is scale
