@@ -327,7 +327,8 @@ class OffloadEngine:
 
     # -- hooks -----------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        """Pack hook: keep ``t`` as it is, or record it in the open group."""
+        """Pack hook: keep ``t`` (a ``(tensor, version, layer)`` handle) or record it in the open
+        group (a ``(group, index)`` handle)."""
         group = self.open_group
         if group is None:
             return t
@@ -342,6 +343,8 @@ class OffloadEngine:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
                 return self._pack_storage(group, t)
             group.counters.keep(reason)
+            # Detached for the cycle reason above; a parameter is a leaf (or a view of one,
+            # whose grad_fn is the view's node, not the node saving it).
             if reason is not KEEP_PARAMETER and t.requires_grad:
                 return (_detach(t), t._version, group.layer)
             return (t, t._version, group.layer)

@@ -634,21 +634,22 @@ def test_stats_and_arena_reuse(gpt) -> None:
 
 
 class SavePointer(torch.autograd.Function):
-    """Saves an intermediate and records its address in forward and in backward."""
+    """Saves an intermediate and records in backward whether it came back in its own storage
+    (a weak reference: an address could be reused by a reload buffer)."""
 
     seen: list = []
 
     @staticmethod
     def forward(ctx, x):
         inter = x * 3.0
-        ctx.forward_ptr = inter.data_ptr()
+        ctx.storage = weakref.ref(inter.untyped_storage())
         ctx.save_for_backward(inter)
         return x + 1.0
 
     @staticmethod
     def backward(ctx, g):
         (inter,) = ctx.saved_tensors
-        SavePointer.seen.append(inter.data_ptr() == ctx.forward_ptr)
+        SavePointer.seen.append(inter.untyped_storage() is ctx.storage())
         return g * inter
 
 
