@@ -160,6 +160,8 @@ class OffloadActivations:
         if options["num_layers"] != num_offload_layers:
             raise ValueError("offload: OffloadActivations takes num_offload_layers or num_layers, not both")
         options.setdefault("model_layers", count)
+        # The layers' parameters and buffers (and views of them) are never copied.
+        options.setdefault("params_from", self.layers)
         self.enabled = bool(enabled)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
         self.measure_peak = bool(measure_peak)

@@ -15,6 +15,8 @@
 from __future__ import annotations
 
 import contextlib
+import difflib
+import numbers
 import os
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
@@ -25,7 +27,7 @@ from . import native
 from .arena import HostArena
 from .engine import OffloadEngine
 from .group import GroupState
-from .policy import SelectionPolicy
+from .policy import SELECTIONS, SelectionPolicy
 from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
 from .transport import CudaTransport, HostTransport
 
@@ -80,14 +82,85 @@ def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
     return torch.device("cuda", dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-def _check_counts(num_layers: int, model_layers: int) -> None:
-    if not isinstance(model_layers, int) or model_layers < 1:
-        raise ValueError(f"offload: model_layers must be an integer >= 1, got {model_layers!r}")
-    if not isinstance(num_layers, int) or num_layers < 0:
-        raise ValueError(f"offload: num_layers must be an integer >= 0, got {num_layers!r}")
+# The options every entry point passes to build_engine, in the order users see them.
+ENGINE_OPTIONS = (
+    "num_layers", "model_layers", "offload_activations", "offload_weights", "double_buffering",
+    "manual_synchronization", "retain_pinned_cpu_buffers", "offload_stream", "mode", "device",
+    "min_offload_bytes", "host_budget_bytes", "selection", "params_from",
+)
+ACCEPTED_OPTIONS = {
+    "get_cpu_offload_context": ("enabled",) + ENGINE_OPTIONS,
+    "OffloadActivations": ("layers", "num_offload_layers", "enabled", "plan", "memory_budget_bytes", "measure_peak") + ENGINE_OPTIONS,
+}
+
+
+def _got(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _check_int(api: str, name: str, value: Any, minimum: int, what: str = "an integer") -> None:
+    if not _is_int(value):
+        raise TypeError(f"offload: {api}: {name} must be {what} >= {minimum}, got {_got(value)}")
+    if value < minimum:
+        raise ValueError(f"offload: {api}: {name} must be {what} >= {minimum}, got {value}")
+
+
+def _check_bool(api: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"offload: {api}: {name} must be True or False, got {_got(value)}")
+
+
+def _check_choice(api: str, name: str, value: Any, choices: tuple[str, ...], none_means: str) -> None:
+    if value is None:
+        return
+    listed = ", ".join(repr(c) for c in choices)
+    if not isinstance(value, str):
+        raise TypeError(f"offload: {api}: {name} must be one of {listed} or None ({none_means}), got {_got(value)}")
+    if value not in choices:
+        raise ValueError(f"offload: {api}: {name} must be one of {listed} or None ({none_means}), got {value!r}")
+
+
+def check_unknown_options(api: str, unknown: Iterable[str]) -> None:
+    """Refuse keyword arguments ``api`` does not take, listing the ones it does."""
+    unknown = list(unknown)
+    if not unknown:
+        return
+    accepted = ACCEPTED_OPTIONS[api]
+    hints = []
+    for name in unknown:
+        close = difflib.get_close_matches(name, accepted, n=1)
+        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    plural = "s" if len(unknown) > 1 else ""
+    raise TypeError(
+        f"offload: {api}() got unexpected keyword argument{plural} {', '.join(hints)}; "
+        f"it accepts: {', '.join(accepted)}"
+    )
+
+
+def _modules_of(api: str, params_from: Any) -> list[torch.nn.Module]:
+    if params_from is None:
+        return []
+    if isinstance(params_from, torch.nn.Module):
+        return [params_from]
+    modules = list(params_from) if isinstance(params_from, Iterable) and not isinstance(params_from, (str, bytes)) else None
+    if modules is None or not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise TypeError(
+            f"offload: {api}: params_from must be an nn.Module or an iterable of nn.Module (whose "
+            f"parameters and buffers stay on the GPU), got {_got(params_from)}"
+        )
+    return modules
+
+
+def _check_counts(num_layers: int, model_layers: int, api: str = "get_cpu_offload_context") -> None:
+    _check_int(api, "model_layers", model_layers, 1)
+    _check_int(api, "num_layers", num_layers, 0)
     if num_layers > model_layers - 1:
         raise ValueError(
-            f"offload: num_layers={num_layers} is more than model_layers - 1 = {model_layers - 1}. "
+            f"offload: {api}: num_layers={num_layers} is more than model_layers - 1 = {model_layers - 1}. "
             "Backward needs the last layer's activations at once, so at most model_layers - 1 "
             "layers can be offloaded; lower num_layers or pass the model's true layer count."
         )
@@ -108,10 +181,39 @@ def build_engine(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
+    params_from: Any = None,
     layer_contexts: bool = True,
+    _api: Optional[str] = None,
+    **unknown: Any,
 ) -> OffloadEngine:
-    """Validate the options and assemble policy, schedule, transport and arena."""
-    _check_counts(num_layers, model_layers)
+    """Validate the options and assemble policy, schedule, transport and arena.
+
+    Errors name the public entry point (``_api``; by default ``get_cpu_offload_context``, or
+    ``OffloadActivations`` for a step ended explicitly) and the option at fault: ``TypeError``
+    for a wrong type or an unknown keyword (the accepted ones are listed), ``ValueError`` for a
+    value out of range.
+    """
+    api = _api or ("get_cpu_offload_context" if layer_contexts else "OffloadActivations")
+    check_unknown_options(api, unknown)
+    _check_counts(num_layers, model_layers, api)
+    for name, value in (
+        ("offload_activations", offload_activations),
+        ("offload_weights", offload_weights),
+        ("double_buffering", double_buffering),
+        ("manual_synchronization", manual_synchronization),
+        ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+    ):
+        _check_bool(api, name, value)
+    _check_int(api, "min_offload_bytes", min_offload_bytes, 0, "an integer number of bytes")
+    if host_budget_bytes is not None:
+        _check_int(api, "host_budget_bytes", host_budget_bytes, 0, "None or an integer number of bytes")
+    _check_choice(api, "mode", mode, MODES, f"follow {MODE_ENV_VAR}")
+    _check_choice(api, "selection", selection, SELECTIONS, "'marked' for v1, 'auto' for v2")
+    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
+        raise TypeError(f"offload: {api}: offload_stream must be a torch.cuda.Stream or None, got {_got(offload_stream)}")
+    if device is not None and not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"offload: {api}: device must be None, a torch.device, a string or an index, got {_got(device)}")
+    modules = _modules_of(api, params_from)
     if offload_weights:
         warnings.warn(
             "offload: offload_weights=True is accepted for TransformerEngine compatibility, but "
@@ -142,6 +244,8 @@ def build_engine(
         selection=selection,
         reserve_host_bytes=arena.reserve,
     )
+    if modules:
+        policy.set_module_storages(modules)
     schedule: Schedule
     if manual_synchronization:
         schedule = ManualSchedule(num_layers, model_layers)
@@ -191,16 +295,16 @@ class SyncFunction:
         self.engine = engine
 
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return tensor
-        if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
-            what = type(tensor).__name__ if not isinstance(tensor, torch.Tensor) else "a tensor that does not require grad"
+        if not isinstance(tensor, torch.Tensor):
             raise ValueError(
-                f"offload: sync_function got {what}; pass the layer's output tensor, which must "
-                "require grad: its gradient is what tells the engine that backward reached the layer"
+                f"offload: sync_function got {type(tensor).__name__}; pass the layer's output tensor: "
+                "its gradient is what tells the engine that backward reached the layer"
             )
+        # Under no_grad, or after a frozen layer, no gradient will reach this tensor: nothing to
+        # mark (TransformerEngine hands it back unchanged too). Backward then reloads on demand.
+        # After a passive layer (recomputed in backward) there is no layer to mark either.
         layer = self.engine.last_closed_layer
-        if layer is not None:  # None: the layer was passive (no_grad, or recomputed in backward)
+        if layer is not None and torch.is_grad_enabled() and tensor.requires_grad:
             self.engine.attach_backward_marker(tensor, layer)
         return tensor
 
@@ -261,6 +365,8 @@ def get_cpu_offload_context(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
+    params_from: Any = None,
+    **unknown: Any,
 ) -> tuple[Any, ...]:
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
 
@@ -273,7 +379,17 @@ def get_cpu_offload_context(
     ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.
     ``host_budget_bytes``: cap on host memory held (default: 75% of available RAM, psutil).
     ``selection``: "auto" (every eligible tensor) or "marked" (opt-in; v1's default).
+    ``params_from``: a module (or modules) whose parameters' and buffers' memory stays on the
+    GPU in every form (views, ``.data`` aliases): offloading it would free nothing. Parameters
+    and their views are kept without it.
+
+    Options are checked here, with errors that name this function and the option: wrong types
+    raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range
+    ``ValueError``. With ``enabled=False`` only ``enabled`` and the keyword names are checked.
     """
+    api = "get_cpu_offload_context"
+    check_unknown_options(api, unknown)
+    _check_bool(api, "enabled", enabled)
     if not enabled:
         noop: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
         return noop + (None,) if manual_synchronization else noop
@@ -291,6 +407,8 @@ def get_cpu_offload_context(
         min_offload_bytes=min_offload_bytes,
         host_budget_bytes=host_budget_bytes,
         selection=selection,
+        params_from=params_from,
+        _api=api,
     )
     result: tuple[Any, ...] = (OffloadContext(engine), SyncFunction(engine))
     if manual_synchronization:

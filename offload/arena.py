@@ -89,6 +89,7 @@ class HostArena:
         # Release happens from Group.__del__, which can run on autograd's device threads.
         self._lock = threading.Lock()
         self._graph_owned: list[Region] = []
+        self._last_acquiring_step = -1  # the latest step that asked for a region
 
     # -- pack-time budget ------------------------------------------------------------------------
     def reserve(self, nbytes: int) -> bool:
@@ -115,6 +116,7 @@ class HostArena:
         """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
         with self._lock:
+            self._last_acquiring_step = max(self._last_acquiring_step, step)
             i = bisect.bisect_left(self._free_sizes, size)
             # Under capture any idle block that fits will do: the slack rule only keeps big
             # blocks for big groups, and failing the capture would be worse.
@@ -171,8 +173,13 @@ class HostArena:
             self._free.insert(i, region)
 
     def end_step(self, finished_step: int) -> None:
-        """Free idle blocks the finished step did not use, unless buffers are retained."""
-        if self.retain:
+        """Free idle blocks the finished step did not use, unless buffers are retained.
+
+        Only a step that asked for regions says anything about the blocks needed: an evaluation
+        forward (no_grad) saves nothing, and trimming after it would make the next training step
+        allocate (and, on a GPU, pin) every block again.
+        """
+        if self.retain or self._last_acquiring_step != finished_step:
             return
         with self._lock:
             for i in range(len(self._free) - 1, -1, -1):

@@ -1,8 +1,9 @@
 """The engine: saved-tensor hooks, the step and layer lifecycle, and the primitives schedules use.
 
 Lifetime of one saved tensor (see DESIGN.md for the data flow):
-- ``pack`` (forward): the policy keeps it (the tensor itself is returned: nothing else happens) or
-  it joins the open layer's group and ``(group, index)`` is returned to autograd.
+- ``pack`` (forward): the policy keeps it (``(tensor, version, layer)`` is returned, the tensor
+  detached unless it is a parameter, see below) or it joins the open layer's group and
+  ``(group, index)`` is returned to autograd.
 - the schedule offloads the group (D2H into an arena region), releases the GPU originals, and
   reloads the group (one H2D into one buffer) ahead of its backward.
 - ``unpack`` (backward): the original if the group still holds it, else a typed view of the
@@ -31,6 +32,18 @@ ends that forward, with a warning that says what was seen.
 Autograd keeps the handles, not the engine: ``backward(retain_graph=True)`` a second time simply
 reloads again from the host region, which lives as long as the graph does.
 
+Nothing the engine or a handle holds may refer back to the graph: autograd gives the pack hook a
+node's *output* with that node as its ``grad_fn``, and the node holds what pack returns, so a
+handle holding the output would make a cycle through C++ that Python's GC cannot see (an
+abandoned or failed step would then keep its activations and host regions for good). Tensors
+that require grad are therefore held detached (same storage and version counter); autograd puts
+the grad_fn back when it unpacks. Parameters are leaves: they hold no node.
+
+In-place changes: autograd skips its version check for tensors saved through hooks, so the
+engine records ``t._version`` at pack and compares at unpack, raising autograd's error. Once a
+group is released it holds nothing that shares the version counter, so the check also runs at
+release, and after it through a weak reference to the caller's tensor object while that lives.
+
 CUDA graphs (see ``offload.graphs``):
 - a step whose first layer starts while the current stream is capturing is a *captured step*:
   the same schedule runs, its copies and waits are recorded into the graph (``Group.captured``),
@@ -53,9 +66,9 @@ import torch
 
 from . import native
 from .arena import CaptureError, HostArena
-from .group import HOLDS_ORIGINALS, Group, GroupState
-from .marks import KEEP_ATTR
-from .policy import KEEP_MARKED, KEEP_SMALL, KEEP_UNSUPPORTED, SelectionPolicy
+from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
+from .marks import KEEP_ATTR, emptied_copy
+from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
 from .transport import CudaTransport, HostTransport
 
@@ -63,6 +76,8 @@ if TYPE_CHECKING:
     from .schedules.base import Schedule
 
 Transport = Union[CudaTransport, HostTransport]
+
+_detach = torch.Tensor.detach
 
 
 @dataclass
@@ -467,7 +482,8 @@ class OffloadEngine:
 
     # -- hooks -----------------------------------------------------------------------------------
     def pack(self, t: torch.Tensor) -> Any:
-        """Pack hook: keep ``t`` as it is, or record it in the open group."""
+        """Pack hook: keep ``t`` (a ``(tensor, version, layer)`` handle) or record it in the open
+        group (a ``(group, index)`` handle)."""
         group = self.open_group
         if group is None:
             group = self._between_layers_group()
@@ -479,28 +495,32 @@ class OffloadEngine:
         return self._pack_into(self.local_group, t)  # type: ignore[arg-type]
 
     def _pack_into(self, group: Group, t: Any) -> Any:
-        reason = self.policy.decide(t)
+        reason = self.policy.decide(t, group.min_offload_bytes)
         if reason is not None:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
                 return self._pack_storage(group, t)
             group.counters.keep(reason)
-            return t
-        floor = group.min_offload_bytes
-        if floor is not None and t.nbytes < floor:
-            # A plan that offloads only this layer's large tensors.
-            self.arena.unreserve(t.nbytes)
-            group.counters.keep(KEEP_SMALL)
-            return t
+            # Detached for the cycle reason above; a parameter is a leaf (or a view of one,
+            # whose grad_fn is the view's node, not the node saving it).
+            if reason is not KEEP_PARAMETER and t.requires_grad:
+                return (_detach(t), t._version, group.layer)
+            return (t, t._version, group.layer)
         group.saved_bytes += t.nbytes
         return (group, group.add(t))
 
     def _pack_storage(self, group: Group, storage: Any) -> Any:
-        # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends): each
-        # component is decided and packed on its own, and the storage is rebuilt on unpack.
-        if getattr(storage, KEEP_ATTR, False):
-            group.counters.keep(KEEP_MARKED)
-            return storage
-        components, restorable = storage.prepare_for_saving()
+        # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends; parameters
+        # were kept by the policy already): each component is decided and packed on its own, and
+        # the storage is rebuilt on unpack. The caller's object is never emptied: forward may
+        # still use it or save it again. An emptied copy is what the handle keeps, so once the
+        # components are released nothing here holds their GPU memory.
+        reason = KEEP_MARKED if getattr(storage, KEEP_ATTR, False) else None
+        shell = None if reason is not None else emptied_copy(storage)
+        if shell is None:
+            group.counters.keep(reason or KEEP_UNSUPPORTED)
+            # Not detached: a subclass's detach may not carry its internals (see emptied_copy).
+            return (storage, storage._version, group.layer)
+        restorable, components = shell
         return StorageHandle(restorable, [None if c is None else self._pack_into(group, c) for c in components])
 
     def unpack(self, packed: Any) -> Any:
@@ -509,16 +529,27 @@ class OffloadEngine:
             if type(packed) is StorageHandle:
                 return self._unpack_storage(packed)
             return packed
+        if len(packed) == 3:  # kept: (tensor, version at pack, layer)
+            tensor, version, layer = packed
+            if tensor._version != version:
+                raise modified_error(tensor.shape, tensor.dtype, layer, tensor._version, version)
+            return tensor
         group, index = packed
         step = self.step
         if step is not None and not step.forward_done and group.step == step.index:
             self._backward_started(step)
-        group.unpacks += 1
         if group.state in HOLDS_ORIGINALS:
             tensor = group.original(index)
+            if tensor._version != group.versions[index]:
+                group.check_version(index, tensor)
+            group.unpacks += 1
             if group.unpacks == len(group.entries):
                 self._consumed(group)
             return tensor
+        caller = group.callers[index]()
+        if group.modified is not None or (caller is not None and caller._version != group.versions[index]):
+            group.check_version(index, caller)
+        group.unpacks += 1
         if group.state is GroupState.OFFLOADED:
             if not group.local:  # a graphed layer's group is outside the schedule's steps
                 self.schedule.on_unpack_miss(self, group)
@@ -635,6 +666,15 @@ class OffloadEngine:
             and not step.forward_done
         ):
             step.abandoned = True
+
+    def register_module_storages(self, *modules: torch.nn.Module) -> None:
+        """Keep on the GPU every saved tensor over the memory of these modules' parameters and
+        buffers (views and aliases such as ``.data`` included): offloading it frees nothing.
+
+        Replaces what was registered before; call again after moving the modules' parameters.
+        Parameters themselves and views of them are kept without this.
+        """
+        self.policy.set_module_storages(modules)
 
     # -- stats -----------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:

@@ -8,6 +8,11 @@ and after reload every saved tensor comes back as a view of one buffer::
 
 so each component keeps its own dtype (float32 scales stay float32, uint8 stays uint8).
 
+Lazy conjugate and negative views (``t.conj()`` of a complex tensor, ``torch._neg_view``) share
+their base's bytes and carry the operation as a bit on the tensor; the bytes copied are the
+unconjugated ones. The bits are recorded per entry and put back on the restored view, so the
+values autograd reads are the saved ones, exactly.
+
 Alignment: a slot's span starts at its lowest byte rounded *down* to 256, and slots sit at 256-byte
 aligned offsets, so a restored view has the same address modulo 256 as the original. Anything
 that was aligned for an FP8 GEMM (cuBLASLt wants 16 bytes) stays aligned, and the element offset
@@ -23,6 +28,7 @@ States (transitions are checked; a wrong one is a bug in a schedule, and says so
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, Optional
 
 import torch
@@ -43,6 +49,34 @@ class GroupState(enum.Enum):
 HOLDS_ORIGINALS = frozenset({GroupState.OPEN, GroupState.RESIDENT, GroupState.KEPT, GroupState.OFFLOADING})
 
 _ALIGN_MASK = ~(ALIGNMENT - 1)
+
+
+CONJ_BIT = 1
+NEG_BIT = 2
+
+_detach = torch.Tensor.detach
+_weakref = weakref.ref
+
+
+def modified_error(shape: Any, dtype: torch.dtype, layer: int, now: int, saved: int) -> RuntimeError:
+    """Autograd's error for a saved tensor changed in place, naming what the engine knows."""
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace "
+        f"operation: a tensor of shape {list(shape)} and dtype {dtype} saved for backward in "
+        f"offloaded layer {layer} is at version {now}; expected version {saved} instead. "
+        "(offload checks this in place of autograd, which skips its check for tensors saved "
+        "through saved-tensor hooks.) Hint: change a copy (.clone()) or use the out-of-place "
+        "operation instead."
+    )
+
+
+def _with_lazy_bits(view: torch.Tensor, lazy: int) -> torch.Tensor:
+    # The bytes are the base's; the bits say how the saved tensor reads them.
+    if lazy & CONJ_BIT:
+        view = torch.conj(view)
+    if lazy & NEG_BIT:
+        view = torch._neg_view(view)
+    return view
 
 
 def storage_extent_bytes(t: torch.Tensor) -> int:
@@ -71,9 +105,24 @@ class Group:
         self.slot_storages: list[Any] = []
         self.slot_lo: list[int] = []
         self.slot_hi: list[int] = []
-        # Entries: (slot, byte offset in its storage, dtype, shape, stride), one per saved tensor.
-        self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...]]] = []
+        # Entries: (slot, byte offset in its storage, dtype, shape, stride, lazy bits), one per
+        # saved tensor; lazy bits: CONJ_BIT | NEG_BIT as the tensor carried them.
+        self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...], int]] = []
+        # What the group holds until release: each saved tensor detached when it requires grad.
+        # Autograd hands the pack hook a node's *output* with its grad_fn (that very node), and
+        # the node holds what pack returned: holding the output itself would close a cycle
+        # group -> tensor -> grad_fn -> saved handle -> group that only the cyclic GC (which
+        # cannot see the C++ edges) could ever break, so a step abandoned before backward
+        # would keep its activations and host regions. ``detach`` shares storage and version
+        # counter; autograd re-attaches the grad_fn when it unpacks.
         self.originals: Optional[list[torch.Tensor]] = []
+        # Version counter of each saved tensor at pack: autograd skips its own in-place check for
+        # tensors saved through hooks, so the engine does it (see ``check_version``).
+        self.versions: list[int] = []
+        self.modified: Optional[dict[int, int]] = None  # entry -> version seen at release
+        # The caller's tensor objects, weakly: after release the group holds nothing that shares
+        # their version counters, but a caller still holding one can still change it in place.
+        self.callers: list[Any] = []
         self.saved_bytes = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close().
@@ -120,8 +169,10 @@ class Group:
                 self.slot_lo[slot] = lo & _ALIGN_MASK
             if hi > self.slot_hi[slot]:
                 self.slot_hi[slot] = hi
-        self.entries.append((slot, lo, t.dtype, t.shape, t.stride()))
-        self.originals.append(t)  # type: ignore[union-attr]
+        self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
+        self.versions.append(t._version)
+        self.callers.append(_weakref(t))
+        self.originals.append(_detach(t) if t.requires_grad else t)  # type: ignore[union-attr]
         return len(self.entries) - 1
 
     def slot_sizes(self) -> list[int]:
@@ -135,7 +186,7 @@ class Group:
         self.nbytes = total
         self.entry_element_offsets = [
             (offsets[slot] + byte_offset - self.slot_lo[slot]) // dtype.itemsize
-            for slot, byte_offset, dtype, _, _ in self.entries
+            for slot, byte_offset, dtype, _, _, _ in self.entries
         ]
         self._slot_of_ptr.clear()
 
@@ -165,8 +216,19 @@ class Group:
         self.d2h_done = d2h_done
 
     def mark_released(self) -> None:
-        """Drop the GPU originals (the caller has ordered their reuse after the D2H)."""
+        """Drop the GPU originals (the caller has ordered their reuse after the D2H).
+
+        Changes made in place since pack are noted first: once the originals are gone they can
+        no longer be seen, and autograd would have refused them (the error is raised at unpack,
+        where autograd raises it).
+        """
         self._move({GroupState.OFFLOADING}, GroupState.OFFLOADED)
+        versions = self.versions
+        for index, t in enumerate(self.originals):  # type: ignore[arg-type]
+            if t._version != versions[index]:
+                if self.modified is None:
+                    self.modified = {}
+                self.modified[index] = t._version
         self.originals = None
         self.slot_storages = []
 
@@ -197,14 +259,34 @@ class Group:
         """The tensor as it was saved (only while the group still holds the originals)."""
         return self.originals[index]  # type: ignore[index]
 
+    def check_version(self, index: int, tensor: Optional[torch.Tensor]) -> None:
+        """Raise autograd's in-place error if entry ``index`` changed since it was saved.
+
+        ``tensor``: one that shares the saved tensor's version counter (the original the group
+        holds, or the caller's object), or None. After release the version noted at release
+        counts too.
+        """
+        saved = self.versions[index]
+        now = saved
+        if self.modified is not None:
+            now = self.modified.get(index, saved)
+        if now == saved and tensor is not None:
+            now = tensor._version
+        if now != saved:
+            _, _, dtype, shape, _, _ = self.entries[index]
+            raise modified_error(shape, dtype, self.layer, now, saved)
+
     def restore(self, index: int) -> torch.Tensor:
         """Entry ``index`` as a typed view of the reload buffer, with its dtype, shape and stride."""
-        _, _, dtype, shape, stride = self.entries[index]
+        _, _, dtype, shape, stride, lazy = self.entries[index]
         typed = self.typed.get(dtype)
         if typed is None:
             typed = self.gpu.view(dtype)  # type: ignore[union-attr]
             self.typed[dtype] = typed
-        return typed.as_strided(shape, stride, self.entry_element_offsets[index])
+        view = typed.as_strided(shape, stride, self.entry_element_offsets[index])
+        if lazy:
+            view = _with_lazy_bits(view, lazy)
+        return view
 
     def __del__(self) -> None:
         # Returning the host region must happen exactly once, when the last saved-tensor handle

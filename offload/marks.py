@@ -12,7 +12,8 @@ the mark without knowing about storages.
 
 from __future__ import annotations
 
-from typing import Any, Iterator
+import copy
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -32,6 +33,43 @@ def storage_components(obj: Any) -> list[torch.Tensor]:
     tensors, restorable = obj.prepare_for_saving()
     restorable.restore_from_saved(list(tensors))
     return [t for t in tensors if t is not None]
+
+
+def emptied_copy(obj: Any) -> Optional[tuple[Any, list[Optional[torch.Tensor]]]]:
+    """A new object like the quantized storage ``obj``, emptied by its own ``prepare_for_saving``.
+
+    Returns ``(restorable, components)``: what that ``prepare_for_saving`` returned, so that
+    ``restorable.restore_from_saved(components)`` rebuilds an object equal to ``obj``. ``obj``
+    itself is left exactly as it was (the caller may still use it, or save it again), and the
+    copy holds no component until it is restored. None when no faithful copy can be made.
+
+    The copy is ``obj.detach()`` (what TransformerEngine's tensor subclasses implement as a
+    shallow copy of their internals) or else ``copy.copy(obj)``; it is faithful when its
+    ``prepare_for_saving`` hands over the very component tensors ``obj`` holds.
+    """
+    tensors, restorable = obj.prepare_for_saving()
+    restorable.restore_from_saved(list(tensors))
+    for make in (_detached, copy.copy):
+        try:
+            shell = make(obj)
+            if shell is obj or type(shell) is not type(obj):
+                continue
+            parts, shell_restorable = shell.prepare_for_saving()
+        except Exception:  # a subclass that supports neither copy: keep it whole instead
+            continue
+        parts = list(parts)
+        if len(parts) == len(tensors) and all(a is b for a, b in zip(parts, tensors)):
+            # The copy must not share the containers it just emptied with ``obj``.
+            again, restorable = obj.prepare_for_saving()
+            restorable.restore_from_saved(list(again))
+            if all(a is b for a, b in zip(again, tensors)):
+                return shell_restorable, parts
+        shell_restorable.restore_from_saved(parts)
+    return None
+
+
+def _detached(obj: Any) -> Any:
+    return obj.detach()
 
 
 def _leaves(objs: tuple[Any, ...]) -> Iterator[Any]:

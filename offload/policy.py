@@ -8,7 +8,8 @@ decisive first, and allocates nothing.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import itertools
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -16,12 +17,13 @@ from .marks import KEEP_ATTR, OFFLOAD_ATTR, TE_KEEP_ATTR
 
 # Reasons a tensor stays where it is. They are the keys of ``stats["kept"]``.
 KEEP_LAYER = "layer"            # not saved inside a layer the schedule offloads
-KEEP_PARAMETER = "parameter"    # a parameter (leaf that requires grad) or a view of one
+KEEP_PARAMETER = "parameter"    # a parameter (frozen too), a leaf that requires grad, a view of
+                                # one, or memory of a registered module parameter or buffer
 KEEP_MARKED = "marked"          # mark_not_offload (ours or TransformerEngine's tag)
 KEEP_NOT_SELECTED = "not_selected"  # opt-in selection (v1) and no mark_activation_offload
 KEEP_SMALL = "small"            # fewer bytes than min_offload_bytes (empty tensors too)
 KEEP_OTHER_DEVICE = "other_device"  # not on the engine's device
-KEEP_UNSUPPORTED = "unsupported"    # meta/fake tensors, tensor subclasses, sparse layouts
+KEEP_UNSUPPORTED = "unsupported"    # meta/fake tensors, tensor subclasses, sparse and nested layouts
 KEEP_BUDGET = "budget"          # host budget or pinned allocation exhausted
 
 SELECTIONS = ("auto", "marked")
@@ -61,17 +63,47 @@ class SelectionPolicy:
         self.selection = selection
         self.opt_in_only = selection == "marked"
         self.reserve_host_bytes = reserve_host_bytes
+        # Data pointers of the storages of registered modules' parameters and buffers: a tensor
+        # over that memory frees nothing when offloaded (the module keeps it), so it is kept.
+        self.module_storages: frozenset[int] = frozenset()
 
-    def decide(self, t: torch.Tensor) -> Optional[str]:
-        """Return ``None`` to offload ``t``, or the reason (a ``KEEP_*`` string) to keep it."""
+    def set_module_storages(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Keep every tensor whose storage is that of a parameter or buffer of ``modules``.
+
+        The addresses are read now: register again after moving or re-creating the parameters
+        (``module.to(...)``), since the memory they had may then hold activations.
+        """
+        ptrs = set()
+        for module in modules:
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                if type(tensor) in (_Tensor, _Parameter) and not tensor.is_meta:
+                    ptr = tensor.untyped_storage().data_ptr()
+                    if ptr:
+                        ptrs.add(ptr)
+        self.module_storages = frozenset(ptrs)
+
+    def decide(self, t: torch.Tensor, min_offload_bytes: Optional[int] = None) -> Optional[str]:
+        """Return ``None`` to offload ``t``, or the reason (a ``KEEP_*`` string) to keep it.
+
+        ``min_offload_bytes``: a size floor for this call (a plan that offloads only a layer's
+        large tensors) instead of the policy's own.
+        """
         tensor_type = type(t)
-        if tensor_type is not _Tensor and tensor_type is not _Parameter:
-            # FakeTensor, FunctionalTensor, DTensor...: their bytes are not plain device memory.
+        if tensor_type is _Parameter:
+            # Frozen ones too (requires_grad=False, as in LoRA): their memory stays on the GPU
+            # whatever happens, so a copy would only cost time.
+            return KEEP_PARAMETER
+        if tensor_type is not _Tensor:
+            # Parameters first: an FP8 weight may be a subclass with prepare_for_saving, and the
+            # engine must not split it. Other subclasses (FakeTensor, FunctionalTensor, DTensor,
+            # jagged nested tensors...): their bytes are not plain device memory.
+            if t.requires_grad and t.is_leaf or isinstance(t, _Parameter):
+                return KEEP_PARAMETER
             return KEEP_UNSUPPORTED
         if t.requires_grad and t.is_leaf:
             return KEEP_PARAMETER
         base = t._base
-        if base is not None and base.requires_grad and base.is_leaf:
+        if base is not None and (type(base) is _Parameter or base.requires_grad and base.is_leaf):
             return KEEP_PARAMETER
         if getattr(t, KEEP_ATTR, False) or getattr(t, TE_KEEP_ATTR, False):
             return KEEP_MARKED
@@ -84,10 +116,14 @@ class SelectionPolicy:
             return KEEP_NOT_SELECTED
         if t.get_device() != self.device_index:
             return KEEP_OTHER_DEVICE
-        if t.is_meta or t.layout is not _strided:
+        if t.is_meta or t.layout is not _strided or t.is_nested:
+            # Strided nested tensors have no single size or stride to restore a view with.
             return KEEP_UNSUPPORTED
+        if self.module_storages and t.untyped_storage().data_ptr() in self.module_storages:
+            return KEEP_PARAMETER
         nbytes = t.nbytes
-        if nbytes == 0 or (nbytes < self.min_offload_bytes and not opted_in):
+        floor = self.min_offload_bytes if min_offload_bytes is None else min_offload_bytes
+        if nbytes == 0 or (nbytes < floor and not opted_in):
             return KEEP_SMALL
         if not self.reserve_host_bytes(nbytes):
             return KEEP_BUDGET

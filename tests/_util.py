@@ -22,15 +22,29 @@ def make_mlp_layers(n: int = 4, width: int = 64, device: str = "cpu", dtype: tor
     return torch.nn.ModuleList(LinearGELU(width, device=device, dtype=dtype) for _ in range(n))
 
 
-def train_step(layers: torch.nn.ModuleList, x: torch.Tensor, context: Any = None, sync: Optional[Callable] = None, *, retain_graph: bool = False) -> list[torch.Tensor]:
-    """Forward in TransformerEngine's call shape, backward, and the gradients (input grad last)."""
+def train_step(layers: torch.nn.ModuleList, x: torch.Tensor, context: Any = None, sync: Optional[Callable] = None, *, retain_graph: bool = False, scale_input: bool = False) -> list[torch.Tensor]:
+    """Forward in TransformerEngine's call shape, backward, and the gradients (input grad last).
+
+    ``scale_input``: multiply the input by 1.0 before the first layer, so that layer 0 saves an
+    activation like every other layer (not the leaf input, which is kept): all groups then have
+    the same size, which v1's double buffering needs.
+    """
     for p in layers.parameters():
         p.grad = None
     x = x.detach().requires_grad_(True)
-    out = run_layers(layers, x, context, sync)
+    out = run_layers(layers, x * 1.0 if scale_input else x, context, sync)
     loss = (out.float() ** 2).mean()
     loss.backward(retain_graph=retain_graph)
-    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+    return [p.grad.clone() for p in layers.parameters() if p.requires_grad] + [x.grad.clone()]
+
+
+def plain_reference(layers: torch.nn.ModuleList, x: torch.Tensor, **kw: Any) -> list[torch.Tensor]:
+    """The gradients without offload, once the plain run is seen to repeat itself bit for bit
+    (otherwise a bitwise comparison with an offloaded run would prove nothing)."""
+    expected = train_step(layers, x, **kw)
+    again = train_step(layers, x, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(expected, again)), "the plain run does not repeat itself"
+    return expected
 
 
 def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:

@@ -144,6 +144,21 @@ def test_fp8_linear_stack_bitwise_with_offload(device: str, scaling: str, mode: 
         assert stats["kept"].get("not_selected", 0) > 0
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("model_layers, num_layers", [(8, 4), (12, 4)])
+def test_fp8_linear_stack_bitwise_with_v1_double_buffering(device: str, model_layers: int, num_layers: int) -> None:
+    # Each group (the opted-in FP8 inputs of one block) has the same size, so every reload goes
+    # into one of the two shared buffers: a buffer reused before its last reader ran shows here.
+    layers = fp8_mlp(device, "tensorwise", n=model_layers)
+    x = torch.randn(64, 128, device=device, dtype=torch.bfloat16)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    ctx, sync = context(device, num_layers, model_layers, mode="v1", double_buffering=True)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["reloads"] == num_layers and all(b is not None for b in ctx.engine.schedule._buffers)
+
+
 class ToyQuantized(torch.Tensor):
     """A tensor subclass with the storage protocol, like TransformerEngine's Float8Tensor: the
     pack hook receives it whole and must split it into components."""
@@ -196,6 +211,57 @@ def test_quantized_tensor_subclass_is_split_and_rebuilt(device: str) -> None:
     run_layers(layers, x, ctx, sync).sum().backward()
     assert SaveSubclass.seen[-1] == (ToyQuantized, torch.uint8, torch.float32, True)
     assert ctx.stats["offloaded_tensors"] == 2 and ctx.stats["released_bytes"] > 0
+
+
+class UseToy(torch.autograd.Function):
+    """Multiplies by the dequantized toy (reading its data in forward) and saves the toy."""
+
+    @staticmethod
+    def forward(ctx, x, toy):
+        ctx.save_for_backward(toy)
+        return x * (toy._data.float() * toy._scale)
+
+    @staticmethod
+    def backward(ctx, g):
+        (toy,) = ctx.saved_tensors
+        return g * (toy._data.float() * toy._scale), None
+
+
+class SharedToyLayer(torch.nn.Module):
+    """Every layer uses (and saves) the one toy object the model holds, like a cached FP8 weight."""
+
+    def __init__(self, toy: ToyQuantized) -> None:
+        super().__init__()
+        self.toy = toy
+
+    def forward(self, x):
+        return torch.tanh(UseToy.apply(x, self.toy))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("as_parameter", [False, True])
+def test_saving_a_storage_subclass_leaves_the_callers_object_whole(device: str, as_parameter: bool) -> None:
+    # The caller's object is used again by the next layers and saved again: packing it must not
+    # empty it. A subclass parameter (an FP8 weight) is kept whole, before any splitting.
+    data = torch.randint(1, 9, (64, 64), dtype=torch.uint8, device=device)
+    scale = torch.tensor([0.25], device=device)
+    toy = ToyQuantized.wrap(data, scale)
+    if as_parameter:
+        toy._is_param = True  # what nn.Parameter marks subclass parameters with
+    layers = torch.nn.ModuleList(SharedToyLayer(toy) for _ in range(3))
+    x = torch.randn(64, 64, device=device)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    ctx, sync = context(device, 2, 3, min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        assert toy._data is data and toy._scale is scale
+    stats = ctx.stats
+    # Per offloaded layer: tanh's output, plus the toy's data and scale unless it is a parameter.
+    if as_parameter:
+        assert stats["kept"]["parameter"] == 2 and stats["offloaded_tensors"] == 2
+    else:
+        assert stats["offloaded_tensors"] == 2 * 3
 
 
 @pytest.mark.cuda

@@ -168,6 +168,41 @@ def test_race_with_delayed_streams(mode: str, delay: str) -> None:
         assert_bitwise(expected, got)
 
 
+def delay_backward_readers(ctx, cycles: int) -> None:
+    """After every unpack, sleep on the compute stream: the kernels of the node that asked for the
+    tensor are queued behind the sleep, so anything that overwrites the tensor's memory without
+    waiting for them lands first."""
+    engine = ctx.engine
+    unpack = engine.unpack
+
+    def slow_unpack(packed):
+        tensor = unpack(packed)
+        torch.cuda._sleep(cycles)
+        return tensor
+
+    engine._hooks = torch.autograd.graph.saved_tensors_hooks(engine.pack, slow_unpack)
+
+
+@pytest.mark.parametrize("model_layers, num_layers", [(8, 4), (9, 3)])
+@pytest.mark.parametrize("delay", ["compute", "copies", "both"])
+def test_v1_double_buffering_race_with_delayed_streams(model_layers: int, num_layers: int, delay: str) -> None:
+    """A shared reload buffer is overwritten only after the node that read its group last ran."""
+    layers, x = gpt(model_layers), tokens()
+    expected = train_step(layers, x, scale_input=True)
+    assert_bitwise(expected, train_step(layers, x, scale_input=True))
+    cycles = 2_000_000  # ~1 ms per unpack (and per layer forward): longer than one group's H2D
+    stack = layers if delay == "copies" else torch.nn.ModuleList(Delayed(m, cycles) for m in layers)
+    ctx, sync = context(num_layers, model_layers, mode="v1", selection="auto", double_buffering=True)
+    if delay != "copies":
+        delay_backward_readers(ctx, cycles)
+    if delay != "compute":
+        sleepy(ctx, 10 * cycles)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(stack, x, ctx, sync, scale_input=True))
+    assert ctx.stats["reloads"] == num_layers
+    assert all(b is not None for b in ctx.engine.schedule._buffers)
+
+
 def test_no_pinned_allocation_after_first_step(monkeypatch) -> None:
     layers, x = gpt(), tokens()
     real_empty = torch.empty
@@ -203,3 +238,43 @@ def test_gpu_memory_returns_to_baseline() -> None:
         torch.cuda.synchronize()
         seen.append(torch.cuda.memory_allocated())
     assert seen == [baseline] * 5, (baseline, seen)
+
+
+class Boom(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize("fault", ["exception", "no_backward"])
+@pytest.mark.parametrize("keep", ["offloaded", "kept_budget"])
+def test_failed_and_abandoned_steps_give_back_gpu_and_host_memory(fault: str, keep: str) -> None:
+    """With the cyclic GC off: steps that raised in a layer, or whose backward was skipped, give
+    back every GPU byte and host block by the end of the next step."""
+    layers, x = gpt(), tokens()
+    ctx, sync = context(5, 6, **({} if keep == "offloaded" else {"host_budget_bytes": 0}))
+    train_step(layers, x, ctx, sync)
+    gc.collect()
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
+    held = ctx.engine.arena.counters.bytes_held
+    stack = torch.nn.ModuleList([*layers[:4], Boom(), layers[5]]) if fault == "exception" else layers
+    gc.disable()
+    try:
+        for _ in range(3):
+            xin = x.clone().requires_grad_(True)
+            try:
+                loss = (run_layers(stack, xin, ctx, sync).float() ** 2).mean()
+                del loss
+            except RuntimeError as exc:
+                assert "boom" in str(exc)
+            del xin
+        if fault == "exception":
+            assert ctx.engine.arena.counters.bytes_in_use == 0
+        train_step(layers, x, ctx, sync)
+        torch.cuda.synchronize()
+        assert torch.cuda.memory_allocated() == baseline, (baseline, torch.cuda.memory_allocated())
+        assert ctx.engine.arena.counters.bytes_held == held
+        if keep == "offloaded":
+            assert ctx.stats["groups_offloaded"] == 5 and ctx.stats["pinned_allocations"] == 0
+    finally:
+        gc.enable()

@@ -256,12 +256,39 @@ def test_error_messages_name_the_problem():
 # ---- CUDA path introspection (no GPU needed) --------------------------------------------------
 
 
+def _driver_version_from_ctypes():
+    """The CUDA driver version as ctypes finds it, or None when libcuda.so.1 does not load."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    version = ctypes.c_int(0)
+    if lib.cuDriverGetVersion(ctypes.byref(version)) != 0:
+        return None
+    return version.value
+
+
 @needs_ext
 def test_cuda_copy_path_reports(native_on):
+    # The path the extension reports must follow from the driver this machine has, found here
+    # independently of the extension.
     path = native.cuda_copy_path()
-    assert path in ("batch", "loop", "unavailable")
     info = native.cuda_copy_info()
     assert info["path"] == path and isinstance(info["reason"], str) and info["reason"]
+    driver = _driver_version_from_ctypes()
+    if driver is None:
+        assert path == "unavailable", info
+        assert info["reason"].startswith(("dlopen(libcuda.so.1) failed", "cuDriverGetVersion")), info
+    else:
+        assert info["driver_version"] == driver
+        if driver < 12080:
+            assert path == "loop" and "needs >= 12.8" in info["reason"], info
+        elif info["batch_fallbacks"] == 0 and not info["last_batch_error"]:
+            assert path == "batch", info  # the batch call is only given up after it failed
+        else:
+            assert path in ("batch", "loop"), info
     for key in ("batch_calls", "loop_calls", "batch_fallbacks", "capture_loop_calls"):
         assert isinstance(info[key], int)
     if path == "batch":

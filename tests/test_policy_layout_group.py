@@ -39,6 +39,46 @@ def test_parameters_and_their_views_are_kept() -> None:
     assert policy().decide(leaf_input) == "parameter"
 
 
+def test_frozen_parameters_and_their_views_are_kept() -> None:
+    frozen = torch.nn.Parameter(torch.randn(8, 8), requires_grad=False)
+    assert policy().decide(frozen) == "parameter"
+    assert policy().decide(frozen.t()) == "parameter"
+    assert policy().decide(frozen[2:].t()) == "parameter"
+
+
+def test_subclass_parameters_are_kept_before_anything_else() -> None:
+    class Sub(torch.Tensor):
+        pass
+
+    weight = torch.randn(8, 8).as_subclass(Sub)
+    weight._is_param = True  # what nn.Parameter marks subclass parameters with
+    assert policy().decide(weight) == "parameter"
+    leaf = torch.randn(8, 8).as_subclass(Sub).requires_grad_(True)
+    assert policy().decide(leaf) == "parameter"
+
+
+def test_registered_module_storages_are_kept() -> None:
+    module = torch.nn.Linear(8, 8)
+    module.register_buffer("table", torch.randn(16, 8))
+    pol = policy()
+    assert pol.decide(module.table[:4]) is None
+    assert pol.decide(module.weight.data) is None  # an alias with no _base
+    pol.set_module_storages([module])
+    assert pol.decide(module.table[:4]) == "parameter"
+    assert pol.decide(module.table) == "parameter"
+    assert pol.decide(module.weight.data) == "parameter"
+    assert pol.decide(torch.randn(64) * 2) is None
+    pol.set_module_storages([])
+    assert pol.decide(module.table[:4]) is None
+
+
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+def test_nested_tensors_are_kept_unsupported() -> None:
+    parts = [torch.randn(3, 8), torch.randn(5, 8)]
+    assert policy().decide(torch.nested.nested_tensor(parts, layout=torch.strided)) == "unsupported"
+    assert policy().decide(torch.nested.nested_tensor(parts, layout=torch.jagged)) == "unsupported"
+
+
 def test_marks_keep_and_win_over_opt_in() -> None:
     t = torch.randn(64) * 2
     mark_not_offload(t)
@@ -168,6 +208,22 @@ def test_typed_views_keep_their_dtype() -> None:
         assert r.dtype == t.dtype, (i, r.dtype, t.dtype)
         assert r.shape == t.shape and r.stride() == t.stride()
         assert torch.equal(r, t)
+
+
+def test_lazy_conjugate_and_negative_views_restore_with_their_bits() -> None:
+    z = torch.randn(8, 8, dtype=torch.complex64)
+    r = torch.randn(8, 8)
+    items = [z, z.conj(), torch._neg_view(z), torch._neg_view(z.conj()), z.conj().imag, torch._neg_view(r), r]
+    group = Group(0, 1)
+    for t in items:
+        group.add(t)
+    assert len(group.slot_storages) == 2  # the views share their base's bytes
+    close(group)
+    reload_from_originals(group)
+    for i, t in enumerate(items):
+        back = group.restore(i)
+        assert (back.is_conj(), back.is_neg()) == (t.is_conj(), t.is_neg()), i
+        assert torch.equal(back.resolve_conj().resolve_neg(), t.resolve_conj().resolve_neg()), i
 
 
 def test_shared_uint8_buffer_components_offloaded_once() -> None:

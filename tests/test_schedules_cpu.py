@@ -12,7 +12,7 @@ from offload.group import HOLDS_ORIGINALS
 from offload.models import run_layers
 from offload.schedules.v1 import window_layers
 
-from _util import assert_bitwise, cpu_context, make_mlp_layers, train_step
+from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, train_step
 
 
 def record(ctx: Any) -> list[tuple]:
@@ -244,6 +244,48 @@ def test_v1_double_buffering_exact_and_reuses_two_buffers() -> None:
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
     buffers = ctx.engine.schedule._buffers
     assert all(b is not None for b in buffers) and buffers[0].data_ptr() != buffers[1].data_ptr()
+
+
+@pytest.mark.parametrize("model_layers, num_layers", [(8, 4), (9, 3), (12, 3), (12, 4)])
+def test_v1_double_buffer_is_reused_only_after_its_last_reader_ran(model_layers: int, num_layers: int) -> None:
+    # A group is consumed when its last tensor is unpacked, before the node that asked for it
+    # runs; a deferred reload into the same buffer at that moment overwrote what the node read.
+    layers = make_gpt_layers(model_layers, hidden=32, heads=2)
+    x = torch.randn(2, 8, 32)
+    expected = train_step(layers, x, scale_input=True)
+    assert_bitwise(expected, train_step(layers, x, scale_input=True))
+    ctx, sync = cpu_context(num_layers, model_layers, mode="v1", selection="auto", double_buffering=True)
+    log = record(ctx)
+    for _ in range(2):
+        log.clear()
+        assert_bitwise(expected, train_step(layers, x, ctx, sync, scale_input=True))
+        assert sorted(g for a, g, _, _ in log if a == "start_reload") == list(range(num_layers))
+    buffers = ctx.engine.schedule._buffers
+    assert all(b is not None for b in buffers)
+
+
+def test_v1_double_buffering_with_create_graph_keeps_the_views_it_gave_out() -> None:
+    # With create_graph=True the first backward saves the restored views for the second one; a
+    # persistent buffer reused under them would change what the double backward reads.
+    layers = make_mlp_layers(4)
+    x = torch.randn(8, 64)
+
+    def penalty_step(ctx=None, sync=None) -> list[torch.Tensor]:
+        params = list(layers.parameters())
+        for p in params:
+            p.grad = None
+        xin = x.detach().requires_grad_(True)
+        loss = (run_layers(layers, xin * 1.0, ctx, sync) ** 2).mean()
+        grads = torch.autograd.grad(loss, params + [xin], create_graph=True)
+        sum((g ** 2).sum() for g in grads).backward()
+        return [g.detach() for g in grads] + [p.grad for p in params] + [xin.grad]
+
+    expected = penalty_step()
+    assert_bitwise(expected, penalty_step())
+    ctx, sync = cpu_context(3, 4, mode="v1", selection="auto", double_buffering=True)
+    for _ in range(2):
+        assert_bitwise(expected, penalty_step(ctx, sync))
+    assert ctx.stats["reloads"] >= 3
 
 
 class SaveSized(torch.nn.Module):

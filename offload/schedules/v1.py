@@ -9,7 +9,19 @@ between to hide behind.
 
 With ``double_buffering=True`` reloads go into two persistent GPU buffers used in turn (group
 ``i`` into buffer ``i % 2``). That needs groups of equal size; a reload whose buffer still serves
-an unconsumed group waits until that group is consumed.
+another group waits until that group is done with it.
+
+When a buffer is free again. A group is *consumed* when its last saved tensor is handed back
+(unpack), but the backward node that asked for it has not run yet: autograd unpacks a node's saved
+tensors and only then runs it. So the buffer is only *draining* at that point. It becomes free at
+the next point that backward reaches after that node: the next backward marker, or an unpack miss
+of another group (each node's saved tensors were packed in one layer, so an unpack for another
+group comes from a later node). There the deferred reload is submitted; on CUDA its H2D stream
+then waits on the compute stream as it stands (``CudaTransport.reload``), which is after the
+consuming node's kernels were queued.
+
+A backward with ``create_graph=True`` may keep the views it read (saved for the double backward),
+so a reload under grad mode goes into a fresh buffer instead, which those views keep alive.
 
 v1 shares the engine, groups, transport, arena and selection policy with v2; only the timing
 differs. Its default selection is opt-in (``mark_activation_offload``), set by the API.
@@ -50,12 +62,15 @@ class ScheduleV1(Schedule):
         self._buffers: list[Optional[torch.Tensor]] = [None, None]
         self._occupant: list[Optional[Group]] = [None, None]
         self._deferred: list[Optional[Group]] = [None, None]
+        # The occupant was consumed, but the node that read its last tensor may not have run yet.
+        self._draining = [False, False]
 
     def on_step_start(self, engine: "OffloadEngine") -> None:
         self._queue.clear()
         self._in_flight = None
         self._occupant = [None, None]
         self._deferred = [None, None]
+        self._draining = [False, False]
 
     # -- forward ---------------------------------------------------------------------------------
     def _pump(self, engine: "OffloadEngine") -> None:
@@ -94,6 +109,8 @@ class ScheduleV1(Schedule):
 
     # -- backward --------------------------------------------------------------------------------
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
+        if self.double_buffering:
+            self._settle(engine)
         for index, window in enumerate(self.windows):
             if window == layer:
                 group = engine.step.groups.get(index)
@@ -101,10 +118,26 @@ class ScheduleV1(Schedule):
                     self._reload(engine, group, defer=True)
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
+        if self.double_buffering:
+            self._settle(engine)
         self._reload(engine, group, defer=False)
 
+    def _settle(self, engine: "OffloadEngine") -> None:
+        # Called where backward has moved past the nodes that consumed the draining groups: their
+        # buffers are free, and a reload that was waiting for one goes in now.
+        for slot in (0, 1):
+            if not self._draining[slot]:
+                continue
+            self._draining[slot] = False
+            self._occupant[slot] = None
+            waiting = self._deferred[slot]
+            self._deferred[slot] = None
+            if waiting is not None and waiting.state is GroupState.OFFLOADED:
+                self._reload(engine, waiting, defer=False)
+
     def _reload(self, engine: "OffloadEngine", group: Group, *, defer: bool) -> None:
-        if not self.double_buffering:
+        if not self.double_buffering or torch.is_grad_enabled():
+            # Grad mode in backward means create_graph=True: the views may outlive this backward.
             engine.start_reload(group)
             return
         slot = group.layer % 2
@@ -129,8 +162,5 @@ class ScheduleV1(Schedule):
             return
         slot = group.layer % 2
         if self._occupant[slot] is group:
-            self._occupant[slot] = None
-            waiting = self._deferred[slot]
-            self._deferred[slot] = None
-            if waiting is not None and waiting.state is GroupState.OFFLOADED:
-                self._reload(engine, waiting, defer=False)
+            # Not free yet: the node that asked for this last tensor runs after this unpack.
+            self._draining[slot] = True
