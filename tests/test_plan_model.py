@@ -378,3 +378,31 @@ def test_format_plan_shows_layers_prediction_and_error():
         format_plan(plan, p, measured={"step": 1})
     with pytest.raises(ValueError, match="plan made for 2 layers"):
         format_plan(plan, profile([hand_layer()] * 3))
+
+
+# ------------------------------------------------------------------ measured memory, gradients
+
+def test_gradients_and_backward_peaks_move_the_peak_into_backward():
+    # Each layer: 4 MB saved, backward peaks 1 MB above its start, and leaves 10 MB of weight
+    # gradients. The head leaves 3 MB behind. Checkpointing both layers:
+    #   end of forward: base 100 + inputs 0.5 + 0.5 + head 2 = 103 MB
+    #   backward layer 1: 100 + 0.5 + 0.5 (both inputs) + grads 3 + (4 rebuilt + 1) = 109 MB
+    #   backward layer 0: 100 + 0.5 + grads 3 + 10 + (4 + 1) = 118.5 MB  <- the peak
+    layer = LayerProfile((3 * MB, 1 * MB), MB // 2, 10.0, 20.0, "g", backward_peak_bytes=MB, grad_bytes=10 * MB)
+    p = StepProfile((layer, layer), link(), 100 * MB, 2 * MB, 1.0, 5.0, 2.0, 68.0, 130 * MB, "cuda", head_residual_bytes=3 * MB)
+    pred = simulate(p, [R, R])
+    assert pred.peak_at == "backward layer 0"
+    assert pred.peak_bytes == 100 * MB + MB // 2 + 3 * MB + 10 * MB + 5 * MB
+    # Without the gradients and the measured backward peak the model would put the peak at
+    # layer 1, 13.5 MB too low: the case of LLAMA-2B, whose weight gradients outweigh its head.
+    bare = LayerProfile((3 * MB, 1 * MB), MB // 2, 10.0, 20.0, "g")
+    p0 = StepProfile((bare, bare), link(), 100 * MB, 2 * MB, 1.0, 5.0, 2.0, 68.0, 130 * MB, "cuda")
+    assert simulate(p0, [R, R]).peak_bytes == 100 * MB + MB + 4 * MB
+
+
+def test_measured_forward_peak_is_what_a_layer_needs():
+    # A layer whose forward peaks at 6 MB above its start though it keeps only 4 MB.
+    layer = LayerProfile((3 * MB, 1 * MB), MB // 2, 10.0, 20.0, "f", forward_peak_bytes=6 * MB)
+    p = profile([layer], head=0)
+    pred = simulate(p, [K])
+    assert pred.peak_bytes == 100 * MB + 6 * MB and pred.peak_at == "forward layer 0"

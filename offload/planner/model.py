@@ -20,10 +20,11 @@ Per layer, by action (sizes from :func:`offloaded_bytes`, :func:`held_bytes`,
 
 Forward. ``pre_ms``; then for each layer i in order:
   1. every group whose D2H has finished is released (free);
-  2. with a budget, while ``base + held + saved_bytes(i) > budget`` (saved_bytes for every action:
-     a checkpointed forward builds its activations transiently too) the oldest in-flight group
-     is released by force: compute waits for its D2H to end (forward stall);
-  3. memory ``base + held + saved_bytes(i)`` is a peak candidate ("forward layer i");
+  2. with a budget, while ``base + held + forward_need(i) > budget`` the oldest in-flight group
+     is released by force: compute waits for its D2H to end (forward stall); forward_need(i) is
+     the layer's measured forward peak (``forward_peak_bytes``), at least its saved_bytes, for
+     every action: a checkpointed forward builds its activations transiently too;
+  3. memory ``base + held + forward_need(i)`` is a peak candidate ("forward layer i");
   4. compute ``forward_ms``; then the layer holds ``held_bytes`` and its D2H is queued.
 After the last layer: step 1; with a budget, step 2 with ``base + held + head_bytes``; the peak
 candidate ``base + held + head_bytes`` ("end of forward"); compute ``head_ms``.
@@ -35,15 +36,19 @@ Backward, for i = N-1 .. 0:
   2. groups below i still in flight stay so (releasing them now would only add an H2D: memory
      falls through backward, and step 4 releases them when the budget needs it);
   3. if layer i's group was released and not yet reloaded, its H2D is queued now (on demand);
-  4. with a budget, while ``base + held + transient(i) > budget`` the oldest in-flight group below
-     i is released by force (backward stall); transient(i) = saved_bytes for RECOMPUTE, else 0;
+  4. with a budget, while ``base + held + grads + transient(i) > budget`` the oldest in-flight
+     group below i is released by force (backward stall). ``grads`` is what backward has left
+     allocated so far (``head_residual_bytes``, then each finished layer's ``grad_bytes``);
+     transient(i) = the layer's ``backward_peak_bytes``, plus saved_bytes for RECOMPUTE (the
+     recomputed activations);
   5. prefetch: the next ``PREFETCH_DEPTH`` groups below i that copy bytes, nearest first; each
-     one released and not reloaded gets its H2D queued if ``base + held + its bytes + transient(i)
-     <= budget`` (always without a budget); the first that does not fit stops the prefetch.
+     one released and not reloaded gets its H2D queued if ``base + held + grads + its bytes +
+     transient(i) <= budget`` (always without a budget); the first that does not fit stops it.
      Reloaded bytes are held from the moment their H2D is queued (the buffer is allocated then);
   6. compute waits for layer i's H2D if any (backward stall);
-  7. the peak candidate ``base + held + transient(i)`` ("backward layer i");
-  8. compute ``backward_ms`` (+ ``forward_ms`` for RECOMPUTE); then every byte of layer i is freed.
+  7. the peak candidate ``base + held + grads + transient(i)`` ("backward layer i");
+  8. compute ``backward_ms`` (+ ``forward_ms`` for RECOMPUTE); then every byte of layer i is
+     freed, and its ``grad_bytes`` join ``grads``.
 Then ``post_ms``. The step ends when compute is done and both links are idle (a copy still
 running then delays the next step; that wait counts as backward stall).
 
@@ -84,8 +89,16 @@ def resident_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
 
 
 def transient_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
-    """Extra bytes during the layer's backward: a recompute rebuilds its activations."""
-    return layer.saved_bytes if lp.action is Action.RECOMPUTE else 0
+    """Extra bytes during the layer's backward: its measured backward peak, and for a
+    recompute the activations it rebuilds."""
+    rebuilt = layer.saved_bytes if lp.action is Action.RECOMPUTE else 0
+    return rebuilt + layer.backward_peak_bytes
+
+
+def forward_need_bytes(layer: LayerProfile) -> int:
+    """Bytes the layer's forward needs on top of what is held: its measured peak, at least
+    what it saves."""
+    return max(layer.saved_bytes, layer.forward_peak_bytes)
 
 
 def backward_cost_ms(layer: LayerProfile, lp: LayerPlan) -> float:
@@ -228,9 +241,11 @@ def simulate(
             state[j] = _RELEASED
             held -= off[j]
 
+    grads = 0  # weight and activation gradients backward has left allocated so far
+
     def force_release(extra: int, below: int) -> None:
         nonlocal held
-        while inflight and inflight[0] < below and base + held + extra > budget:
+        while inflight and inflight[0] < below and base + held + grads + extra > budget:
             j = inflight[0]
             sim.wait(sim.d2h, j)
             inflight.popleft()
@@ -241,9 +256,10 @@ def simulate(
     sim.compute(profile.pre_ms)
     for i, layer in enumerate(prof):
         release_finished(n)
+        need = forward_need_bytes(layer)
         if budget is not None:
-            force_release(layer.saved_bytes, n)
-        sim.mark(base + held + layer.saved_bytes, f"forward layer {i}")
+            force_release(need, n)
+        sim.mark(base + held + need, f"forward layer {i}")
         sim.compute(layer.forward_ms)
         held += pre[i]
         if off[i] > 0:
@@ -258,6 +274,7 @@ def simulate(
     sim.compute(profile.head_ms)
 
     sim.phase = 1
+    grads = profile.head_residual_bytes
     offl = [i for i in range(n) if off[i] > 0]  # groups that copy, ascending
     below = len(offl)  # offl[:below] are the groups under the layer backward is at
     for i in range(n - 1, -1, -1):
@@ -280,7 +297,7 @@ def simulate(
         for j in offl[max(0, below - PREFETCH_DEPTH):below][::-1]:
             if state[j] != _RELEASED:
                 continue
-            if budget is not None and base + held + off[j] + trans[i] > budget:
+            if budget is not None and base + held + grads + off[j] + trans[i] > budget:
                 break
             sim.h2d.submit(j, off[j])
             h2d_bytes += off[j]
@@ -288,9 +305,10 @@ def simulate(
             state[j] = _RELOADING
         if state[i] == _RELOADING:
             sim.wait(sim.h2d, i)
-        sim.mark(base + held + trans[i], f"backward layer {i}")
+        sim.mark(base + held + grads + trans[i], f"backward layer {i}")
         sim.compute(backward_cost_ms(prof[i], layers[i]))
         held -= pre[i]
+        grads += prof[i].grad_bytes
         state[i] = _FREED
     sim.compute(profile.post_ms)
     sim.drain()

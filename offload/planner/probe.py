@@ -76,14 +76,46 @@ def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
+class _Meter:
+    """Device memory, segment by segment: each :meth:`segment` returns the allocator's peak since
+    the last one and starts a new one, so a layer's own peak can be told from the step's.
+    Reads nothing on CPU (the host has no allocator to ask)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.peak = 0  # the whole step's
+
+    def now(self) -> int:
+        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
+
+    def segment(self) -> int:
+        if not self.cuda:
+            return 0
+        peak = torch.cuda.max_memory_allocated(self.device)
+        self.peak = max(self.peak, peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        return peak
+
+
 class _LayerRecord:
-    __slots__ = ("group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end")
+    __slots__ = (
+        "group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
+        "mem_start", "mem_end", "forward_peak", "mem_bwd_start", "backward_peak", "module",
+        "new_grads",
+    )
 
     def __init__(self, index: int) -> None:
         # The group only counts: it holds the saved tensors until the forward ends, then only
         # their slot sizes are kept (``slots``), so the probe never outlives the step's memory.
         self.group: Optional[Group] = Group(index, step=0)
         self.slots: tuple[int, ...] = ()
+        self.module: Optional[torch.nn.Module] = None
+        self.new_grads = 0  # bytes of its weights that require grad and have none yet
+        # Allocated bytes at the layer's start and end, and its peak above the start (forward);
+        # at the start of its backward, and its peak above that (backward). 0 on CPU.
+        self.mem_start = self.mem_end = self.forward_peak = 0
+        self.mem_bwd_start = self.backward_peak = 0
         self.input_bytes = 0
         self.fwd_start: Any = None
         self.fwd_end: Any = None
@@ -112,19 +144,22 @@ class ProbeStep:
         self.forward_end: Any = None
         self.step_end: Any = None
         self.base_bytes = 0
-        self.peak_bytes = 0
+        self.meter = _Meter(device)
+        self.head_peak = 0          # peak from the last layer's end to backward reaching it
+        self.head_residual = 0      # what the head left allocated when backward reached it
+        self.backward_started = False
         self.active = False
 
     # -- the forward -------------------------------------------------------------------------------
     def begin(self) -> None:
         """Start the step: hooks on, clocks and the device's peak counter reset."""
-        if self.clock.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.meter.segment()
+        self.meter.peak = 0
         self.step_start = self.clock.mark()
         me = weakref.ref(self)
         for module in dict.fromkeys(self.layers):
             self._handles.append(module.register_forward_pre_hook(lambda m, a, me=me: me() and me()._before(a)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o, me=me: me() and me()._after(o)))
+            self._handles.append(module.register_forward_hook(lambda m, a, o, me=me: me() and me()._after(m, o)))
         self._saved_hooks.__enter__()
         self.active = True
 
@@ -151,7 +186,7 @@ class ProbeStep:
         self.step_end = self.clock.mark()
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
-            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        self.meter.segment()
 
     def _passive(self) -> bool:
         return torch._C._current_graph_task_id() != -1  # a checkpoint recomputing in backward
@@ -162,8 +197,10 @@ class ProbeStep:
         index = len(self.records)
         record = self._pending if self._pending is not None else _LayerRecord(index)
         self._pending = None
-        if index == 0 and self.clock.cuda:
-            self.base_bytes = torch.cuda.memory_allocated(self.device)
+        self.meter.segment()
+        record.mem_start = self.meter.now()
+        if index == 0:
+            self.base_bytes = record.mem_start
         record.input_bytes = _tensor_input_bytes(args)
         record.fwd_start = self.clock.mark()
         grad_input = _first_grad_tensor(args)
@@ -172,12 +209,16 @@ class ProbeStep:
         self.records.append(record)
         self._open = record
 
-    def _after(self, output: Any) -> None:
+    def _after(self, module: torch.nn.Module, output: Any) -> None:
         record = self._open
         if record is None or not self.active or self._passive():
             return
         self._open = None
         record.fwd_end = self.clock.mark()
+        record.module = module
+        record.new_grads = sum(p.nbytes for p in module.parameters() if p.requires_grad and p.grad is None)
+        record.forward_peak = max(0, self.meter.segment() - record.mem_start)
+        record.mem_end = self.meter.now()
         grad_output = _first_grad_tensor(output)
         if grad_output is not None:
             grad_output.register_hook(_Mark(self, record, "bwd_start"))
@@ -199,6 +240,20 @@ class ProbeStep:
         return t
 
     # -- the result --------------------------------------------------------------------------------
+    def _grad_bytes(self) -> list[int]:
+        # Weight gradients a layer's backward allocates: its parameters that require grad and
+        # had none at its forward (with gradient accumulation they exist already and cost
+        # nothing new). A module called several times allocates them in the backward of its
+        # last call, which backward reaches first.
+        out = [0] * len(self.records)
+        seen: set[int] = set()
+        for i in range(len(self.records) - 1, -1, -1):
+            module = self.records[i].module
+            if module is not None and id(module) not in seen:
+                seen.add(id(module))
+                out[i] = self.records[i].new_grads
+        return out
+
     def profile(self, link: LinkProfile, plain_step_ms: Optional[float] = None) -> StepProfile:
         """The measured step as a :class:`StepProfile` (call after :meth:`end_step`)."""
         if not self.records:
@@ -208,6 +263,9 @@ class ProbeStep:
             )
         ms = self.clock.ms
         records = self.records
+        # On the host nothing but the activations is accounted (no allocator to measure the
+        # rest against), so gradients are left out there too.
+        grads = self._grad_bytes() if self.clock.cuda else [0] * len(records)
         layers = []
         for r in records:
             slots = r.slots
@@ -221,6 +279,9 @@ class ProbeStep:
                 forward_ms=ms(r.fwd_start, r.fwd_end),
                 backward_ms=ms(r.bwd_start, bwd_end) if r.bwd_start is not None else 0.0,
                 signature=signature,
+                forward_peak_bytes=r.forward_peak,
+                backward_peak_bytes=r.backward_peak,
+                grad_bytes=grads[len(layers)],
             ))
         first, last = records[0], records[-1]
         step_ms = ms(self.step_start, self.step_end)
@@ -231,15 +292,18 @@ class ProbeStep:
         post_ms = ms(first.bwd_end, self.step_end) if first.bwd_end is not None else 0.0
         saved = sum(l.saved_bytes for l in layers)
         if self.clock.cuda:
-            base, peak = self.base_bytes, self.peak_bytes
+            base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak
         else:
             # No allocator to ask on the host: plan on the activations alone.
-            base, peak = 0, max(1, saved)
+            base, peak, head_peak = 0, max(1, saved), saved
         return StepProfile(
             layers=tuple(layers),
             link=link,
             base_bytes=base,
-            head_bytes=max(0, peak - base - saved),
+            # The head's own peak, measured from the last layer's end to backward reaching it
+            # (not the step's peak, which may come in backward or from first-use workspaces).
+            head_bytes=max(0, head_peak - base - saved),
+            head_residual_bytes=self.head_residual,
             pre_ms=pre_ms,
             head_ms=head_ms,
             post_ms=post_ms,
@@ -250,19 +314,33 @@ class ProbeStep:
 
 
 class _Mark:
-    """Gradient hook that stamps one time mark on a layer record (runs in backward).
+    """Gradient hook on a layer's output (``bwd_start``: its backward begins) or input
+    (``bwd_end``: it is over) that stamps the time and the memory (runs in backward).
 
-    It holds the clock and the record, not the probe: a hook kept alive by a tensor that the
-    caller holds on to must not keep the probe's records alive with it."""
+    It holds a weak reference to the probe: a hook kept alive by a tensor that the caller
+    holds on to must not keep the probe's records alive with it."""
 
-    __slots__ = ("clock", "record", "field")
+    __slots__ = ("probe", "record", "field")
 
     def __init__(self, probe: ProbeStep, record: _LayerRecord, field: str) -> None:
-        self.clock, self.record, self.field = probe.clock, record, field
+        self.probe, self.record, self.field = weakref.ref(probe), record, field
 
     def __call__(self, grad: torch.Tensor) -> None:
-        if getattr(self.record, self.field) is None:
-            setattr(self.record, self.field, self.clock.mark())
+        probe, record = self.probe(), self.record
+        if probe is None or getattr(record, self.field) is not None:
+            return
+        setattr(record, self.field, probe.clock.mark())
+        meter = probe.meter
+        if self.field == "bwd_start":
+            peak = meter.segment()
+            if not probe.backward_started:  # the head (and the loss) ran since the last layer
+                probe.backward_started = True
+                last = probe.records[-1]
+                probe.head_peak = peak
+                probe.head_residual = max(0, meter.now() - last.mem_end)
+            record.mem_bwd_start = meter.now()
+        else:
+            record.backward_peak = max(0, meter.segment() - record.mem_bwd_start)
 
 
 def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> LinkProfile:

@@ -76,6 +76,11 @@ class LayerProfile:
     forward_ms: float
     backward_ms: float           # without recompute
     signature: str               # fingerprint of the shapes/dtypes saved
+    # Memory, measured in the plain probe step (0: not measured, the model then uses saved_bytes):
+    forward_peak_bytes: int = 0   # peak above the layer's start during its forward
+    backward_peak_bytes: int = 0  # peak above the start of its backward (its weight gradients,
+                                  # the activation gradients, workspace) without recompute
+    grad_bytes: int = 0           # weight gradients its backward allocates that stay to step end
 
     def __post_init__(self) -> None:
         slots = tuple(self.slot_bytes) if isinstance(self.slot_bytes, (list, tuple)) else None
@@ -87,6 +92,8 @@ class LayerProfile:
         _check_int("LayerProfile", "input_bytes", self.input_bytes)
         _check_ms("LayerProfile", "forward_ms", self.forward_ms)
         _check_ms("LayerProfile", "backward_ms", self.backward_ms)
+        for name in ("forward_peak_bytes", "backward_peak_bytes", "grad_bytes"):
+            _check_int("LayerProfile", name, getattr(self, name))
         if not isinstance(self.signature, str):
             raise ValueError(f"LayerProfile.signature must be a str, got {self.signature!r}")
 
@@ -128,6 +135,9 @@ class StepProfile:
     plain_step_ms: float
     plain_peak_bytes: int
     device: str           # "cuda" or "cpu"
+    # What the head leaves allocated when backward reaches the last layer (its weight gradients,
+    # the gradient flowing into the last layer), held to the end of the step.
+    head_residual_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)):
@@ -145,7 +155,7 @@ class StepProfile:
                 raise ValueError(f"StepProfile.layers[{i}] must be a LayerProfile, got {type(layer).__name__}")
         if not isinstance(self.link, LinkProfile):
             raise ValueError(f"StepProfile.link must be a LinkProfile, got {type(self.link).__name__}")
-        for name in ("base_bytes", "head_bytes", "plain_peak_bytes"):
+        for name in ("base_bytes", "head_bytes", "plain_peak_bytes", "head_residual_bytes"):
             _check_int("StepProfile", name, getattr(self, name))
         for name in ("pre_ms", "head_ms", "post_ms"):
             _check_ms("StepProfile", name, getattr(self, name))

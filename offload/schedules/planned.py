@@ -5,13 +5,14 @@ It carries out a :class:`offload.planner.Plan` with the rules of the planner's c
 step, with the byte figures of the probe):
 
 - forward, at each layer start: groups whose D2H has finished are released (free); while
-  ``base + held + saved_bytes(layer) > budget`` the oldest in-flight group is released by force
+  ``base + held + forward_need(layer) > budget`` the oldest in-flight group is released by force
   (the compute stream waits for its D2H). After the last layer the same with ``head_bytes``.
   Without a budget nothing is forced, and the D2H of late layers runs on into backward.
 - backward, when it reaches layer ``i``: a group of ``i`` still in flight is never released (the
   originals serve its backward); layer ``i``'s group is reloaded if it was released; while the
-  budget is exceeded the oldest in-flight group below ``i`` is released by force; then up to two
-  groups below ``i`` are prefetched while they fit the budget.
+  budget (counting the gradients backward has made so far) is exceeded, the oldest in-flight
+  group below ``i`` is released by force; then up to two groups below ``i`` are prefetched
+  while they fit the budget.
 
 Recomputed layers are wrapped in non-reentrant checkpointing by ``OffloadActivations``; their
 group holds only the checkpoint's inputs.
@@ -24,7 +25,9 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..group import Group, GroupState
-from ..planner.model import PREFETCH_DEPTH, held_bytes, offloaded_bytes, resident_bytes, transient_bytes
+from ..planner.model import (
+    PREFETCH_DEPTH, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
+)
 from ..planner.types import Action, Plan, StepProfile
 from .base import Schedule
 
@@ -49,9 +52,10 @@ class PlannedSchedule(Schedule):
         self._held_full = [held_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
         self._held_after_release = [resident_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
         self._transient = [transient_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
-        self._saved = [profile.layers[i].saved_bytes for i in range(n)]
+        self._need = [forward_need_bytes(layer) for layer in profile.layers]
         self._copies = [offloaded_bytes(profile.layers[i], plan.layers[i]) > 0 for i in range(n)]
         self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
+        self.grads = 0  # the model's gradient bytes backward has left allocated so far
         self._in_flight: list[Group] = []  # D2H submitted, not released: oldest first
         # Set to a list to record (event, layer, model's bytes, allocated bytes) at every
         # decision point: where a measured peak departs from the prediction, this shows where.
@@ -76,10 +80,12 @@ class PlannedSchedule(Schedule):
         if self.trace is not None:
             device = engine.transport.device
             actual = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            self.trace.append((event, layer, self.profile.base_bytes + sum(self.held), actual))
+            self.trace.append((event, layer, self.profile.base_bytes + sum(self.held) + self.grads, actual))
 
     def _over(self, extra: int) -> bool:
-        return self.budget is not None and self.profile.base_bytes + sum(self.held) + extra > self.budget
+        if self.budget is None:
+            return False
+        return self.profile.base_bytes + sum(self.held) + self.grads + extra > self.budget
 
     def _release(self, engine: "OffloadEngine", group: Group) -> None:
         engine.release(group)
@@ -101,12 +107,13 @@ class PlannedSchedule(Schedule):
     # -- forward ---------------------------------------------------------------------------------
     def on_step_start(self, engine: "OffloadEngine") -> None:
         self.held = [0] * len(self.actions)
+        self.grads = 0
         self._in_flight = []
 
     def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
         n = len(self.actions)
         self._release_finished(engine, n)
-        self._force(engine, self._saved[layer] if layer < n else 0, n)
+        self._force(engine, self._need[layer] if layer < n else 0, n)
         self._record(engine, "forward", layer)
 
     def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
@@ -128,6 +135,8 @@ class PlannedSchedule(Schedule):
         groups = engine.step.groups
         for done in range(layer + 1, len(self.held)):
             self.held[done] = 0  # their backward is over: autograd freed their tensors
+        layers = self.profile.layers
+        self.grads = self.profile.head_residual_bytes + sum(l.grad_bytes for l in layers[layer + 1:])
         self._in_flight = [g for g in self._in_flight if g.layer < layer]
         needed = groups.get(layer)
         if needed is not None and needed.state is GroupState.OFFLOADED:
