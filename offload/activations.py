@@ -112,8 +112,9 @@ class OffloadActivations:
     their checkpoint inputs, which come back before the layer's recompute.
 
     Plans (per layer keep / offload / recompute, see ``offload.planner``):
-    ``memory_budget_bytes=N`` (or ``"lowest"``) probes the first step plainly, then plans and
-    follows the fastest plan whose predicted peak fits ``N`` from the second step on;
+    ``memory_budget_bytes=N`` (or ``"lowest"``) runs its first step plainly (warm-up), probes the
+    second (plainly too), then plans and follows the fastest plan whose predicted peak fits
+    ``N`` from the third step on;
     ``plan=offload.plan(...)`` follows a plan made beforehand. Recomputed layers are run under
     non-reentrant checkpointing here: leave the model's own checkpointing off.
     :attr:`plan` is the plan in force and :meth:`plan_report` its table with the measured step
@@ -168,6 +169,8 @@ class OffloadActivations:
         self.plan: Optional[Plan] = None
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
         self._probe: Optional[ProbeStep] = None
+        self._warmup_left = 1  # plain steps before the probe (a budget without a plan)
+        self._recompute_peak: Optional[tuple[int, int]] = None  # from the calibration step
         self._step_mark: Any = None
         if self.engine is not None and plan is not None:
             self._follow(plan)
@@ -184,11 +187,16 @@ class OffloadActivations:
         planning = self.budget is not None or self.plan is not None
         if planning and torch.is_grad_enabled():
             self._between_steps()
-            if self.plan is None:  # the first step: a plain probe
-                if self._probe is None:
-                    self._probe = ProbeStep(self.layers, probe_policy(self.engine.transport.device, self.engine.policy.min_offload_bytes, self.engine.policy.selection), self.engine.transport.device)
-                    self._probe.begin()
-                    self._tracking = True
+            if self.plan is None:
+                # A cold step would skew the probe: the first runs plainly and calibrates the
+                # recompute memory on one layer; the second, plain too, is measured.
+                calibrate = self._warmup_left > 0
+                self._warmup_left -= calibrate
+                device = self.engine.transport.device
+                policy = probe_policy(device, self.engine.policy.min_offload_bytes, self.engine.policy.selection)
+                self._probe = ProbeStep(self.layers, policy, device, calibrate_recompute=calibrate)
+                self._probe.begin()
+                self._tracking = True
                 return self
         if not self._handles:
             self._register_hooks()
@@ -205,6 +213,7 @@ class OffloadActivations:
             self._probe.end_forward()
             if exc_type is not None:
                 self._probe = None  # probe again on the next step
+                self._warmup_left = 1
             return
         if exc_type is not None:
             self.engine.abort_step()
@@ -227,10 +236,13 @@ class OffloadActivations:
         mark = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
         if cuda:
             mark.record()
-        if self._probe is not None and self.plan is None:
-            self._probe.end_step()
-            profile = self._probe.profile(measure_link(device))
-            self._probe = None
+        probe, self._probe = self._probe, None
+        if probe is not None and probe.calibrating:  # the warm-up step
+            probe.end_step()
+            self._recompute_peak = probe.recompute_peak()
+        elif probe is not None:
+            probe.end_step()
+            profile = probe.profile(measure_link(device), recompute_peak=self._recompute_peak)
             self._follow(choose(profile, self.budget))
         elif self._step_mark is not None:
             # Read lazily (plan_report): reading the events now would make the host wait.

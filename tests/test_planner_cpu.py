@@ -93,8 +93,9 @@ def test_budget_plans_on_the_second_step(gpt) -> None:
     expected = train_step(layers, x)
     plain = measure(layers, x).plain_peak_bytes
     oa = offload.OffloadActivations(layers, memory_budget_bytes=plain // 2, device="cpu", min_offload_bytes=0)
-    assert_bitwise(expected, oa_step(layers, x, oa))  # the probe: plain
-    assert oa.plan is None and oa.stats["offloaded_tensors"] == 0
+    for _ in range(2):  # warm-up, then the probe: both plain
+        assert_bitwise(expected, oa_step(layers, x, oa))
+        assert oa.plan is None and oa.stats["offloaded_tensors"] == 0
     for _ in range(2):
         assert_bitwise(expected, oa_step(layers, x, oa))
     assert oa.plan is not None and oa.plan.prediction.peak_bytes <= plain // 2

@@ -61,28 +61,46 @@ def profile_step(
     device: Union[None, str, torch.device] = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
+    warmup_steps: int = 1,
 ) -> StepProfile:
-    """Run ``step_fn()`` (one whole training step) once, plainly, and measure it per layer.
+    """Run ``step_fn()`` (one whole training step) plainly and measure it per layer.
 
+    ``warmup_steps`` plain steps run first: a cold step allocates library workspaces and
+    autotunes kernels, and would charge that time and memory to its first layers and its head.
     ``link``: the host link's speed; measured (one pinned buffer, a few copies) if None.
     Raises RuntimeError when the step raises, ValueError when it runs none of ``layers``.
     """
     layers = list(layers)
     if not layers:
         raise ValueError("offload.plan: no layers given; pass the model's repeated layers (e.g. model.model.layers)")
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
+        raise ValueError(f"offload.plan: warmup_steps must be an int >= 0, got {warmup_steps!r}")
     dev = resolve_device(device)
-    probe = ProbeStep(layers, probe_policy(dev, min_offload_bytes), dev)
-    probe.begin()
+    policy = probe_policy(dev, min_offload_bytes)
+    probe = ProbeStep(layers, policy, dev)
+    # The first warm-up step also calibrates: one layer runs under checkpointing.
+    calibration = ProbeStep(layers, policy, dev, calibrate_recompute=True) if warmup_steps else None
     try:
+        for i in range(warmup_steps):
+            if i == 0 and calibration is not None:
+                calibration.begin()
+                step_fn()
+                calibration.end_step()
+            else:
+                step_fn()
+        probe.begin()
         step_fn()
     except Exception as exc:
         probe.end_forward()
+        if calibration is not None:
+            calibration.end_forward()
         raise RuntimeError(
             f"offload.plan: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
             "step_fn() once, plainly (no offload); fix the step so that it runs on its own first"
         ) from exc
     probe.end_step()
-    return probe.profile(link if link is not None else measure_link(dev))
+    recompute_peak = calibration.recompute_peak() if calibration is not None else None
+    return probe.profile(link if link is not None else measure_link(dev), recompute_peak=recompute_peak)
 
 
 def plan(
@@ -93,12 +111,13 @@ def plan(
     device: Union[None, str, torch.device] = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
+    warmup_steps: int = 1,
 ) -> Plan:
     """Probe one step of ``step_fn`` and return the fastest plan whose peak fits the budget.
 
     ``layers``: the repeated layer modules in call order (e.g. ``model.model.layers``).
     ``step_fn()``: one whole training step, forward and backward (the probe runs it plainly,
-    so it needs the plain step's memory once). ``memory_budget_bytes``: peak device bytes the
+    ``warmup_steps`` times and once more measured, so it needs the plain step's memory). ``memory_budget_bytes``: peak device bytes the
     plan may use, ``"lowest"`` for the lowest-memory plan, or None for no limit. ``link``: the
     host link's speed, measured if None. Pass the plan to ``OffloadActivations(layers,
     plan=...)``; ``print(plan.table())`` shows it layer by layer.
@@ -107,7 +126,8 @@ def plan(
     peak, and RuntimeError when the probe step itself raises.
     """
     budget = check_budget(memory_budget_bytes, "plan():")
-    profile = profile_step(layers, step_fn, device=device, min_offload_bytes=min_offload_bytes, link=link)
+    profile = profile_step(layers, step_fn, device=device, min_offload_bytes=min_offload_bytes, link=link,
+                           warmup_steps=warmup_steps)
     return choose(profile, budget)
 
 

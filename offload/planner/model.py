@@ -39,8 +39,8 @@ Backward, for i = N-1 .. 0:
   4. with a budget, while ``base + held + grads + transient(i) > budget`` the oldest in-flight
      group below i is released by force (backward stall). ``grads`` is what backward has left
      allocated so far (``head_residual_bytes``, then each finished layer's ``grad_bytes``);
-     transient(i) = the layer's ``backward_peak_bytes``, plus saved_bytes for RECOMPUTE (the
-     recomputed activations);
+     transient(i) = the layer's ``backward_peak_bytes``; for RECOMPUTE, ``recompute_factor`` x
+     (saved_bytes + backward_peak_bytes), the recomputed activations and the backward together;
   5. prefetch: the next ``PREFETCH_DEPTH`` groups below i that copy bytes, nearest first; each
      one released and not reloaded gets its H2D queued if ``base + held + grads + its bytes +
      transient(i) <= budget`` (always without a budget); the first that does not fit stops it.
@@ -88,11 +88,13 @@ def resident_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
     return held_bytes(layer, lp) - offloaded_bytes(layer, lp)
 
 
-def transient_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
+def transient_bytes(layer: LayerProfile, lp: LayerPlan, recompute_factor: float = 1.0) -> int:
     """Extra bytes during the layer's backward: its measured backward peak, and for a
-    recompute the activations it rebuilds."""
-    rebuilt = layer.saved_bytes if lp.action is Action.RECOMPUTE else 0
-    return rebuilt + layer.backward_peak_bytes
+    recompute the activations it rebuilds, scaled by the profile's measured
+    ``recompute_factor``."""
+    if lp.action is Action.RECOMPUTE:
+        return int(recompute_factor * (layer.saved_bytes + layer.backward_peak_bytes))
+    return layer.backward_peak_bytes
 
 
 def forward_need_bytes(layer: LayerProfile) -> int:
@@ -226,7 +228,7 @@ def simulate(
     prof = profile.layers
     off = [offloaded_bytes(l, lp) for l, lp in zip(prof, layers)]
     pre = [held_bytes(l, lp) for l, lp in zip(prof, layers)]
-    trans = [transient_bytes(l, lp) for l, lp in zip(prof, layers)]
+    trans = [transient_bytes(l, lp, profile.recompute_factor) for l, lp in zip(prof, layers)]
     state = [_HELD] * n
     sim = _Sim(profile)
     base, budget = profile.base_bytes, budget_bytes

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import time
 import weakref
+from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ..group import Group
 from ..policy import SelectionPolicy
@@ -130,8 +132,24 @@ class ProbeStep:
     After the step's backward, :meth:`profile` turns the records into a :class:`StepProfile`.
     """
 
-    def __init__(self, layers: Sequence[torch.nn.Module], policy: SelectionPolicy, device: torch.device) -> None:
+    def __init__(
+        self,
+        layers: Sequence[torch.nn.Module],
+        policy: SelectionPolicy,
+        device: torch.device,
+        *,
+        calibrate_recompute: bool = False,
+    ) -> None:
         self.layers = list(layers)
+        # Calibration: one layer (in the middle, called once) runs under checkpointing, so that
+        # its backward peak with recompute can be measured (see :func:`recompute_factor`).
+        self.calibrating = calibrate_recompute
+        self.recompute_index: Optional[int] = None
+        if calibrate_recompute:
+            middle = len(self.layers) // 2
+            if self.layers.count(self.layers[middle]) == 1:
+                self.recompute_index = middle
+        self._restore_forward: Optional[Any] = None
         self.policy = policy
         self.device = device
         self.clock = _Clock(device)
@@ -148,6 +166,7 @@ class ProbeStep:
         self.head_peak = 0          # peak from the last layer's end to backward reaching it
         self.head_residual = 0      # what the head left allocated when backward reached it
         self.backward_started = False
+        self.backward_running: Optional[_LayerRecord] = None  # whose backward segment is open
         self.active = False
 
     # -- the forward -------------------------------------------------------------------------------
@@ -155,6 +174,12 @@ class ProbeStep:
         """Start the step: hooks on, clocks and the device's peak counter reset."""
         self.meter.segment()
         self.meter.peak = 0
+        if self.recompute_index is not None:
+            # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
+            module = self.layers[self.recompute_index]
+            plain_forward = module.forward
+            module.forward = lambda *a, **kw: checkpoint(plain_forward, *a, use_reentrant=False, **kw)
+            self._restore_forward = module
         self.step_start = self.clock.mark()
         me = weakref.ref(self)
         for module in dict.fromkeys(self.layers):
@@ -172,6 +197,9 @@ class ProbeStep:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        if self._restore_forward is not None:
+            del self._restore_forward.forward  # the class's forward again
+            self._restore_forward = None
         self.forward_end = self.clock.mark()
         for record in self.records + ([self._pending] if self._pending is not None else []):
             if record.group is not None:
@@ -186,7 +214,10 @@ class ProbeStep:
         self.step_end = self.clock.mark()
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
-        self.meter.segment()
+        running, self.backward_running = self.backward_running, None
+        peak = self.meter.segment()
+        if running is not None:  # layer 0's input needed no gradient: its backward ran to here
+            running.backward_peak = max(0, peak - running.mem_bwd_start)
 
     def _passive(self) -> bool:
         return torch._C._current_graph_task_id() != -1  # a checkpoint recomputing in backward
@@ -254,7 +285,35 @@ class ProbeStep:
                 out[i] = self.records[i].new_grads
         return out
 
-    def profile(self, link: LinkProfile, plain_step_ms: Optional[float] = None) -> StepProfile:
+    def recompute_peak(self) -> Optional[tuple[int, int]]:
+        """(layer, its backward peak with recompute) from a calibration step, or None."""
+        i = self.recompute_index
+        if i is None or i >= len(self.records) or not self.clock.cuda:
+            return None
+        return i, self.records[i].backward_peak
+
+    def _measured_gradients(self, layers: list[LayerProfile]) -> Optional[tuple[int, list[int]]]:
+        # What backward holds besides the activations when layer i's backward begins (the
+        # head's leftovers, the weight gradients made so far, the gradient flowing in), read
+        # off the allocator: G_i = allocated - base - saved bytes of layers 0..i. Returns
+        # (G of the last layer, the growth of G across each layer's backward).
+        records = self.records
+        if not self.clock.cuda or any(r.bwd_start is None for r in records):
+            return None
+        held = 0
+        g = []
+        for r, layer in zip(records, layers):
+            held += layer.saved_bytes
+            g.append(max(0, r.mem_bwd_start - self.base_bytes - held))
+        growth = [max(0, g[i - 1] - g[i]) for i in range(1, len(g))]
+        return g[-1], [layers[0].grad_bytes] + growth
+
+    def profile(
+        self,
+        link: LinkProfile,
+        plain_step_ms: Optional[float] = None,
+        recompute_peak: Optional[tuple[int, int]] = None,
+    ) -> StepProfile:
         """The measured step as a :class:`StepProfile` (call after :meth:`end_step`)."""
         if not self.records:
             raise ValueError(
@@ -290,6 +349,19 @@ class ProbeStep:
         # loss, and their backward).
         head_ms = ms(last.fwd_end, last.bwd_start) if last.bwd_start is not None else 0.0
         post_ms = ms(first.bwd_end, self.step_end) if first.bwd_end is not None else 0.0
+        head_residual = self.head_residual
+        measured = self._measured_gradients(layers)
+        if measured is not None:
+            head_residual, growth = measured
+            layers = [replace(l, grad_bytes=g) for l, g in zip(layers, growth)]
+        factor = 1.0
+        if recompute_peak is not None and recompute_peak[0] < len(layers):
+            ref = layers[recompute_peak[0]]
+            additive = ref.saved_bytes + ref.backward_peak_bytes
+            if additive > 0:
+                # Bounded: one calibration layer speaks for all, and a noisy reading must not
+                # make recompute look free or ruinous.
+                factor = min(1.5, max(0.5, recompute_peak[1] / additive))
         saved = sum(l.saved_bytes for l in layers)
         if self.clock.cuda:
             base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak
@@ -303,7 +375,8 @@ class ProbeStep:
             # The head's own peak, measured from the last layer's end to backward reaching it
             # (not the step's peak, which may come in backward or from first-use workspaces).
             head_bytes=max(0, head_peak - base - saved),
-            head_residual_bytes=self.head_residual,
+            head_residual_bytes=head_residual,
+            recompute_factor=factor,
             pre_ms=pre_ms,
             head_ms=head_ms,
             post_ms=post_ms,
@@ -331,16 +404,21 @@ class _Mark:
             return
         setattr(record, self.field, probe.clock.mark())
         meter = probe.meter
+        # Layer i's input is layer i-1's output, so "i's backward is over" and "i-1's begins"
+        # are often the same gradient: whichever hook runs first closes i's memory segment.
+        running = probe.backward_running
+        if running is not None and (self.field == "bwd_start" or running is record):
+            running.backward_peak = max(0, meter.segment() - running.mem_bwd_start)
+            probe.backward_running = None
         if self.field == "bwd_start":
-            peak = meter.segment()
+            peak = meter.segment() if running is None else 0
             if not probe.backward_started:  # the head (and the loss) ran since the last layer
                 probe.backward_started = True
                 last = probe.records[-1]
                 probe.head_peak = peak
                 probe.head_residual = max(0, meter.now() - last.mem_end)
             record.mem_bwd_start = meter.now()
-        else:
-            record.backward_peak = max(0, meter.segment() - record.mem_bwd_start)
+            probe.backward_running = record
 
 
 def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> LinkProfile:

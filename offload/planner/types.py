@@ -138,6 +138,10 @@ class StepProfile:
     # What the head leaves allocated when backward reaches the last layer (its weight gradients,
     # the gradient flowing into the last layer), held to the end of the step.
     head_residual_bytes: int = 0
+    # A recomputed layer's backward peak over (saved_bytes + backward_peak_bytes), measured on
+    # one layer in a calibration step: the rebuilt activations are freed while the backward
+    # allocates its gradients, so the two do not simply add up.
+    recompute_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)):
@@ -159,6 +163,7 @@ class StepProfile:
             _check_int("StepProfile", name, getattr(self, name))
         for name in ("pre_ms", "head_ms", "post_ms"):
             _check_ms("StepProfile", name, getattr(self, name))
+        _check_positive("StepProfile", "recompute_factor", self.recompute_factor)
         _check_positive("StepProfile", "plain_step_ms", self.plain_step_ms)
         _check_positive("StepProfile", "plain_peak_bytes", self.plain_peak_bytes)
         if self.device not in ("cuda", "cpu"):

@@ -51,7 +51,7 @@ class PlannedSchedule(Schedule):
         n = len(actions)
         self._held_full = [held_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
         self._held_after_release = [resident_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
-        self._transient = [transient_bytes(profile.layers[i], plan.layers[i]) for i in range(n)]
+        self._transient = [transient_bytes(profile.layers[i], plan.layers[i], profile.recompute_factor) for i in range(n)]
         self._need = [forward_need_bytes(layer) for layer in profile.layers]
         self._copies = [offloaded_bytes(profile.layers[i], plan.layers[i]) > 0 for i in range(n)]
         self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
