@@ -94,9 +94,13 @@ def storage_extent_bytes(t: torch.Tensor) -> int:
 class Group:
     """The saved tensors of one layer in one step, with their layout and restore recipe."""
 
-    def __init__(self, layer: int, step: int) -> None:
+    def __init__(self, layer: int, step: int, *, retain: bool = True) -> None:
         self.layer = layer
         self.step = step
+        # retain=False: a group that only measures (the planner's probe): it lays slots out
+        # like any group but keeps no reference to the tensors or storages, so a plain step's
+        # memory is freed as usual. Its slots are only ever sized, never copied.
+        self.retain = retain
         self.state = GroupState.OPEN
         # Storage slots, indexed by slot number. A storage is identified by its data pointer: the
         # group holds a reference to it while the pointer is used as a key, so no other live
@@ -161,7 +165,7 @@ class Group:
         if slot is None:
             slot = len(self.slot_storages)
             self._slot_of_ptr[ptr] = slot
-            self.slot_storages.append(storage)
+            self.slot_storages.append(storage if self.retain else None)
             self.slot_lo.append(lo & _ALIGN_MASK)
             self.slot_hi.append(hi)
         else:
@@ -172,7 +176,8 @@ class Group:
         self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
         self.versions.append(t._version)
         self.callers.append(_weakref(t))
-        self.originals.append(_detach(t) if t.requires_grad else t)  # type: ignore[union-attr]
+        if self.retain:
+            self.originals.append(_detach(t) if t.requires_grad else t)  # type: ignore[union-attr]
         return len(self.entries) - 1
 
     def slot_sizes(self) -> list[int]:

@@ -110,7 +110,7 @@ class _LayerRecord:
     def __init__(self, index: int) -> None:
         # The group only counts: it holds the saved tensors until the forward ends, then only
         # their slot sizes are kept (``slots``), so the probe never outlives the step's memory.
-        self.group: Optional[Group] = Group(index, step=0)
+        self.group: Optional[Group] = Group(index, step=0, retain=False)
         self.slots: tuple[int, ...] = ()
         self.module: Optional[torch.nn.Module] = None
         self.new_grads = 0  # bytes of its weights that require grad and have none yet
