@@ -21,6 +21,7 @@ from .types import LinkProfile, Plan, StepProfile
 Budget = Union[int, str, None]
 
 LOWEST = "lowest"
+LOWEST_TOLERANCE = 0.03
 
 
 def check_budget(memory_budget_bytes: Budget, where: str) -> Budget:
@@ -46,9 +47,12 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
 
 
 def choose(profile: StepProfile, memory_budget_bytes: Budget) -> Plan:
-    """The fastest plan under the budget (``"lowest"``: the lowest-peak plan)."""
+    """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
+    is within 3% of the lowest)."""
     if memory_budget_bytes == LOWEST:
-        return lowest_peak(profile)
+        # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that
+        # much headroom before it must stall on forced releases.
+        return lowest_peak(profile, tolerance=LOWEST_TOLERANCE)
     if memory_budget_bytes is None:
         return best_plan(profile, profile.plain_peak_bytes)
     return best_plan(profile, int(memory_budget_bytes))

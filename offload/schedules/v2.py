@@ -67,8 +67,9 @@ class ScheduleV2(Schedule):
         if needed is not None and needed.state is GroupState.OFFLOADED:
             engine.start_reload(needed)
         # Groups of layers above ``layer`` are done; count what still holds GPU memory.
-        resident = self._non_offloaded_through(layer) + sum(
-            1 for g in groups.values() if g.layer <= min(layer, self.num_layers - 1) and g.holds_gpu_memory
+        top = min(layer, self.num_layers - 1)
+        resident = self._non_offloaded_through(layer) + len(
+            [g for g in groups.values() if g.layer <= top and g.holds_gpu_memory]
         )
         for target in range(min(layer, self.num_layers) - 1, max(-1, layer - 1 - self.prefetch_depth), -1):
             group = groups.get(target)
