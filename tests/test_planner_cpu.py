@@ -197,3 +197,14 @@ def test_probe_holds_no_saved_tensor_during_backward() -> None:
 
     offload.planner.profile_step(layers, step, device="cpu", min_offload_bytes=0, warmup_steps=0)
     assert freed_before_end == [True]
+
+
+def test_plan_for_other_shapes_warns_once(gpt) -> None:
+    layers, x = gpt
+    profile = measure(layers, x)
+    made = plan_for(profile, [LayerPlan(Action.OFFLOAD)] * 3 + [LayerPlan(Action.KEEP)])
+    oa = offload.OffloadActivations(layers, plan=made, device="cpu", min_offload_bytes=0)
+    longer = torch.randn(2, 32, 64)  # twice the sequence the plan was made for
+    expected = train_step(layers, longer)
+    with pytest.warns(UserWarning, match="layer 0 saved .* but the plan was made for"):
+        assert_bitwise(expected, oa_step(layers, longer, oa))  # still exact

@@ -122,6 +122,7 @@ class PlannedSchedule(Schedule):
             return
         self.held[layer] = self._held_full[layer]
         if group is not None:
+            self._check_bytes(engine, layer, group)
             engine.start_offload(group)
             if group.state is GroupState.OFFLOADING:
                 self._in_flight.append(group)
@@ -129,6 +130,22 @@ class PlannedSchedule(Schedule):
             self._release_finished(engine, n)
             self._force(engine, self.profile.head_bytes, n)
             self._record(engine, "head", layer)
+
+    def _check_bytes(self, engine: "OffloadEngine", layer: int, group: Group) -> None:
+        # A plan made for another model (or another batch or sequence length) saves other
+        # bytes than the probe saw: the plan still runs and gradients stay exact, but its
+        # budget accounting is off. Say so once, with the figures.
+        if self.actions[layer] is not Action.OFFLOAD:
+            return
+        expected = offloaded_bytes(self.profile.layers[layer], self.plan.layers[layer])
+        got = group.copy_bytes
+        if expected and abs(got - expected) > 0.1 * expected + (64 << 10):
+            engine._warn_once(
+                "plan-bytes",
+                f"offload: layer {layer} saved {got} bytes to offload, but the plan was made for "
+                f"{expected}: the model, batch or sequence length differs from the probe's. The "
+                "plan's memory figures no longer hold; make a new plan (offload.plan(...)).",
+            )
 
     # -- backward --------------------------------------------------------------------------------
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
