@@ -22,23 +22,11 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .api import build_engine
+from .engine import first_grad_tensor
 from .planner.make import LOWEST, Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
 from .planner.types import Plan
 from .schedules.planned import PlannedSchedule
-
-
-def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_grad_tensor(list(value.values()))
-    return None
 
 
 class _LayerHook:
@@ -307,7 +295,7 @@ class OffloadActivations:
         layer = self.engine.end_layer()  # type: ignore[union-attr]
         if layer is None:
             return
-        marked = _first_grad_tensor(output)
+        marked = first_grad_tensor(output)
         if marked is not None:
             self.engine.attach_backward_marker(marked, layer)  # type: ignore[union-attr]
 

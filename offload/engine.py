@@ -151,6 +151,21 @@ class StorageHandle:
         self.parts = parts
 
 
+def first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
+    """The first tensor that requires grad in a layer's output or arguments (nested in lists,
+    tuples and dicts): its gradient tells when backward reaches, or leaves, the layer."""
+    if isinstance(value, torch.Tensor):
+        return value if value.requires_grad else None
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            found = first_grad_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(value, dict):
+        return first_grad_tensor(list(value.values()))
+    return None
+
+
 class BackwardReach:
     """Tensor hook fired when the gradient of a layer's output is computed (backward reaches it)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable, Optional
 
 import torch
@@ -89,3 +90,37 @@ def sleepy(ctx: Any, cycles: int) -> None:
         return reload_copy(*args, **kwargs)
 
     transport.offload, transport.reload = slow_offload, slow_reload
+
+
+def oa_step(layers: torch.nn.Module, x: torch.Tensor, wrapper: Any) -> list[torch.Tensor]:
+    """One training step with ``wrapper`` (an ``OffloadActivations``) around the forward; the
+    gradients as :func:`train_step` returns them."""
+    for p in layers.parameters():
+        p.grad = None
+    xin = x.detach().requires_grad_(True)
+    with wrapper:
+        out = run_layers(layers, xin)
+    (out.float() ** 2).mean().backward()
+    return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
+
+
+def tiny_llama(layers: int = 3, device: str = "cpu") -> tuple[Any, torch.Tensor]:
+    """A HuggingFace Llama with random weights (no download) and its token ids."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64, use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device)
+    return model, torch.randint(0, 128, (2, 32), device=device)
+
+
+def llama_grads(model: Any, ids: torch.Tensor, wrapper: Any = None) -> list[torch.Tensor]:
+    """One step of ``model`` on ``ids`` (loss on the ids), ``wrapper`` around the forward."""
+    model.zero_grad(set_to_none=True)
+    with wrapper if wrapper is not None else contextlib.nullcontext():
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return [p.grad.clone() for p in model.parameters() if p.grad is not None]

@@ -16,7 +16,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload.models import run_layers
 
-from _util import assert_bitwise, cpu_context, make_gpt_layers, train_step
+from _util import assert_bitwise, cpu_context, llama_grads, make_gpt_layers, oa_step, tiny_llama, train_step
 
 
 def hooks_installed() -> bool:
@@ -47,15 +47,6 @@ class CallCheckpointed(nn.Module):
     def __call__(self, *args, **kwargs):  # type: ignore[override]
         return checkpoint(partial(super().__call__, **kwargs), *args, use_reentrant=False)
 
-
-def oa_step(layers: nn.ModuleList, x: torch.Tensor, oa: offload.OffloadActivations) -> list[torch.Tensor]:
-    for p in layers.parameters():
-        p.grad = None
-    x = x.detach().requires_grad_(True)
-    with oa:
-        out = run_layers(layers, x)
-    (out.float() ** 2).mean().backward()
-    return [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
 
 
 @pytest.fixture
@@ -109,25 +100,11 @@ def test_recompute_in_backward_is_passive_in_te_call_shape(gpt) -> None:
 
 
 def test_hf_llama_gradient_checkpointing_offloads_layer_inputs() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.config.use_cache = False
-    ids = torch.randint(0, 128, (2, 32))
+    pytest.importorskip("transformers")
+    model, ids = tiny_llama(3)
 
     def step(oa: object = None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        if oa is None:
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            with oa:
-                loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return llama_grads(model, ids, oa)
 
     expected = step()
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

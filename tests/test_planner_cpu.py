@@ -13,17 +13,8 @@ import offload
 from offload.models import run_layers
 from offload.planner import Action, BudgetError, LayerPlan, plan_for
 
-from _util import assert_bitwise, make_gpt_layers, train_step
+from _util import assert_bitwise, llama_grads, make_gpt_layers, oa_step, tiny_llama, train_step
 
-
-def oa_step(layers: nn.ModuleList, x: torch.Tensor, oa: offload.OffloadActivations) -> list[torch.Tensor]:
-    for p in layers.parameters():
-        p.grad = None
-    xin = x.detach().requires_grad_(True)
-    with oa:
-        out = run_layers(layers, xin)
-    (out.float() ** 2).mean().backward()
-    return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
 
 
 @pytest.fixture
@@ -137,25 +128,11 @@ def test_bad_budgets_and_probe_failures(gpt) -> None:
 
 
 def test_hf_llama_plan_on_cpu() -> None:
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=128, max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    model.config.use_cache = False
-    ids = torch.randint(0, 128, (2, 32))
+    pytest.importorskip("transformers")
+    model, ids = tiny_llama(4)
 
     def step(oa: object = None) -> list[torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        if oa is None:
-            loss = model(input_ids=ids, labels=ids).loss
-        else:
-            with oa:
-                loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+        return llama_grads(model, ids, oa)
 
     expected = step()
     assert_bitwise(expected, step())

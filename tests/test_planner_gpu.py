@@ -17,7 +17,7 @@ import offload
 from offload.models import run_layers
 from offload.planner import Action, LayerPlan, plan_for
 
-from _util import Delayed, assert_bitwise, make_gpt_layers, sleepy, train_step
+from _util import Delayed, assert_bitwise, make_gpt_layers, oa_step, sleepy, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -33,15 +33,6 @@ def tokens(seq: int = 512, batch: int = 2) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(1)
     return torch.randn(batch, seq, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
 
-
-def oa_step(layers: nn.Module, x: torch.Tensor, oa: offload.OffloadActivations) -> list[torch.Tensor]:
-    for p in layers.parameters():
-        p.grad = None
-    xin = x.detach().requires_grad_(True)
-    with oa:
-        out = run_layers(layers, xin)
-    (out.float() ** 2).mean().backward()
-    return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
 
 
 def mixed_plan(layers: nn.ModuleList, x: torch.Tensor, *, tight: bool = True) -> offload.planner.Plan:

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..engine import first_grad_tensor
 from ..group import Group
 from ..policy import SelectionPolicy
 from .types import LayerProfile, LinkProfile, StepProfile
@@ -63,19 +64,6 @@ def _tensor_input_bytes(args: Sequence[Any]) -> int:
             seen.add(a.untyped_storage().data_ptr())
             total += a.nbytes
     return total
-
-
-def _first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = _first_grad_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return _first_grad_tensor(list(value.values()))
-    return None
 
 
 class _Meter:
@@ -234,7 +222,7 @@ class ProbeStep:
             self.base_bytes = record.mem_start
         record.input_bytes = _tensor_input_bytes(args)
         record.fwd_start = self.clock.mark()
-        grad_input = _first_grad_tensor(args)
+        grad_input = first_grad_tensor(args)
         if grad_input is not None:
             grad_input.register_hook(_Mark(self, record, "bwd_end"))
         self.records.append(record)
@@ -250,7 +238,7 @@ class ProbeStep:
         record.new_grads = sum(p.nbytes for p in module.parameters() if p.requires_grad and p.grad is None)
         record.forward_peak = max(0, self.meter.segment() - record.mem_start)
         record.mem_end = self.meter.now()
-        grad_output = _first_grad_tensor(output)
+        grad_output = first_grad_tensor(output)
         if grad_output is not None:
             grad_output.register_hook(_Mark(self, record, "bwd_start"))
 
