@@ -22,8 +22,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .api import build_engine
-from .engine import first_grad_tensor
-from .planner.make import LOWEST, Budget, check_budget, choose, probe_policy, step_figures
+from .step import first_grad_tensor
+from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
 from .planner.types import Plan
 from .schedules.planned import PlannedSchedule

@@ -58,8 +58,6 @@ CUDA graphs (see ``offload.graphs``):
 from __future__ import annotations
 
 import warnings
-import weakref
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
@@ -70,6 +68,7 @@ from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
 from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
+from .step import BackwardReach, StepState
 from .transport import CudaTransport, HostTransport
 
 if TYPE_CHECKING:
@@ -80,67 +79,6 @@ Transport = Union[CudaTransport, HostTransport]
 _detach = torch.Tensor.detach
 
 
-class StepGroups:
-    """A step's groups by layer, held weakly: autograd's saved-tensor handles keep a group
-    alive, so a forward whose graph is dropped frees its groups (see the module notes).
-
-    A plain dict of ``weakref.ref`` rather than ``weakref.WeakValueDictionary``: the schedules
-    look groups up at every layer boundary, and the latter's Python-level iteration guard cost
-    more than the rest of the boundary (0.5 ms a step on SMALL).
-    """
-
-    __slots__ = ("_refs",)
-
-    def __init__(self) -> None:
-        self._refs: dict[int, weakref.ref] = {}
-
-    def __setitem__(self, layer: int, group: Group) -> None:
-        self._refs[layer] = weakref.ref(group)
-
-    def get(self, layer: int) -> Optional[Group]:
-        ref = self._refs.get(layer)
-        return None if ref is None else ref()
-
-    def __getitem__(self, layer: int) -> Group:
-        group = self.get(layer)
-        if group is None:
-            raise KeyError(layer)
-        return group
-
-    def pop(self, layer: int, default: Any = None) -> Any:
-        ref = self._refs.pop(layer, None)
-        group = None if ref is None else ref()
-        return default if group is None else group
-
-    def values(self) -> list[Group]:
-        """The live groups, in layer order of creation."""
-        return [g for r in self._refs.values() if (g := r()) is not None]
-
-    def keys(self) -> list[int]:
-        return [layer for layer, r in self._refs.items() if r() is not None]
-
-    def items(self) -> list[tuple[int, Group]]:
-        return [(layer, g) for layer, g in ((k, r()) for k, r in self._refs.items()) if g is not None]
-
-    def __len__(self) -> int:
-        return len(self.values())
-
-
-@dataclass
-class StepState:
-    """The engine's view of the step in progress."""
-
-    index: int
-    counters: StepCounters
-    # layer -> group (offloaded layers), held weakly: see the module notes.
-    groups: StepGroups = field(default_factory=StepGroups)
-    layers_started: int = 0
-    forward_done: bool = False
-    captured: bool = False  # the step runs under CUDA-graph capture
-    abandoned: bool = False  # a group died before the forward ended: its graph was dropped
-    unconsumed: int = 0  # closed groups not yet handed back in full (nor dead)
-
-
 class StorageHandle:
     """What ``pack`` returns for a quantized storage: the storage shell and its packed parts."""
 
@@ -149,35 +87,6 @@ class StorageHandle:
     def __init__(self, restorable: Any, parts: list[Any]) -> None:
         self.restorable = restorable
         self.parts = parts
-
-
-def first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
-    """The first tensor that requires grad in a layer's output or arguments (nested in lists,
-    tuples and dicts): its gradient tells when backward reaches, or leaves, the layer."""
-    if isinstance(value, torch.Tensor):
-        return value if value.requires_grad else None
-    if isinstance(value, (list, tuple)):
-        for item in value:
-            found = first_grad_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(value, dict):
-        return first_grad_tensor(list(value.values()))
-    return None
-
-
-class BackwardReach:
-    """Tensor hook fired when the gradient of a layer's output is computed (backward reaches it)."""
-
-    __slots__ = ("engine", "step", "layer")
-
-    def __init__(self, engine: "OffloadEngine", step: int, layer: int) -> None:
-        self.engine = engine
-        self.step = step
-        self.layer = layer
-
-    def __call__(self, grad: torch.Tensor) -> None:
-        self.engine.on_backward_reach(self.step, self.layer)
 
 
 class OffloadEngine:

@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from ..engine import first_grad_tensor
+from ..step import first_grad_tensor
 from ..group import Group
 from ..policy import SelectionPolicy
 from .types import LayerProfile, LinkProfile, StepProfile
