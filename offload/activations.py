@@ -100,9 +100,9 @@ class OffloadActivations:
     their checkpoint inputs, which come back before the layer's recompute.
 
     Plans (per layer keep / offload / recompute, see ``offload.planner``):
-    ``memory_budget_bytes=N`` (or ``"lowest"``) runs its first step plainly (warm-up), probes the
-    second (plainly too), then plans and follows the fastest plan whose predicted peak fits
-    ``N`` from the third step on;
+    ``memory_budget_bytes=N`` (or ``"lowest"``) runs its first step plainly (warm-up), the
+    second with one layer recomputed (calibration), probes the third (plainly), then plans and
+    follows the fastest plan whose predicted peak fits ``N`` from the fourth step on;
     ``plan=offload.plan(...)`` follows a plan made beforehand. Recomputed layers are run under
     non-reentrant checkpointing here: leave the model's own checkpointing off.
     :attr:`plan` is the plan in force and :meth:`plan_report` its table with the measured step
@@ -157,8 +157,8 @@ class OffloadActivations:
         self.plan: Optional[Plan] = None
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
         self._probe: Optional[ProbeStep] = None
-        self._warmup_left = 1  # plain steps before the probe (a budget without a plan)
-        self._recompute_peak: Optional[tuple[int, int]] = None  # from the calibration step
+        self._warmup_left = 2  # steps before the probe (a budget without a plan): plain, calibration
+        self._recompute_peak: Optional[tuple[int, int, float]] = None  # from the calibration step
         self._step_mark: Any = None
         if self.engine is not None and plan is not None:
             self._follow(plan)
@@ -176,8 +176,12 @@ class OffloadActivations:
         if planning and torch.is_grad_enabled():
             self._between_steps()
             if self.plan is None:
-                # A cold step would skew the probe: the first runs plainly and calibrates the
-                # recompute memory on one layer; the second, plain too, is measured.
+                # A cold step would skew the probe: the first runs plainly, the second too but
+                # recomputes one layer to calibrate what recompute costs, the third (plain) is
+                # measured.
+                if self._warmup_left > 1:
+                    self._warmup_left -= 1
+                    return self
                 calibrate = self._warmup_left > 0
                 self._warmup_left -= calibrate
                 device = self.engine.transport.device

@@ -19,7 +19,7 @@ import difflib
 import numbers
 import os
 import warnings
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Iterable, Optional, Union
 
 import torch
 

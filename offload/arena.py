@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import psutil

@@ -65,12 +65,14 @@ def profile_step(
     device: Union[None, str, torch.device] = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
-    warmup_steps: int = 1,
+    warmup_steps: int = 2,
 ) -> StepProfile:
     """Run ``step_fn()`` (one whole training step) plainly and measure it per layer.
 
-    ``warmup_steps`` plain steps run first: a cold step allocates library workspaces and
-    autotunes kernels, and would charge that time and memory to its first layers and its head.
+    ``warmup_steps`` steps run first: a cold step allocates library workspaces and autotunes
+    kernels, and would charge that time and memory to its first layers and its head. The last
+    of them recomputes one layer (checkpointing) to measure what recompute costs in time and
+    memory.
     ``link``: the host link's speed; measured (one pinned buffer, a few copies) if None.
     Raises RuntimeError when the step raises, ValueError when it runs none of ``layers``.
     """
@@ -82,11 +84,11 @@ def profile_step(
     dev = resolve_device(device)
     policy = probe_policy(dev, min_offload_bytes)
     probe = ProbeStep(layers, policy, dev)
-    # The first warm-up step also calibrates: one layer runs under checkpointing.
+    # The last warm-up step also calibrates: one layer runs under checkpointing.
     calibration = ProbeStep(layers, policy, dev, calibrate_recompute=True) if warmup_steps else None
     try:
         for i in range(warmup_steps):
-            if i == 0 and calibration is not None:
+            if i == warmup_steps - 1 and calibration is not None:
                 calibration.begin()
                 step_fn()
                 calibration.end_step()
@@ -115,7 +117,7 @@ def plan(
     device: Union[None, str, torch.device] = None,
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
-    warmup_steps: int = 1,
+    warmup_steps: int = 2,
 ) -> Plan:
     """Probe one step of ``step_fn`` and return the fastest plan whose peak fits the budget.
 

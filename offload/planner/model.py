@@ -47,7 +47,8 @@ Backward, for i = N-1 .. 0:
      Reloaded bytes are held from the moment their H2D is queued (the buffer is allocated then);
   6. compute waits for layer i's H2D if any (backward stall);
   7. the peak candidate ``base + held + grads + transient(i)`` ("backward layer i");
-  8. compute ``backward_ms`` (+ ``forward_ms`` for RECOMPUTE); then every byte of layer i is
+  8. compute ``backward_ms`` (+ ``recompute_time_factor`` x ``forward_ms`` for RECOMPUTE); then
+     every byte of layer i is
      freed, and its ``grad_bytes`` join ``grads``.
 Then ``post_ms``. The step ends when compute is done and both links are idle (a copy still
 running then delays the next step; that wait counts as backward stall).
@@ -103,9 +104,9 @@ def forward_need_bytes(layer: LayerProfile) -> int:
     return max(layer.saved_bytes, layer.forward_peak_bytes)
 
 
-def backward_cost_ms(layer: LayerProfile, lp: LayerPlan) -> float:
+def backward_cost_ms(layer: LayerProfile, lp: LayerPlan, recompute_time_factor: float = 1.0) -> float:
     """Compute time of the layer's backward, recompute included (before any slowdown)."""
-    extra = layer.forward_ms if lp.action is Action.RECOMPUTE else 0.0
+    extra = recompute_time_factor * layer.forward_ms if lp.action is Action.RECOMPUTE else 0.0
     return layer.backward_ms + extra
 
 
@@ -308,7 +309,7 @@ def simulate(
         if state[i] == _RELOADING:
             sim.wait(sim.h2d, i)
         sim.mark(base + held + grads + trans[i], f"backward layer {i}")
-        sim.compute(backward_cost_ms(prof[i], layers[i]))
+        sim.compute(backward_cost_ms(prof[i], layers[i], profile.recompute_time_factor))
         held -= pre[i]
         grads += prof[i].grad_bytes
         state[i] = _FREED

@@ -273,12 +273,15 @@ class ProbeStep:
                 out[i] = self.records[i].new_grads
         return out
 
-    def recompute_peak(self) -> Optional[tuple[int, int]]:
-        """(layer, its backward peak with recompute) from a calibration step, or None."""
+    def recompute_peak(self) -> Optional[tuple[int, int, float]]:
+        """(layer, its backward peak in bytes and its backward ms, both with recompute) from a
+        calibration step, or None."""
         i = self.recompute_index
         if i is None or i >= len(self.records) or not self.clock.cuda:
             return None
-        return i, self.records[i].backward_peak
+        r = self.records[i]
+        end = r.bwd_end if r.bwd_end is not None else self.step_end
+        return i, r.backward_peak, self.clock.ms(r.bwd_start, end) if r.bwd_start is not None else 0.0
 
     def _measured_gradients(self, layers: list[LayerProfile]) -> Optional[tuple[int, list[int]]]:
         # What backward holds besides the activations when layer i's backward begins (the
@@ -300,7 +303,7 @@ class ProbeStep:
         self,
         link: LinkProfile,
         plain_step_ms: Optional[float] = None,
-        recompute_peak: Optional[tuple[int, int]] = None,
+        recompute_peak: Optional[tuple[int, int, float]] = None,
     ) -> StepProfile:
         """The measured step as a :class:`StepProfile` (call after :meth:`end_step`)."""
         if not self.records:
@@ -342,14 +345,16 @@ class ProbeStep:
         if measured is not None:
             head_residual, growth = measured
             layers = [replace(l, grad_bytes=g) for l, g in zip(layers, growth)]
-        factor = 1.0
+        factor = time_factor = 1.0
         if recompute_peak is not None and recompute_peak[0] < len(layers):
+            # Bounded: one calibration layer speaks for all, and a noisy reading must not make
+            # recompute look free or ruinous.
             ref = layers[recompute_peak[0]]
             additive = ref.saved_bytes + ref.backward_peak_bytes
             if additive > 0:
-                # Bounded: one calibration layer speaks for all, and a noisy reading must not
-                # make recompute look free or ruinous.
                 factor = min(1.5, max(0.5, recompute_peak[1] / additive))
+            if ref.forward_ms > 0 and recompute_peak[2] > 0:
+                time_factor = min(1.5, max(0.3, (recompute_peak[2] - ref.backward_ms) / ref.forward_ms))
         saved = sum(l.saved_bytes for l in layers)
         if self.clock.cuda:
             base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak
@@ -365,6 +370,7 @@ class ProbeStep:
             head_bytes=max(0, head_peak - base - saved),
             head_residual_bytes=head_residual,
             recompute_factor=factor,
+            recompute_time_factor=time_factor,
             pre_ms=pre_ms,
             head_ms=head_ms,
             post_ms=post_ms,

@@ -47,7 +47,7 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
         lines.append(
             f"{i:>5}  {_action_text(lp):<20} {offloaded_bytes(layer, lp) / _MIB:>13.1f} "
             f"{resident_bytes(layer, lp) / _MIB:>12.1f} {layer.forward_ms:>7.2f} "
-            f"{backward_cost_ms(layer, lp):>7.2f}"
+            f"{backward_cost_ms(layer, lp, profile.recompute_time_factor):>7.2f}"
         )
     lines.append("-" * len(header))
 

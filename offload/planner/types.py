@@ -142,6 +142,9 @@ class StepProfile:
     # one layer in a calibration step: the rebuilt activations are freed while the backward
     # allocates its gradients, so the two do not simply add up.
     recompute_factor: float = 1.0
+    # A recomputed layer's extra backward time over its forward_ms, measured on the same layer
+    # (checkpoint's recompute stops early, at the last tensor backward needs).
+    recompute_time_factor: float = 1.0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)):
@@ -164,6 +167,7 @@ class StepProfile:
         for name in ("pre_ms", "head_ms", "post_ms"):
             _check_ms("StepProfile", name, getattr(self, name))
         _check_positive("StepProfile", "recompute_factor", self.recompute_factor)
+        _check_positive("StepProfile", "recompute_time_factor", self.recompute_time_factor)
         _check_positive("StepProfile", "plain_step_ms", self.plain_step_ms)
         _check_positive("StepProfile", "plain_peak_bytes", self.plain_peak_bytes)
         if self.device not in ("cuda", "cpu"):
