@@ -149,10 +149,12 @@ def test_planned_steps_return_memory_to_baseline() -> None:
 
 
 def test_budget_plans_then_follows_on_gpu() -> None:
+    clean_device()
     layers, x = gpt(), tokens()
     expected = train_step(layers, x)
     profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
-    budget = profile.base_bytes + profile.head_bytes + profile.plain_peak_bytes // 4 + sum(l.saved_bytes for l in profile.layers) // 2
+    # Room for half the activations at the head: half must go (offloaded or recomputed).
+    budget = profile.base_bytes + profile.head_bytes + sum(l.saved_bytes for l in profile.layers) // 2
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True)
     for step in range(6):  # warm-up, calibration, probe, then planned steps
         assert_bitwise(expected, oa_step(layers, x, oa))
