@@ -143,6 +143,7 @@ def profile_summary(profile: Any) -> dict[str, Any]:
                     "backward_ms": l.backward_ms, "slots": len(l.slot_bytes), "forward_peak_bytes": l.forward_peak_bytes,
                     "backward_peak_bytes": l.backward_peak_bytes, "grad_bytes": l.grad_bytes} for l in profile.layers],
         "head_residual_bytes": profile.head_residual_bytes,
+        "recompute_factor": profile.recompute_factor, "recompute_time_factor": profile.recompute_time_factor,
         "link": vars(profile.link) if hasattr(profile.link, "__dict__") else repr(profile.link),
         "base_bytes": profile.base_bytes, "head_bytes": profile.head_bytes, "pre_ms": profile.pre_ms,
         "head_ms": profile.head_ms, "post_ms": profile.post_ms, "plain_step_ms": profile.plain_step_ms,
