@@ -213,7 +213,7 @@ class OffloadActivations:
         counted = self.engine.step.layers_started if self.engine.step is not None else 0
         self.engine.finish_forward()
         if counted != len(self.layers):
-            self.engine._warn_once(
+            self.engine.warn_once(
                 "count",
                 f"offload: the forward ran {counted} of the {len(self.layers)} layers given to "
                 "OffloadActivations; pass the modules one forward really calls, in call order",

@@ -350,7 +350,7 @@ class OffloadEngine:
         # Backward reached a step whose forward is still open: the forward is over, whatever
         # the layer count said. Say so when the count is the TE call shape's step boundary.
         if self.layer_contexts and step.layers_started != self.model_layers:
-            self._warn_once(
+            self.warn_once(
                 "count",
                 f"offload: backward began after {step.layers_started} layer contexts, but "
                 f"model_layers={self.model_layers}; the step was ended there. Pass the number of "
@@ -359,7 +359,8 @@ class OffloadEngine:
             )
         self.end_forward()
 
-    def _warn_once(self, key: str, message: str) -> None:
+    def warn_once(self, key: str, message: str) -> None:
+        """Warn with ``message`` the first time ``key`` comes up in this engine's life."""
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(message, stacklevel=3)

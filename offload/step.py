@@ -55,9 +55,6 @@ class StepGroups:
     def keys(self) -> list[int]:
         return [layer for layer, r in self._refs.items() if r() is not None]
 
-    def items(self) -> list[tuple[int, Group]]:
-        return [(layer, g) for layer, g in ((k, r()) for k, r in self._refs.items()) if g is not None]
-
     def __len__(self) -> int:
         return len(self.values())
 

@@ -28,6 +28,11 @@ def _error(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured * 100:+.1f}%"
 
 
+def _figure(value: float, plain: float, show: Any) -> str:
+    """``value`` as ``show`` writes it, and its ratio to the plain step's."""
+    return f"{show(value)} ({value / plain:.3f}x plain)"
+
+
 def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str, Any]] = None) -> str:
     """Render ``plan`` for ``profile`` as a per-layer table plus a footer of predicted figures.
 
@@ -54,25 +59,22 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
     p = plan.prediction
     budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
     lines.append(f"plan: {plan.describe()}; budget {budget}")
-    step = f"{p.step_ms:.1f} ms ({p.step_ms / profile.plain_step_ms:.3f}x plain)"
-    peak = f"{format_bytes(p.peak_bytes)} ({p.peak_bytes / profile.plain_peak_bytes:.3f}x plain)"
+    def ms(v: float) -> str:
+        return f"{v:.1f} ms"
+
+    step = (p.step_ms, profile.plain_step_ms, ms, measured and measured.get("step_ms"))
+    peak = (p.peak_bytes, profile.plain_peak_bytes, format_bytes, measured and measured.get("peak_bytes"))
     if measured is None:
-        lines.append(f"predicted step {step}")
-        lines.append(f"predicted peak {peak}, at {p.peak_at}")
+        lines.append(f"predicted step {_figure(*step[:3])}")
+        lines.append(f"predicted peak {_figure(*peak[:3])}, at {p.peak_at}")
     else:
         lines.append(f"{'':<6}{'predicted':<30}{'measured':<30}error")
-        m_step = measured.get("step_ms")
-        if m_step is None:
-            lines.append(f"{'step':<6}{step:<30}{'-':<30}-")
-        else:
-            m = f"{m_step:.1f} ms ({m_step / profile.plain_step_ms:.3f}x plain)"
-            lines.append(f"{'step':<6}{step:<30}{m:<30}{_error(p.step_ms, m_step)}")
-        m_peak = measured.get("peak_bytes")
-        if m_peak is None:
-            lines.append(f"{'peak':<6}{peak:<30}{'-':<30}-")
-        else:
-            m = f"{format_bytes(m_peak)} ({m_peak / profile.plain_peak_bytes:.3f}x plain)"
-            lines.append(f"{'peak':<6}{peak:<30}{m:<30}{_error(p.peak_bytes, m_peak)}")
+        for label, (predicted, plain, show, got) in (("step", step), ("peak", peak)):
+            if got is None:
+                lines.append(f"{label:<6}{_figure(predicted, plain, show):<30}{'-':<30}-")
+            else:
+                lines.append(f"{label:<6}{_figure(predicted, plain, show):<30}"
+                             f"{_figure(got, plain, show):<30}{_error(predicted, got)}")
         lines.append(f"predicted peak at {p.peak_at}")
     lines.append(
         f"stalls: forward {p.forward_stall_ms:.1f} ms, backward {p.backward_stall_ms:.1f} ms; "

@@ -54,6 +54,11 @@ class PlannedSchedule(Schedule):
         self._transient = [transient_bytes(profile.layers[i], plan.layers[i], profile.recompute_factor) for i in range(n)]
         self._need = [forward_need_bytes(layer) for layer in profile.layers]
         self._copies = [offloaded_bytes(profile.layers[i], plan.layers[i]) > 0 for i in range(n)]
+        # Gradients left allocated when backward reaches layer i: the head's leftovers and the
+        # weight gradients of the layers above it (a suffix sum, read once per backward layer).
+        self._grads_at = [profile.head_residual_bytes] * (n + 1)
+        for i in range(n - 1, -1, -1):
+            self._grads_at[i] = self._grads_at[i + 1] + (profile.layers[i + 1].grad_bytes if i + 1 < n else 0)
         self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
         self.grads = 0  # the model's gradient bytes backward has left allocated so far
         self._in_flight: list[Group] = []  # D2H submitted, not released: oldest first
@@ -140,7 +145,7 @@ class PlannedSchedule(Schedule):
         expected = offloaded_bytes(self.profile.layers[layer], self.plan.layers[layer])
         got = group.copy_bytes
         if expected and abs(got - expected) > 0.1 * expected + (64 << 10):
-            engine._warn_once(
+            engine.warn_once(
                 "plan-bytes",
                 f"offload: layer {layer} saved {got} bytes to offload, but the plan was made for "
                 f"{expected}: the model, batch or sequence length differs from the probe's. The "
@@ -152,8 +157,7 @@ class PlannedSchedule(Schedule):
         groups = engine.step.groups
         for done in range(layer + 1, len(self.held)):
             self.held[done] = 0  # their backward is over: autograd freed their tensors
-        layers = self.profile.layers
-        self.grads = self.profile.head_residual_bytes + sum(l.grad_bytes for l in layers[layer + 1:])
+        self.grads = self._grads_at[min(layer, len(self.actions))]
         self._in_flight = [g for g in self._in_flight if g.layer < layer]
         needed = groups.get(layer)
         if needed is not None and needed.state is GroupState.OFFLOADED:
