@@ -363,9 +363,9 @@ def test_bad_inputs_are_refused_clearly(build, match):
 
 def test_format_plan_shows_layers_prediction_and_error():
     p = two_layers()
-    plan = plan_for(p, [LayerPlan(Action.OFFLOAD, 2 * MB), K])
+    plan = plan_for(p, [LayerPlan(Action.OFFLOAD, 2 * MiB), K])
     text = format_plan(plan, p)
-    assert "offload >= 2 MiB" in text and "keep" in text
+    assert "offload >= 2.0 MiB" in text and "keep" in text
     assert len([l for l in text.splitlines() if re.match(r"\s+[01]\s", l)]) == 2
     assert "predicted step 68.0 ms (1.000x plain)" in text
     assert "measured" not in text

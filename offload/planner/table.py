@@ -18,7 +18,7 @@ _MEASURED_KEYS = ("step_ms", "peak_bytes")
 
 def _action_text(lp: LayerPlan) -> str:
     if lp.action is Action.OFFLOAD and lp.min_offload_bytes:
-        return f"offload >= {lp.min_offload_bytes / _MIB:.0f} MiB"
+        return f"offload >= {format_bytes(lp.min_offload_bytes)}"
     return lp.action.value
 
 
