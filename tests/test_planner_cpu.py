@@ -185,3 +185,24 @@ def test_plan_for_other_shapes_warns_once(gpt) -> None:
     expected = train_step(layers, longer)
     with pytest.warns(UserWarning, match="layer 0 saved .* but the plan was made for"):
         assert_bitwise(expected, oa_step(layers, longer, oa))  # still exact
+
+
+def test_planned_schedule_counts_the_gradients_backward_has_made() -> None:
+    # The budget accounting in backward counts the head's leftovers and the weight gradients of
+    # every layer whose backward is done (above the one backward has reached).
+    from types import SimpleNamespace
+
+    from offload.planner import LayerProfile, LinkProfile, StepProfile
+    from offload.schedules.planned import PlannedSchedule
+    from offload.step import StepGroups
+
+    layers = tuple(LayerProfile((1000,), 10, 1.0, 2.0, "l", grad_bytes=g) for g in (1, 20, 300, 4000))
+    profile = StepProfile(layers, LinkProfile(1.0, 1.0, 2.0), 0, 0, 0.0, 0.0, 0.0, 10.0, 5000, "cuda",
+                          head_residual_bytes=50000)
+    schedule = PlannedSchedule(plan_for(profile, [LayerPlan(Action.KEEP)] * 4), profile)
+    engine = SimpleNamespace(step=SimpleNamespace(groups=StepGroups()), transport=None)
+    seen = []
+    for layer in (3, 2, 1, 0):
+        schedule.on_backward_reach(engine, layer)
+        seen.append(schedule.grads)
+    assert seen == [50000, 54000, 54300, 54320]
