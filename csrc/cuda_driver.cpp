@@ -16,6 +16,8 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace offload {
 namespace {
@@ -75,6 +77,25 @@ using PFN_cuGetErrorString = CUresult (*)(CUresult, const char**);
 using PFN_cuCtxGetCurrent = CUresult (*)(CUcontext*);
 using PFN_cuStreamIsCapturing = CUresult (*)(CUstream, int*);
 using PFN_cuMemcpyAsync = CUresult (*)(CUdeviceptr, CUdeviceptr, size_t, CUstream);
+using CUevent = struct CUevent_st*;
+using PFN_cuEventCreate = CUresult (*)(CUevent*, unsigned int);
+using PFN_cuEventRecord = CUresult (*)(CUevent, CUstream);
+using PFN_cuEventQuery = CUresult (*)(CUevent);
+using PFN_cuEventSynchronize = CUresult (*)(CUevent);
+using PFN_cuEventElapsedTime = CUresult (*)(float*, CUevent, CUevent);
+using PFN_cuStreamWaitEvent = CUresult (*)(CUstream, CUevent, unsigned int);
+using PFN_cuMemHostAlloc = CUresult (*)(void**, size_t, unsigned int);
+using PFN_cuMemFreeHost = CUresult (*)(void*);
+using PFN_cuMemHostRegister = CUresult (*)(void*, size_t, unsigned int);
+using PFN_cuMemHostUnregister = CUresult (*)(void*);
+using PFN_cuCtxPushCurrent = CUresult (*)(CUcontext);
+using PFN_cuCtxPopCurrent = CUresult (*)(CUcontext*);
+
+constexpr CUresult CUDA_ERROR_NOT_READY = 600;
+constexpr unsigned int CU_EVENT_DEFAULT = 0;
+constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
+constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 1;
+constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 1;
 using PFN_cuMemcpyBatchAsync_v12080 = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs,
                                                    size_t* sizes, size_t count,
                                                    CUmemcpyAttributes* attrs, size_t* attrsIdxs,
@@ -91,6 +112,20 @@ struct Driver {
   PFN_cuStreamIsCapturing stream_is_capturing = nullptr;
   PFN_cuMemcpyAsync memcpy_async = nullptr;
   PFN_cuMemcpyBatchAsync_v12080 memcpy_batch = nullptr;
+  // Events and host memory (see cuda_driver.h). Bound with the copy calls; a driver missing one
+  // of them is not "loaded" (they all predate CUDA 11).
+  PFN_cuEventCreate event_create = nullptr;
+  PFN_cuEventRecord event_record = nullptr;
+  PFN_cuEventQuery event_query = nullptr;
+  PFN_cuEventSynchronize event_synchronize = nullptr;
+  PFN_cuEventElapsedTime event_elapsed = nullptr;
+  PFN_cuStreamWaitEvent stream_wait_event = nullptr;
+  PFN_cuMemHostAlloc mem_host_alloc = nullptr;
+  PFN_cuMemFreeHost mem_free_host = nullptr;
+  PFN_cuMemHostRegister mem_host_register = nullptr;
+  PFN_cuMemHostUnregister mem_host_unregister = nullptr;
+  PFN_cuCtxPushCurrent ctx_push = nullptr;
+  PFN_cuCtxPopCurrent ctx_pop = nullptr;
 };
 
 std::string version_str(int v) {
@@ -150,6 +185,30 @@ Driver load_driver() {
     return d;
   }
   d.memcpy_async = reinterpret_cast<PFN_cuMemcpyAsync>(p);
+  struct Entry {
+    const char* name;
+    void** slot;
+  };
+  const Entry entries[] = {
+      {"cuEventCreate", reinterpret_cast<void**>(&d.event_create)},
+      {"cuEventRecord", reinterpret_cast<void**>(&d.event_record)},
+      {"cuEventQuery", reinterpret_cast<void**>(&d.event_query)},
+      {"cuEventSynchronize", reinterpret_cast<void**>(&d.event_synchronize)},
+      {"cuEventElapsedTime", reinterpret_cast<void**>(&d.event_elapsed)},
+      {"cuStreamWaitEvent", reinterpret_cast<void**>(&d.stream_wait_event)},
+      {"cuMemHostAlloc", reinterpret_cast<void**>(&d.mem_host_alloc)},
+      {"cuMemFreeHost", reinterpret_cast<void**>(&d.mem_free_host)},
+      {"cuMemHostRegister", reinterpret_cast<void**>(&d.mem_host_register)},
+      {"cuMemHostUnregister", reinterpret_cast<void**>(&d.mem_host_unregister)},
+      {"cuCtxPushCurrent", reinterpret_cast<void**>(&d.ctx_push)},
+      {"cuCtxPopCurrent", reinterpret_cast<void**>(&d.ctx_pop)},
+  };
+  for (const Entry& e : entries) {
+    if (!resolve(e.name, abi, e.slot)) {
+      d.reason = std::string(e.name) + " not found in libcuda.so.1";
+      return d;
+    }
+  }
   d.loaded = true;
 
   if (d.driver_version < kBatchAbi) {
@@ -331,6 +390,176 @@ CudaCopyInfo cuda_copy_info() {
     info.reason = d.reason;
   }
   return info;
+}
+
+// ---- Events ----------------------------------------------------------------------------------
+// Creating an event is a driver allocation (microseconds); recording a pooled one is a queue
+// write. Events are therefore taken from a per-context free list and given back when their last
+// holder lets go. Re-recording a pooled event is safe: a cuStreamWaitEvent already issued keeps
+// the state the event had at that call, and nobody else holds it any more.
+namespace {
+
+struct EventPool {
+  std::mutex mutex;
+  // (context, timing) -> idle events. A handful of contexts per process at most.
+  std::vector<std::pair<std::pair<CUcontext, bool>, std::vector<CUevent>>> idle;
+
+  std::vector<CUevent>& list(CUcontext ctx, bool timing) {
+    for (auto& entry : idle)
+      if (entry.first.first == ctx && entry.first.second == timing) return entry.second;
+    idle.push_back({{ctx, timing}, {}});
+    return idle.back().second;
+  }
+};
+
+EventPool& event_pool() {
+  static EventPool* pool = new EventPool();  // never destroyed: events may be given back at exit
+  return *pool;
+}
+
+CUcontext require_context(const Driver& d, const char* what) {
+  if (!d.loaded)
+    throw std::runtime_error(std::string("offload ") + what + ": the CUDA driver is unavailable (" +
+                             d.reason + ")");
+  CUcontext ctx = nullptr;
+  CUresult r = d.ctx_get_current(&ctx);
+  if (r == CUDA_ERROR_NOT_INITIALIZED || r == CUDA_ERROR_DEINITIALIZED ||
+      (r == CUDA_SUCCESS && ctx == nullptr))
+    throw std::runtime_error(std::string("offload ") + what +
+                             ": no CUDA context is current on this thread; CUDA must be "
+                             "initialised by torch first");
+  if (r != CUDA_SUCCESS) fail(d, "cuCtxGetCurrent", r, std::string(" in ") + what);
+  return ctx;
+}
+
+void check(const Driver& d, CUresult r, const char* call) {
+  if (r != CUDA_SUCCESS) fail(d, call, r, "");
+}
+
+}  // namespace
+
+PooledEvent event_acquire(bool timing) {
+  Driver& d = driver();
+  CUcontext ctx = require_context(d, "event");
+  EventPool& pool = event_pool();
+  {
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    auto& idle = pool.list(ctx, timing);
+    if (!idle.empty()) {
+      CUevent ev = idle.back();
+      idle.pop_back();
+      return {reinterpret_cast<uintptr_t>(ev), reinterpret_cast<uintptr_t>(ctx), timing};
+    }
+  }
+  CUevent ev = nullptr;
+  check(d, d.event_create(&ev, timing ? CU_EVENT_DEFAULT : CU_EVENT_DISABLE_TIMING),
+        "cuEventCreate");
+  return {reinterpret_cast<uintptr_t>(ev), reinterpret_cast<uintptr_t>(ctx), timing};
+}
+
+void event_release(const PooledEvent& e) noexcept {
+  EventPool& pool = event_pool();
+  std::lock_guard<std::mutex> lock(pool.mutex);
+  pool.list(reinterpret_cast<CUcontext>(e.context), e.timing)
+      .push_back(reinterpret_cast<CUevent>(e.handle));
+}
+
+void event_record(uintptr_t event, uintptr_t stream) {
+  Driver& d = driver();
+  check(d, d.event_record(reinterpret_cast<CUevent>(event), reinterpret_cast<CUstream>(stream)),
+        "cuEventRecord");
+}
+
+bool event_query(uintptr_t event) {
+  Driver& d = driver();
+  CUresult r = d.event_query(reinterpret_cast<CUevent>(event));
+  if (r == CUDA_ERROR_NOT_READY) return false;
+  check(d, r, "cuEventQuery");
+  return true;
+}
+
+void event_synchronize(uintptr_t event) {
+  Driver& d = driver();
+  check(d, d.event_synchronize(reinterpret_cast<CUevent>(event)), "cuEventSynchronize");
+}
+
+float event_elapsed_ms(uintptr_t start, uintptr_t end) {
+  Driver& d = driver();
+  float ms = 0.0f;
+  check(d, d.event_elapsed(&ms, reinterpret_cast<CUevent>(start), reinterpret_cast<CUevent>(end)),
+        "cuEventElapsedTime");
+  return ms;
+}
+
+void stream_wait_event(uintptr_t stream, uintptr_t event) {
+  Driver& d = driver();
+  check(d, d.stream_wait_event(reinterpret_cast<CUstream>(stream), reinterpret_cast<CUevent>(event), 0),
+        "cuStreamWaitEvent");
+}
+
+void stream_wait_stream(uintptr_t waiter, uintptr_t producer) {
+  // The wait is captured when cuStreamWaitEvent is called, so the pooled event can go back at
+  // once (under capture too: the dependency becomes a graph edge then).
+  PooledEvent e = event_acquire(false);
+  try {
+    event_record(e.handle, producer);
+    stream_wait_event(waiter, e.handle);
+  } catch (...) {
+    event_release(e);
+    throw;
+  }
+  event_release(e);
+}
+
+// ---- Host memory -----------------------------------------------------------------------------
+uintptr_t current_context() {
+  Driver& d = driver();
+  return reinterpret_cast<uintptr_t>(require_context(d, "host memory"));
+}
+
+namespace {
+
+// Runs `fn` with `ctx` current on this thread (a background thread has none of its own).
+template <typename Fn>
+CUresult with_context(const Driver& d, uintptr_t ctx, Fn fn) {
+  CUcontext c = reinterpret_cast<CUcontext>(ctx);
+  CUresult r = d.ctx_push(c);
+  if (r != CUDA_SUCCESS) return r;
+  CUresult out = fn();
+  CUcontext popped = nullptr;
+  d.ctx_pop(&popped);
+  return out;
+}
+
+}  // namespace
+
+void* host_alloc(size_t nbytes, uintptr_t ctx) {
+  Driver& d = driver();
+  if (!d.loaded) throw std::runtime_error("offload host_alloc: the CUDA driver is unavailable (" + d.reason + ")");
+  void* p = nullptr;
+  CUresult r = with_context(d, ctx, [&] { return d.mem_host_alloc(&p, nbytes, CU_MEMHOSTALLOC_PORTABLE); });
+  if (r != CUDA_SUCCESS) fail(d, "cuMemHostAlloc", r, " of " + std::to_string(nbytes) + " bytes");
+  return p;
+}
+
+void host_free(void* p, uintptr_t ctx) noexcept {
+  Driver& d = driver();
+  if (!d.loaded) return;
+  // At interpreter exit the context may be gone already; the process is ending, nothing leaks.
+  with_context(d, ctx, [&] { return d.mem_free_host(p); });
+}
+
+void host_register(void* p, size_t nbytes, uintptr_t ctx) {
+  Driver& d = driver();
+  if (!d.loaded) throw std::runtime_error("offload host_register: the CUDA driver is unavailable (" + d.reason + ")");
+  CUresult r = with_context(d, ctx, [&] { return d.mem_host_register(p, nbytes, CU_MEMHOSTREGISTER_PORTABLE); });
+  if (r != CUDA_SUCCESS) fail(d, "cuMemHostRegister", r, " of " + std::to_string(nbytes) + " bytes");
+}
+
+void host_unregister(void* p, uintptr_t ctx) noexcept {
+  Driver& d = driver();
+  if (!d.loaded) return;
+  with_context(d, ctx, [&] { return d.mem_host_unregister(p); });
 }
 
 }  // namespace offload

@@ -35,4 +35,30 @@ void cuda_copy(const uint64_t* dsts, const uint64_t* srcs, const size_t* sizes,
 // Loads the driver if not done yet and reports the live path.
 CudaCopyInfo cuda_copy_info();
 
+// ---- Events (pooled per context; see cuda_driver.cpp) -----------------------------------------
+// A CUevent borrowed from the pool of the context current on this thread. Handles are the raw
+// driver pointers as integers, like torch's `cuda_stream`.
+struct PooledEvent {
+  uintptr_t handle = 0;
+  uintptr_t context = 0;
+  bool timing = false;
+};
+PooledEvent event_acquire(bool timing);       // throws without a current context
+void event_release(const PooledEvent& e) noexcept;
+void event_record(uintptr_t event, uintptr_t stream);
+bool event_query(uintptr_t event);           // true once the recorded work has completed
+void event_synchronize(uintptr_t event);     // blocks: call without the GIL
+float event_elapsed_ms(uintptr_t start, uintptr_t end);
+void stream_wait_event(uintptr_t stream, uintptr_t event);
+// `waiter` waits for everything queued on `producer` so far (one pooled event, given back).
+void stream_wait_stream(uintptr_t waiter, uintptr_t producer);
+
+// ---- Page-locked host memory ------------------------------------------------------------------
+uintptr_t current_context();  // the calling thread's current context (throws if none)
+// Each runs with `ctx` pushed on the calling thread, so a background thread may call them.
+void* host_alloc(size_t nbytes, uintptr_t ctx);             // cuMemHostAlloc(PORTABLE)
+void host_free(void* p, uintptr_t ctx) noexcept;
+void host_register(void* p, size_t nbytes, uintptr_t ctx);  // cuMemHostRegister(PORTABLE)
+void host_unregister(void* p, uintptr_t ctx) noexcept;
+
 }  // namespace offload

@@ -1,4 +1,4 @@
-// offload._C: layout planning and batched copy submission.
+// offload._C: layout planning, batched copy submission, pooled events, pinned host buffers.
 //
 // Built with g++ and pybind11 only (no torch or CUDA headers), so one build works with any torch
 // version. The Python face is offload/native.py, which also holds the pure-Python fallback.
@@ -8,12 +8,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "cuda_driver.h"
+#include "host_memory.h"
 
 namespace py = pybind11;
 
@@ -92,6 +94,61 @@ void copy_batch(const std::vector<uint64_t>& dst_ptrs, const std::vector<uint64_
                      static_cast<uintptr_t>(*stream), force_loop);
 }
 
+// A pooled CUDA event owned by Python: given back to the pool when the last reference goes.
+class Event {
+ public:
+  explicit Event(offload::PooledEvent e) : e_(e) {}
+  ~Event() { offload::event_release(e_); }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  uintptr_t handle() const { return e_.handle; }
+  bool timing() const { return e_.timing; }
+
+ private:
+  offload::PooledEvent e_;
+};
+
+std::unique_ptr<Event> record_event(uint64_t stream, bool timing) {
+  offload::PooledEvent e = offload::event_acquire(timing);
+  auto out = std::make_unique<Event>(e);  // owns it from here, so a failed record gives it back
+  offload::event_record(e.handle, stream);
+  return out;
+}
+
+// One group's copy, submitted in one call: `copy_stream` waits for `after_stream` (the producer
+// of the sources, or the allocating stream of the destination) and for `after_event` (a region's
+// previous reader), then the copies are queued and an event is recorded after them. With
+// `timing`, a timing event before the copies too. Returns (start or None, done).
+py::tuple submit_copies(const std::vector<uint64_t>& dst_ptrs, const std::vector<uint64_t>& src_ptrs,
+                        const std::vector<int64_t>& sizes, uint64_t copy_stream,
+                        uint64_t after_stream, const Event* after_event, bool timing) {
+  std::vector<uint64_t> d, s;
+  std::vector<size_t> n, idx;
+  validate(dst_ptrs, src_ptrs, sizes, d, s, n, idx);
+  const uintptr_t wait_on = after_event ? after_event->handle() : 0;
+  offload::PooledEvent start{}, done{};
+  {
+    py::gil_scoped_release release;
+    offload::stream_wait_stream(copy_stream, after_stream);
+    if (wait_on) offload::stream_wait_event(copy_stream, wait_on);
+    if (timing) {
+      start = offload::event_acquire(true);
+      offload::event_record(start.handle, copy_stream);
+    }
+    try {
+      offload::cuda_copy(d.data(), s.data(), n.data(), idx.data(), d.size(), copy_stream, false);
+      done = offload::event_acquire(timing);
+      offload::event_record(done.handle, copy_stream);
+    } catch (...) {
+      if (start.handle) offload::event_release(start);
+      if (done.handle) offload::event_release(done);
+      throw;
+    }
+  }
+  py::object start_obj = timing ? py::cast(std::make_unique<Event>(start)) : py::none();
+  return py::make_tuple(start_obj, py::cast(std::make_unique<Event>(done)));
+}
+
 py::dict cuda_copy_info() {
   offload::CudaCopyInfo info;
   {
@@ -133,6 +190,68 @@ PYBIND11_MODULE(_C, m) {
         "where available, else (or with force_loop=True) a loop of cuMemcpyAsync. Zero-size\n"
         "entries are skipped. ValueError for mismatched lengths, negative sizes or null pointers,\n"
         "raised before anything is copied; RuntimeError naming the CUDA error for driver errors.");
+
+  py::class_<Event>(m, "Event",
+                    "A CUDA event from the extension's pool (see record_event). Duck-types the\n"
+                    "parts of torch.cuda.Event the engine uses: query, synchronize, elapsed_time.")
+      .def("query", [](const Event& e) { return offload::event_query(e.handle()); },
+           "Whether the work recorded before the event has completed (never blocks).")
+      .def("synchronize",
+           [](const Event& e) {
+             py::gil_scoped_release release;
+             offload::event_synchronize(e.handle());
+           },
+           "Block the host until the event has completed (GIL released).")
+      .def("elapsed_time",
+           [](const Event& a, const Event& b) {
+             if (!a.timing() || !b.timing())
+               throw std::invalid_argument("elapsed_time needs two timing events (record_event(..., timing=True))");
+             return offload::event_elapsed_ms(a.handle(), b.handle());
+           },
+           py::arg("end"), "Milliseconds from this event to `end` (both timing events, completed).")
+      .def("wait", [](const Event& e, uint64_t stream) { offload::stream_wait_event(stream, e.handle()); },
+           py::arg("stream"), "Make `stream` (a CUstream handle) wait for the event on the GPU.")
+      .def_property_readonly("handle", &Event::handle)
+      .def_property_readonly("timing", &Event::timing);
+
+  m.def("record_event", &record_event, py::arg("stream"), py::arg("timing") = false,
+        "record_event(stream, timing=False) -> Event: a pooled event recorded on `stream`.");
+  m.def("stream_wait_stream", &offload::stream_wait_stream, py::arg("waiter"), py::arg("producer"),
+        "stream_wait_stream(waiter, producer): `waiter` waits for all work queued on `producer`.");
+  m.def("submit_copies", &submit_copies, py::arg("dst_ptrs"), py::arg("src_ptrs"), py::arg("sizes"),
+        py::arg("copy_stream"), py::arg("after_stream"), py::arg("after_event").none(true),
+        py::arg("timing") = false,
+        "submit_copies(dsts, srcs, sizes, copy_stream, after_stream, after_event, timing=False)\n"
+        "-> (start Event or None, done Event)\n\n"
+        "One group's copy in one call: copy_stream waits for after_stream and after_event (None:\n"
+        "none), the copies are submitted as by copy_batch, and an event is recorded after them.");
+
+  py::class_<offload::PinnedHostBuffer>(m, "PinnedBuffer", py::buffer_protocol(),
+                                        "Pinned host memory owned by this object (unpinned and "
+                                        "freed when it goes). Exposes the buffer protocol: wrap it "
+                                        "with torch.frombuffer(buf, dtype=torch.uint8).")
+      .def(py::init([](size_t nbytes, const std::string& method, uint64_t context, int touch_threads) {
+             const offload::PinMethod m = offload::parse_pin_method(method);
+             py::gil_scoped_release release;  // pinning takes milliseconds per 100 MB
+             const uintptr_t ctx = context ? context : offload::current_context();
+             return std::make_unique<offload::PinnedHostBuffer>(nbytes, m, ctx, touch_threads);
+           }),
+           py::arg("nbytes"), py::arg("method") = "register_huge", py::arg("context") = 0,
+           py::arg("touch_threads") = 0)
+      .def_buffer([](offload::PinnedHostBuffer& b) {
+        return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(b.size())}, {1});
+      })
+      .def_property_readonly("ptr", [](const offload::PinnedHostBuffer& b) {
+        return reinterpret_cast<uintptr_t>(b.data());
+      })
+      .def_property_readonly("nbytes", &offload::PinnedHostBuffer::size)
+      .def_property_readonly("pinned_bytes", &offload::PinnedHostBuffer::pinned_bytes)
+      .def_property_readonly("method", [](const offload::PinnedHostBuffer& b) {
+        return std::string(offload::pin_method_name(b.method()));
+      });
+  m.def("current_context", &offload::current_context,
+        "current_context() -> int: the CUDA context current on this thread (for PinnedBuffer).");
 
   m.def("cuda_copy_path",
         []() -> std::string {

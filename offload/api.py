@@ -242,7 +242,7 @@ def build_engine(
         device_index=transport.device_index,
         min_offload_bytes=min_offload_bytes,
         selection=selection,
-        reserve_host_bytes=arena.reserve,
+        reserve_host_bytes=arena.claim,
     )
     if modules:
         policy.set_module_storages(modules)

@@ -1,18 +1,27 @@
 """Pinned host arena: reusable host blocks for group regions, capped by a host-RAM budget.
 
-Why an arena: ``torch.empty(pin_memory=True)`` costs 44 ms for 64 MB on our H100 host (it pins
-pages with the driver), so pinning per tensor or per step would dominate the step. The arena pins a
+Why an arena: pinning costs milliseconds per 100 MB even with the fastest method we have (see
+``offload.pinning``), so pinning per tensor or per step would dominate the step. The arena pins a
 block the first time a region of that size is needed and hands the same block out again in later
 steps, so an unchanged model makes no pinned allocation after its first step, and the region
 addresses stay stable (what a CUDA-graph replay needs).
+
+The first step, or a step whose groups grew, still has to pin. Two things keep it off the
+critical path: ``preallocate`` pins ahead when the sizes are known (``ctx.reserve``, the planner
+once it has planned), on the caller's thread or in the background; and the first miss of a step
+forecasts that the step's remaining offloaded layers will want blocks of the same size and queues
+them on the background pinner, so each later layer finds its block pinned (or waits only for the
+rest of it) while compute runs on.
 
 A block's bytes may still be read by an H2D copy (or written by a D2H copy) of the step that used
 it last. Instead of synchronising the host, a released block remembers the event of its last copy
 and the next user's copy stream waits on it (``Region.ready``).
 
-The budget caps the bytes the arena holds (in use + idle). Tensors are also counted against it at
-pack time (``reserve``), so that a step that would overrun it keeps the excess tensors on the GPU
-instead of failing later.
+The budget caps the bytes the arena holds (in use + idle + being pinned), counted as the bytes
+really locked. Tensors are also counted against it at pack time (``claim``), so that a step that
+would overrun it keeps the excess tensors on the GPU instead of failing later. A block the host
+refuses (out of memory, locked-memory limit) is the same as the budget saying no: the group stays
+on the GPU, counted under ``kept["budget"]``, and nothing is lost.
 
 CUDA-graph capture: a captured copy names its host address once, and every replay copies to and
 from that address again, with no Python running. So a region acquired under capture
@@ -27,14 +36,16 @@ that says so.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 import psutil
 import torch
 
 from .layout import align_up
+from .pinning import Allocator, BackgroundPinner, allocate_host_block
 
 # Blocks are sized in whole 64 KiB pages, so regions of nearly equal size share blocks.
 BLOCK_GRANULE = 64 * 1024
@@ -57,6 +68,7 @@ class Region:
     """A host block lent to one group. ``ready`` is the event the next writer must wait on."""
 
     block: torch.Tensor
+    pinned_bytes: int  # what the block really holds (page rounding included)
     ready: Any = None
     used_in_step: int = -1
     graph_owned: bool = False  # acquired under CUDA-graph capture: replays keep using it
@@ -64,9 +76,11 @@ class Region:
 
 @dataclass
 class ArenaCounters:
-    pinned_allocations: int = 0   # blocks allocated (pin_memory=True on CUDA) since creation
-    bytes_held: int = 0           # bytes of all blocks, in use or idle
+    pinned_allocations: int = 0   # blocks allocated (pinned on CUDA) since creation
+    bytes_held: int = 0           # bytes really held by all blocks, in use or idle
     bytes_in_use: int = 0
+    bytes_pending: int = 0        # bytes of blocks queued or being pinned in the background
+    waited_for_pinning: int = 0   # acquires that waited for a background block
     failures: int = 0             # requests refused (budget or allocation failure)
     freed_blocks: int = 0
     graph_owned_blocks: int = 0   # blocks kept for captured CUDA graphs (never reused eagerly)
@@ -75,14 +89,27 @@ class ArenaCounters:
 class HostArena:
     """Hands out host blocks for group regions and takes them back for reuse."""
 
-    def __init__(self, *, pinned: bool, budget_bytes: Optional[int], retain: bool) -> None:
+    def __init__(
+        self,
+        *,
+        pinned: bool,
+        budget_bytes: Optional[int],
+        retain: bool,
+        device_index: Optional[int] = None,
+        allocate: Optional[Allocator] = None,
+    ) -> None:
         self.pinned = pinned
+        # ``allocate(nbytes) -> (block, bytes held)``; tests replace it to make the host refuse.
+        self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned))
+        self._pinner = BackgroundPinner(lambda n: self.allocate(n), device_index if pinned else None)
+        # Blocks being pinned in the background: (size, future), sorted by size.
+        self._pending: list[tuple[int, concurrent.futures.Future]] = []
         self.budget_bytes = default_host_budget_bytes() if budget_bytes is None else int(budget_bytes)
         if self.budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, got {budget_bytes}")
         self.retain = retain
         self.counters = ArenaCounters()
-        self.reserved = 0  # bytes promised at pack time to tensors of groups not yet laid out
+        self.claimed = 0  # bytes promised at pack time to tensors of groups not yet laid out
         # Idle blocks sorted by size: parallel lists for bisect.
         self._free_sizes: list[int] = []
         self._free: list[Region] = []
@@ -92,29 +119,125 @@ class HostArena:
         self._last_acquiring_step = -1  # the latest step that asked for a region
 
     # -- pack-time budget ------------------------------------------------------------------------
-    def reserve(self, nbytes: int) -> bool:
+    def claim(self, nbytes: int) -> bool:
         """Promise ``nbytes`` of host space to a tensor being packed; False if over budget."""
-        if self.counters.bytes_in_use + self.reserved + nbytes > self.budget_bytes:
+        if self.counters.bytes_in_use + self.claimed + nbytes > self.budget_bytes:
             return False
-        self.reserved += nbytes
+        self.claimed += nbytes
         return True
 
-    def unreserve(self, nbytes: int) -> None:
-        """Return a promise made by :meth:`reserve` (the group got its region, or gave up)."""
-        self.reserved = max(0, self.reserved - nbytes)
+    def unclaim(self, nbytes: int) -> None:
+        """Return a promise made by :meth:`claim` (the group got its region, or gave up)."""
+        self.claimed = max(0, self.claimed - nbytes)
+
+    # -- pinning ahead ---------------------------------------------------------------------------
+    def preallocate(self, sizes: Iterable[int], *, background: bool = False) -> int:
+        """Pin idle blocks of these sizes now (or queue them on the background pinner).
+
+        Returns the bytes added or queued. Raises ``ValueError`` naming the budget when they do
+        not fit in it, before anything is allocated, and ``RuntimeError`` when the host refuses
+        a block (the blocks pinned before it are kept).
+        """
+        blocks = [align_up(max(int(n), 1), BLOCK_GRANULE) for n in sizes]
+        total = sum(blocks)
+        with self._lock:
+            held = self.counters.bytes_held + self.counters.bytes_pending
+        if held + total > self.budget_bytes:
+            raise ValueError(
+                f"offload: reserving {total} bytes of pinned host memory would hold {held + total} "
+                f"bytes, over the host budget of {self.budget_bytes} bytes (host_budget_bytes; "
+                f"{held} held already). Reserve less, or raise host_budget_bytes."
+            )
+        for size in blocks:
+            if background:
+                self._queue(size)
+                continue
+            block, pinned_bytes = self.allocate(size)
+            with self._lock:
+                self._add_idle(Region(block=block, pinned_bytes=pinned_bytes), pinned_bytes)
+        return total
+
+    def _queue(self, size: int) -> None:
+        future = self._pinner.submit(size)
+        with self._lock:
+            self.counters.bytes_pending += size
+            i = bisect.bisect_right([s for s, _ in self._pending], size)
+            self._pending.insert(i, (size, future))
+
+    def _add_idle(self, region: Region, pinned_bytes: int) -> None:
+        # Called with the lock held: a newly pinned block joins the idle list.
+        self.counters.pinned_allocations += 1
+        self.counters.bytes_held += pinned_bytes
+        i = bisect.bisect_right(self._free_sizes, region.block.numel())
+        self._free_sizes.insert(i, region.block.numel())
+        self._free.insert(i, region)
+
+    def _collect_pending(self, size: int) -> Optional[Region]:
+        """Move finished background blocks to the idle list; then, if one still being pinned
+        fits ``size``, wait for it and return it (in use)."""
+        waited: Optional[tuple[int, concurrent.futures.Future]] = None
+        with self._lock:
+            keep = []
+            for entry in self._pending:
+                pending_size, future = entry
+                if future.done():
+                    self._settle(pending_size, future)
+                elif waited is None and size <= pending_size <= size * REUSE_SLACK:
+                    waited = entry
+                else:
+                    keep.append(entry)
+            self._pending = keep
+        if waited is None:
+            return None
+        pending_size, future = waited
+        try:
+            block, pinned_bytes = future.result()
+        except Exception:  # noqa: BLE001 - a refused block is a miss like any other
+            with self._lock:
+                self.counters.bytes_pending -= pending_size
+                self.counters.failures += 1
+            return None
+        with self._lock:
+            self.counters.bytes_pending -= pending_size
+            self.counters.pinned_allocations += 1
+            self.counters.bytes_held += pinned_bytes
+            self.counters.bytes_in_use += block.numel()
+            self.counters.waited_for_pinning += 1
+        return Region(block=block, pinned_bytes=pinned_bytes)
+
+    def _settle(self, size: int, future: concurrent.futures.Future) -> None:
+        # Called with the lock held, for a finished (or cancelled) background block.
+        self.counters.bytes_pending -= size
+        if future.cancelled() or future.exception() is not None:
+            self.counters.failures += 1
+            return
+        block, pinned_bytes = future.result()
+        self._add_idle(Region(block=block, pinned_bytes=pinned_bytes), pinned_bytes)
+
+    def close(self) -> None:
+        """Cancel blocks still queued for background pinning (the one in progress finishes)."""
+        self._pinner.close()
 
     # -- regions ---------------------------------------------------------------------------------
     def has_idle_blocks(self) -> bool:
         """Whether a block is waiting to be reused (what a CUDA-graph capture needs)."""
         return bool(self._free)
 
-    def acquire(self, nbytes: int, step: int, *, captured: bool = False) -> Optional[Region]:
+    def acquire(self, nbytes: int, step: int, *, captured: bool = False, expected_more: int = 0) -> Optional[Region]:
         """A block of at least ``nbytes``, or None when the budget or the allocator says no.
 
         ``captured``: the caller is capturing a CUDA graph. Only an idle block can be handed out
         (raises ``CaptureError`` when none fits), and the graph owns it from now on.
+        ``expected_more``: how many more regions of about this size the step will ask for (its
+        offloaded layers still to come). On a miss with nothing being pinned, that many blocks are
+        queued on the background pinner, so the next layers find them ready.
         """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
+        if self._pending and not captured:
+            region = self._collect_pending(size)
+            if region is not None:
+                region.used_in_step = step
+                return region
         with self._lock:
             self._last_acquiring_step = max(self._last_acquiring_step, step)
             i = bisect.bisect_left(self._free_sizes, size)
@@ -139,22 +262,33 @@ class HostArena:
                     "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
                 )
             # Make room from idle blocks, largest first, before giving up on the budget.
-            while self._free and self.counters.bytes_held + size > self.budget_bytes:
+            while self._free and self._committed() + size > self.budget_bytes:
                 self._drop_free(len(self._free) - 1)
-            if self.counters.bytes_held + size > self.budget_bytes:
+            if self._committed() + size > self.budget_bytes:
                 self.counters.failures += 1
                 return None
+            forecast = 0
+            # Host blocks that are not pinned cost no more than any allocation: no forecast.
+            if self.pinned and expected_more > 0 and not self._pending:
+                room = (self.budget_bytes - self._committed() - size) // size
+                forecast = max(0, min(expected_more, room))
+        for _ in range(forecast):
+            self._queue(size)
         try:
-            block = torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+            block, pinned_bytes = self.allocate(size)
         except RuntimeError:
             with self._lock:
                 self.counters.failures += 1
             return None
         with self._lock:
             self.counters.pinned_allocations += 1
-            self.counters.bytes_held += size
+            self.counters.bytes_held += pinned_bytes
             self.counters.bytes_in_use += size
-        return Region(block=block, used_in_step=step)
+        return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
+
+    def _committed(self) -> int:
+        # Called with the lock held: bytes held plus bytes being pinned.
+        return self.counters.bytes_held + self.counters.bytes_pending
 
     def release(self, region: Region, ready: Any) -> None:
         """Take ``region`` back; its next writer waits on ``ready`` (None: nothing in flight).
@@ -194,5 +328,5 @@ class HostArena:
         self._free_sizes.pop(i)
         if region.ready is not None:
             region.ready.synchronize()
-        self.counters.bytes_held -= region.block.numel()
+        self.counters.bytes_held -= region.pinned_bytes
         self.counters.freed_blocks += 1

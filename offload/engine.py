@@ -289,7 +289,7 @@ class OffloadEngine:
 
     def _close(self, group: Group, step: StepState) -> Optional[Group]:
         # Lay the group out, or forget it when nothing was saved into it.
-        self.arena.unreserve(group.saved_bytes)
+        self.arena.unclaim(group.saved_bytes)
         if group.entries:
             offsets, total = native.plan_layout(group.slot_sizes())
             group.close(offsets, total)
@@ -382,7 +382,7 @@ class OffloadEngine:
         if self.step is not None:
             for group in list(self.step.groups.values()):
                 if group.state is GroupState.OPEN:
-                    self.arena.unreserve(group.saved_bytes)
+                    self.arena.unclaim(group.saved_bytes)
                     group.saved_bytes = 0
         self.step = None
 
@@ -443,7 +443,7 @@ class OffloadEngine:
         if self._local_hooks_pushed:
             self._local_hooks_pushed = False
             self._local_hooks.__exit__(None, None, None)
-        self.arena.unreserve(group.saved_bytes)
+        self.arena.unclaim(group.saved_bytes)
         group.saved_bytes = 0
         if failed or not group.entries:
             group.state = GroupState.KEPT  # nothing to move; any handles autograd kept stay valid
@@ -566,7 +566,8 @@ class OffloadEngine:
             return
         counters = group.counters
         try:
-            region = self.arena.acquire(group.nbytes, group.step, captured=group.captured)
+            more = 0 if group.local else self.schedule.offloaded_after(group.layer)
+            region = self.arena.acquire(group.nbytes, group.step, captured=group.captured, expected_more=more)
         except CaptureError:
             # Join what this capture forked so that it can end and this error is the one seen.
             self._join_side_streams(counters)

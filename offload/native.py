@@ -22,6 +22,7 @@ from offload.layout import ALIGNMENT, plan_layout_py
 __all__ = [
     "native_available",
     "native_reason",
+    "extension",
     "reload_native_setting",
     "plan_layout",
     "copy_batch",
@@ -55,6 +56,12 @@ def reload_native_setting() -> bool:
     global _STATE
     _STATE = _load()
     return _STATE[0] is not None
+
+
+def extension() -> ModuleType | None:
+    """The live extension module (``offload._C``), or None: for the engine's hot paths, which call
+    its functions directly (events, copy submission, pinned buffers)."""
+    return _STATE[0]
 
 
 def native_available() -> bool:

@@ -26,8 +26,9 @@ class StepCounters:
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     reloads: int = 0
-    # (direction, start event, end event) per copy; (before, after) events around each stall.
-    copies: list[tuple[str, Any, Any]] = field(default_factory=list)
+    # (direction, bytes, start event, end event) per *timed* copy (the transport's ``timing``);
+    # (before, after) events around each stall of a timed group.
+    copies: list[tuple[str, int, Any, Any]] = field(default_factory=list)
     waits: list[tuple[Any, Any]] = field(default_factory=list)
     pinned_allocations: int = 0
     finished: bool = False
@@ -50,8 +51,11 @@ def _elapsed_ms(start: Any, end: Any) -> float:
 
 def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport: str) -> dict[str, Any]:
     """The step's figures as a plain dict (reads the step's CUDA events; may wait for them)."""
-    d2h_ms = sum(_elapsed_ms(s, e) for d, s, e in c.copies if d == "d2h")
-    h2d_ms = sum(_elapsed_ms(s, e) for d, s, e in c.copies if d == "h2d")
+    d2h_ms = sum(_elapsed_ms(s, e) for d, _, s, e in c.copies if d == "d2h")
+    h2d_ms = sum(_elapsed_ms(s, e) for d, _, s, e in c.copies if d == "h2d")
+    # Rates over the timed copies only (untimed copies have no duration to divide by).
+    d2h_timed = sum(n for d, n, _, _ in c.copies if d == "d2h")
+    h2d_timed = sum(n for d, n, _, _ in c.copies if d == "h2d")
     wait_ms = sum(_elapsed_ms(b, a) for b, a in c.waits)
 
     def gbps(nbytes: int, ms: float) -> Optional[float]:
@@ -74,8 +78,10 @@ def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport
         "reloads": c.reloads,
         "d2h_ms": d2h_ms,
         "h2d_ms": h2d_ms,
-        "d2h_gbps": gbps(c.bytes_d2h, d2h_ms),
-        "h2d_gbps": gbps(c.bytes_h2d, h2d_ms),
+        "d2h_gbps": gbps(d2h_timed, d2h_ms),
+        "h2d_gbps": gbps(h2d_timed, h2d_ms),
+        "timed_bytes_d2h": d2h_timed,
+        "timed_bytes_h2d": h2d_timed,
         "wait_ms": wait_ms,
         "pinned_bytes_held": pinned_bytes_held,
         "pinned_allocations": c.pinned_allocations,
@@ -99,6 +105,13 @@ def format_report(s: dict[str, Any]) -> str:
     def rate(v: Optional[float]) -> str:
         return f"{v:.1f} GB/s" if v is not None else "-"
 
+    def timed(timed_bytes: int, total: int, ms: float) -> str:
+        if timed_bytes == total:
+            return f" in {ms:.2f} ms"
+        if timed_bytes == 0:
+            return " (not timed: timing=True times every copy)"
+        return f" ({format_bytes(timed_bytes)} timed: {ms:.2f} ms)"
+
     kept = ", ".join(f"{k}={v}" for k, v in sorted(s["kept"].items())) or "none"
     rows = [
         ("step", f"{s['step']} ({'finished' if s['finished'] else 'in progress'}"
@@ -108,8 +121,8 @@ def format_report(s: dict[str, Any]) -> str:
         ("bytes offloaded", f"{format_bytes(s['offloaded_bytes'])} ({format_bytes(s['released_bytes'])} released from the GPU)"),
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         ("groups kept on GPU", str(s["groups_kept"])),
-        ("D2H", f"{format_bytes(s['bytes_d2h'])} in {s['d2h_ms']:.2f} ms, {rate(s['d2h_gbps'])}"),
-        ("H2D", f"{format_bytes(s['bytes_h2d'])} in {s['h2d_ms']:.2f} ms, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
+        ("D2H", f"{format_bytes(s['bytes_d2h'])}{timed(s['timed_bytes_d2h'], s['bytes_d2h'], s['d2h_ms'])}, {rate(s['d2h_gbps'])}"),
+        ("H2D", f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (
             "pinned held" if s["transport"] == "cuda" else "host arena held",

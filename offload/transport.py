@@ -1,8 +1,9 @@
 """Moving a group's bytes: streams, events and the one copy path per direction.
 
 D2H: one batched submission per group, each storage slot copied into its offset of the group's
-host region (the native extension submits the whole batch in one call; the fallback loops over
-``copy_``). H2D: ONE copy of the whole region into one GPU buffer.
+host region. H2D: ONE copy of the whole region into one GPU buffer. With the native extension a
+group's copy is one call (``submit_copies``): the copy stream's waits, the driver's batched copy
+and the event after it. Without it, torch streams, ``copy_`` per slot and ``torch.cuda.Event``.
 
 Stream rules (why each wait is there):
 - D2H waits on the compute stream: the tensors were produced there.
@@ -15,7 +16,18 @@ Stream rules (why each wait is there):
 - H2D waits on the compute stream: the reload buffer is allocated on the compute stream, and the
   block the allocator hands out may still be in use by compute kernels queued before.
 - Unpack (``wait_reloaded``): the compute stream waits on the H2D end before it reads a view.
-The current stream is looked up at each use, never cached.
+The current stream is looked up at each use (a raw handle, 0.2 us), never cached: a caller may
+switch streams between layers, and autograd runs backward on the forward's streams.
+
+Host cost. Everything here runs once per group, not per tensor. Events come from the extension's
+pool (recording a pooled event is a queue write; creating one is a driver allocation), and the
+wait on the producer is one pooled event recorded and waited on, where ``Stream.wait_stream``
+would create a new event each time. Timing events are only recorded for timed copies
+(``timing``): ``True`` times every copy, ``False`` none, ``None`` (the default) the copies of at
+least ``AUTO_TIMING_MIN_BYTES``, whose 80 us or more of transfer dwarf the ~2 us the two timing
+events cost on the host. Untimed copies still count their bytes; the stats' rates are computed
+over the timed ones, and stalls are only measured on timed groups (on the others the compute
+stream simply waits, which costs the same as asking whether it has to).
 
 Under CUDA-graph capture (``group.captured`` / ``captured``) the same calls are recorded into the
 graph, with three differences. No timing events and no ``query``: a captured event never runs, so
@@ -32,10 +44,9 @@ transport runs (and is tested) on CPU-only torch with real copies.
 
 from __future__ import annotations
 
-from typing import Any, Optional
-
 import contextlib
 import time
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -44,41 +55,31 @@ from .arena import Region
 from .group import Group
 from .stats import StepCounters
 
+# Copies of at least this many bytes are timed when ``timing`` is None (automatic).
+AUTO_TIMING_MIN_BYTES = 4 << 20
+
+
+def slot_copy_lists(group: Group, region: Region) -> tuple[list[int], list[int], list[int]]:
+    """The one offload layout, as pointers: ``(dsts, srcs, sizes)``, one entry per storage slot
+    of ``group``, each slot's span to its planned offset in ``region``."""
+    base = region.block.data_ptr()
+    return (
+        [base + off for off in group.slot_offsets],
+        [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
+        group.slot_sizes(),
+    )
+
 
 def _byte_view(storage: Any, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over ``nbytes`` of ``storage`` from byte ``offset`` (fallback path only)."""
+    """A uint8 tensor over ``nbytes`` of ``storage`` from byte ``offset`` (torch path only)."""
     return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
 
 
-def copy_slots(group: Group, region: Region, *, use_native: bool, device: torch.device, stream: Optional["torch.cuda.Stream"]) -> None:
-    """The one offload copy path: every storage slot of ``group`` into its offset of ``region``.
-
-    Native: one batched submission (``cuMemcpyBatchAsync`` on ``stream``, or ``memcpy`` for host
-    memory when ``stream`` is None). Fallback: one ``copy_`` per slot.
-    """
-    sizes = group.slot_sizes()
-    if use_native:
-        base = region.block.data_ptr()
-        native.copy_batch(
-            [base + off for off in group.slot_offsets],
-            [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
-            sizes,
-            None if stream is None else stream.cuda_stream,
-        )
-        return
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, sizes):
-            region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, device), non_blocking=stream is not None)
-
-
-def copy_region(buffer: torch.Tensor, group: Group, *, use_native: bool, stream: Optional["torch.cuda.Stream"]) -> None:
-    """The one reload copy path: the group's whole host region into ``buffer`` in ONE copy."""
-    src = group.host.block
-    if use_native:
-        native.copy_batch([buffer.data_ptr()], [src.data_ptr()], [group.nbytes], None if stream is None else stream.cuda_stream)
-        return
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        buffer[: group.nbytes].copy_(src[: group.nbytes], non_blocking=stream is not None)
+def copy_slots_torch(group: Group, region: Region, *, device: torch.device, non_blocking: bool) -> None:
+    """The offload copy without the extension: one ``copy_`` per storage slot, on the current
+    stream."""
+    for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, group.slot_sizes()):
+        region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, device), non_blocking=non_blocking)
 
 
 class WallMark:
@@ -103,10 +104,13 @@ class HostTransport:
     name = "cpu"
     pinned = False
 
-    def __init__(self, *, use_native: bool) -> None:
+    def __init__(self, *, use_native: bool, timing: Optional[bool] = None) -> None:
         self.device = torch.device("cpu")
         self.device_index = -1
         self.use_native = use_native
+        self._ext = native.extension() if use_native else None
+        # Host copies are timed with the host clock, which costs nothing measurable.
+        self.timing = timing is not False
 
     def capturing(self) -> bool:
         """Host copies are never captured."""
@@ -117,9 +121,14 @@ class HostTransport:
 
     def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
         """Copy the group's slots into ``region``; returns the copy's end event (None here)."""
-        start = WallMark()
-        copy_slots(group, region, use_native=self.use_native, device=self.device, stream=None)
-        counters.copies.append(("d2h", start, WallMark()))
+        start = WallMark() if self.timing else None
+        if self._ext is not None:
+            dsts, srcs, sizes = slot_copy_lists(group, region)
+            self._ext.copy_batch(dsts, srcs, sizes, None, False)
+        else:
+            copy_slots_torch(group, region, device=self.device, non_blocking=False)
+        if start is not None:
+            counters.copies.append(("d2h", group.copy_bytes, start, WallMark()))
         return None
 
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
@@ -132,9 +141,10 @@ class HostTransport:
     def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
         """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
         buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
-        start = WallMark()
-        copy_region(buffer, group, use_native=self.use_native, stream=None)
-        counters.copies.append(("h2d", start, WallMark()))
+        start = WallMark() if self.timing else None
+        buffer[: group.nbytes].copy_(group.host.block[: group.nbytes])
+        if start is not None:
+            counters.copies.append(("h2d", group.nbytes, start, WallMark()))
         return buffer, None
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
@@ -151,14 +161,88 @@ class CudaTransport:
     name = "cuda"
     pinned = True
 
-    def __init__(self, device: torch.device, *, use_native: bool, d2h_stream: Optional[torch.cuda.Stream] = None) -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        *,
+        use_native: bool,
+        d2h_stream: Optional[torch.cuda.Stream] = None,
+        timing: Optional[bool] = None,
+    ) -> None:
         self.device = device
         self.device_index = device.index if device.index is not None else torch.cuda.current_device()
         self.use_native = use_native
+        self.timing = timing
         # PCIe is full duplex: separate streams let reloads of one step overlap offloads.
         self.d2h_stream = d2h_stream if d2h_stream is not None else torch.cuda.Stream(device)
         self.h2d_stream = torch.cuda.Stream(device)
+        self._ext = native.extension() if use_native else None
+        self._raw_current: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
+        # Streams as the event calls want them: raw handles for the extension, objects for torch.
+        native_streams = self._ext is not None
+        self._d2h = self.d2h_stream.cuda_stream if native_streams else self.d2h_stream
+        self._h2d = self.h2d_stream.cuda_stream if native_streams else self.h2d_stream
 
+    # -- stream and event primitives (extension, or torch without it) ------------------------------
+    def _current(self) -> Any:
+        if self._ext is not None:
+            return self._raw_current(self.device_index)
+        return torch.cuda.current_stream(self.device)
+
+    def _record(self, stream: Any, timing: bool) -> Any:
+        if self._ext is not None:
+            return self._ext.record_event(stream, timing)
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(stream)
+        return event
+
+    def _wait_event(self, stream: Any, event: Any) -> None:
+        if self._ext is not None:
+            event.wait(stream)
+        else:
+            stream.wait_event(event)
+
+    def _wait_stream(self, waiter: Any, producer: Any) -> None:
+        if self._ext is not None:
+            self._ext.stream_wait_stream(waiter, producer)
+        else:
+            waiter.wait_stream(producer)
+
+    def _timed(self, nbytes: int, captured: bool) -> bool:
+        if captured:
+            return False  # a captured event never runs: it cannot be timed
+        timing = self.timing
+        return timing is True or (timing is None and nbytes >= AUTO_TIMING_MIN_BYTES)
+
+    def _submit(self, copy_stream: Any, after: Optional[Any], timed: bool, lists: Callable[[], tuple[list[int], list[int], list[int]]], torch_copy: Callable[[], None]) -> tuple[Any, Any]:
+        """One group's copy on ``copy_stream``, after the current stream and ``after``:
+        returns (start event or None, end event)."""
+        current = self._current()
+        if self._ext is not None:
+            dsts, srcs, sizes = lists()
+            return self._ext.submit_copies(dsts, srcs, sizes, copy_stream, current, after, timed)
+        self._wait_stream(copy_stream, current)
+        if after is not None:
+            copy_stream.wait_event(after)
+        start = self._record(copy_stream, True) if timed else None
+        with torch.cuda.stream(copy_stream):
+            torch_copy()
+        return start, self._record(copy_stream, timed)
+
+    def _wait(self, event: Any, counters: StepCounters, timed: bool) -> None:
+        current = self._current()
+        if not timed:
+            self._wait_event(current, event)
+            return
+        # A copy that already finished needs no wait (query is a non-blocking host call); else
+        # events around the wait on the compute stream measure how long it stalled.
+        if event.query():
+            return
+        before = self._record(current, True)
+        self._wait_event(current, event)
+        counters.waits.append((before, self._record(current, True)))
+
+    # -- the transport interface ---------------------------------------------------------------------
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph (one cheap runtime query)."""
         return torch.cuda.is_current_stream_capturing()
@@ -169,59 +253,30 @@ class CudaTransport:
         A capture must end with every stream it forked joined back; a captured step calls this
         for the streams it used, so a copy nobody waited on cannot leave the capture unjoined.
         """
-        current = torch.cuda.current_stream(self.device)
+        current = self._current()
         if d2h:
-            current.wait_stream(self.d2h_stream)
+            self._wait_stream(current, self._d2h)
         if h2d:
-            current.wait_stream(self.h2d_stream)
-
-    def _timed(self, stream: torch.cuda.Stream) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record(stream)
-        return event
-
-    def _copy_started(self, stream: torch.cuda.Stream, captured: bool) -> Any:
-        # A timing event before the copy; none under capture (a captured event is never timed).
-        return None if captured else self._timed(stream)
-
-    def _copy_done(self, stream: torch.cuda.Stream, captured: bool, counters: StepCounters, direction: str, start: Any) -> Any:
-        """The copy's end event: timed and counted eagerly, a plain ordering event under capture."""
-        if captured:
-            event = torch.cuda.Event()
-            event.record(stream)
-            return event
-        end = self._timed(stream)
-        counters.copies.append((direction, start, end))
-        return end
-
-    def _stall(self, event: Any, counters: StepCounters, captured: bool) -> None:
-        current = torch.cuda.current_stream(self.device)
-        if captured:
-            current.wait_event(event)
-            return
-        # A copy that already finished needs no wait (query is a non-blocking host call), which
-        # saves a wait and two timing events on the common path where copies keep up.
-        if event.query():
-            return
-        # Events around the wait on the compute stream measure how long it stalled.
-        before = self._timed(current)
-        current.wait_event(event)
-        counters.waits.append((before, self._timed(current)))
+            self._wait_stream(current, self._h2d)
 
     def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
         """Submit the group's D2H into ``region`` on the D2H stream; returns its end event."""
-        stream = self.d2h_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
         captured = group.captured
-        if region.ready is not None and not captured:
-            stream.wait_event(region.ready)
-        start = self._copy_started(stream, captured)
-        copy_slots(group, region, use_native=self.use_native, device=self.device, stream=stream)
-        return self._copy_done(stream, captured, counters, "d2h", start)
+        timed = self._timed(group.copy_bytes, captured)
+        start, done = self._submit(
+            self._d2h,
+            None if captured else region.ready,
+            timed,
+            lambda: slot_copy_lists(group, region),
+            lambda: copy_slots_torch(group, region, device=self.device, non_blocking=True),
+        )
+        if timed:
+            counters.copies.append(("d2h", group.copy_bytes, start, done))
+        return done
 
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's D2H before its originals are dropped."""
-        self._stall(group.d2h_done, counters, group.captured)
+        self._wait(group.d2h_done, counters, self._timed(group.copy_bytes, group.captured))
 
     def offload_finished(self, group: Group) -> bool:
         """Whether the group's D2H has completed (a non-blocking query; never under capture,
@@ -235,19 +290,24 @@ class CudaTransport:
         allocations on a capturing stream there), so replays find it at the same address.
         ``wait_d2h=False``: the D2H was recorded in another graph (see the module notes).
         """
-        buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8, device=self.device)
-        stream = self.h2d_stream
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        if wait_d2h:
-            stream.wait_event(group.d2h_done)
-        captured = group.reload_captured
-        start = self._copy_started(stream, captured)
-        copy_region(buffer, group, use_native=self.use_native, stream=stream)
-        return buffer, self._copy_done(stream, captured, counters, "h2d", start)
+        nbytes = group.nbytes
+        buffer = into if into is not None else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        src = group.host.block
+        timed = self._timed(nbytes, group.reload_captured)
+        start, done = self._submit(
+            self._h2d,
+            group.d2h_done if wait_d2h else None,
+            timed,
+            lambda: ([buffer.data_ptr()], [src.data_ptr()], [nbytes]),
+            lambda: buffer[:nbytes].copy_(src[:nbytes], non_blocking=True),
+        )
+        if timed:
+            counters.copies.append(("h2d", nbytes, start, done))
+        return buffer, done
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's H2D before it reads the buffer."""
-        self._stall(group.h2d_done, counters, group.reload_captured)
+        self._wait(group.h2d_done, counters, self._timed(group.nbytes, group.reload_captured))
 
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""

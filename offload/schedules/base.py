@@ -29,6 +29,11 @@ class Schedule:
         """Whether the group of ``layer`` is a candidate for offloading."""
         return layer < self.num_layers
 
+    def offloaded_after(self, layer: int) -> int:
+        """How many layers after ``layer`` the schedule offloads (the arena's growth forecast;
+        asked only when the arena has no block, so a loop is fine)."""
+        return sum(self.offloads(later) for later in range(layer + 1, self.model_layers))
+
     def min_offload_bytes(self, layer: int) -> Optional[int]:
         """A size floor for ``layer``'s offloaded tensors, or None for the policy's default."""
         return None
