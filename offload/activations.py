@@ -248,11 +248,20 @@ class OffloadActivations:
         if plan.profile is None:
             raise ValueError("offload: this plan carries no profile; make it with offload.plan(...)")
         self.plan = plan
-        self.engine.schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[union-attr]
+        schedule = PlannedSchedule(plan, plan.profile)
+        self.engine.schedule = schedule  # type: ignore[union-attr]
         self.engine.model_layers = len(plan.layers)  # type: ignore[union-attr]
         self.engine.mode = "planned"  # type: ignore[union-attr]
         if plan.recomputes():
             self._install_recompute()
+        # The plan says what each layer will copy: pin those blocks now, on the arena's
+        # background thread, so the first planned step does not stall on pinning.
+        arena = self.engine.arena  # type: ignore[union-attr]
+        if arena.pinned and not arena.has_idle_blocks():
+            try:
+                arena.preallocate(schedule.region_bytes(), background=True)
+            except ValueError:
+                pass  # over the host budget: the step keeps what does not fit on the GPU
 
     def _recompute_current(self) -> bool:
         engine = self.engine
@@ -314,3 +323,11 @@ class OffloadActivations:
         if self.engine is None:
             return "offload report: disabled (enabled=False)"
         return self.engine.report()
+
+    def reserve(self, nbytes: int, *, background: bool = False) -> int:
+        """Pin ``nbytes`` of host memory for offloaded groups now, so that the first step does
+        not stall on pinning (see :meth:`offload.engine.OffloadEngine.reserve`); 0 when
+        disabled. Returns the bytes reserved (or queued, with ``background=True``)."""
+        if self.engine is None:
+            return 0
+        return self.engine.reserve(nbytes, background=background)

@@ -86,7 +86,7 @@ def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
 ENGINE_OPTIONS = (
     "num_layers", "model_layers", "offload_activations", "offload_weights", "double_buffering",
     "manual_synchronization", "retain_pinned_cpu_buffers", "offload_stream", "mode", "device",
-    "min_offload_bytes", "host_budget_bytes", "selection", "params_from",
+    "min_offload_bytes", "host_budget_bytes", "selection", "params_from", "timing",
 )
 ACCEPTED_OPTIONS = {
     "get_cpu_offload_context": ("enabled",) + ENGINE_OPTIONS,
@@ -182,6 +182,7 @@ def build_engine(
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
     params_from: Any = None,
+    timing: Optional[bool] = None,
     layer_contexts: bool = True,
     _api: Optional[str] = None,
     **unknown: Any,
@@ -207,6 +208,8 @@ def build_engine(
     _check_int(api, "min_offload_bytes", min_offload_bytes, 0, "an integer number of bytes")
     if host_budget_bytes is not None:
         _check_int(api, "host_budget_bytes", host_budget_bytes, 0, "None or an integer number of bytes")
+    if timing is not None:
+        _check_bool(api, "timing", timing)
     _check_choice(api, "mode", mode, MODES, f"follow {MODE_ENV_VAR}")
     _check_choice(api, "selection", selection, SELECTIONS, "'marked' for v1, 'auto' for v2")
     if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
@@ -234,10 +237,17 @@ def build_engine(
 
     use_native = native.native_available()
     if dev.type == "cuda":
-        transport: Union[CudaTransport, HostTransport] = CudaTransport(dev, use_native=use_native, d2h_stream=offload_stream)
+        transport: Union[CudaTransport, HostTransport] = CudaTransport(
+            dev, use_native=use_native, d2h_stream=offload_stream, timing=timing
+        )
     else:
-        transport = HostTransport(use_native=use_native)
-    arena = HostArena(pinned=transport.pinned, budget_bytes=host_budget_bytes, retain=retain_pinned_cpu_buffers)
+        transport = HostTransport(use_native=use_native, timing=timing)
+    arena = HostArena(
+        pinned=transport.pinned,
+        budget_bytes=host_budget_bytes,
+        retain=retain_pinned_cpu_buffers,
+        device_index=transport.device_index,
+    )
     policy = SelectionPolicy(
         device_index=transport.device_index,
         min_offload_bytes=min_offload_bytes,
@@ -286,6 +296,11 @@ class OffloadContext:
     def report(self) -> str:
         """A readable table of :attr:`stats`."""
         return self.engine.report()
+
+    def reserve(self, nbytes: int, *, background: bool = False) -> int:
+        """Pin ``nbytes`` of host memory for offloaded groups now, so that the first step does
+        not stall on pinning (see :meth:`OffloadEngine.reserve`). Returns the bytes reserved."""
+        return self.engine.reserve(nbytes, background=background)
 
 
 class SyncFunction:
@@ -366,6 +381,7 @@ def get_cpu_offload_context(
     host_budget_bytes: Optional[int] = None,
     selection: Optional[str] = None,
     params_from: Any = None,
+    timing: Optional[bool] = None,
     **unknown: Any,
 ) -> tuple[Any, ...]:
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
@@ -382,6 +398,9 @@ def get_cpu_offload_context(
     ``params_from``: a module (or modules) whose parameters' and buffers' memory stays on the
     GPU in every form (views, ``.data`` aliases): offloading it would free nothing. Parameters
     and their views are kept without it.
+    ``timing``: record CUDA timing events around copies and stalls for the stats: ``True`` for
+    every copy, ``False`` for none, ``None`` (default) for copies of 4 MiB or more, where the two
+    events cost nothing measurable next to the transfer.
 
     Options are checked here, with errors that name this function and the option: wrong types
     raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range
@@ -408,6 +427,7 @@ def get_cpu_offload_context(
         host_budget_bytes=host_budget_bytes,
         selection=selection,
         params_from=params_from,
+        timing=timing,
         _api=api,
     )
     result: tuple[Any, ...] = (OffloadContext(engine), SyncFunction(engine))

@@ -38,6 +38,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable, Optional
 
@@ -101,7 +102,19 @@ class HostArena:
         self.pinned = pinned
         # ``allocate(nbytes) -> (block, bytes held)``; tests replace it to make the host refuse.
         self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned))
-        self._pinner = BackgroundPinner(lambda n: self.allocate(n), device_index if pinned else None)
+        # The pinner's thread holds the arena weakly: queued blocks must not keep a dropped
+        # context's arena alive, and dropping it cancels them.
+        arena_ref = weakref.ref(self)
+
+        def allocate_for_arena(nbytes: int) -> tuple[torch.Tensor, int]:
+            arena = arena_ref()
+            if arena is None:
+                raise RuntimeError("offload: the host arena was dropped before its block was pinned")
+            return arena.allocate(nbytes)
+
+        self._pinner = BackgroundPinner(allocate_for_arena, device_index if pinned else None)
+        weakref.finalize(self, self._pinner.close)
+        self._step_sizes: list[int] = []  # block sizes asked for by the latest acquiring step
         # Blocks being pinned in the background: (size, future), sorted by size.
         self._pending: list[tuple[int, concurrent.futures.Future]] = []
         self.budget_bytes = default_host_budget_bytes() if budget_bytes is None else int(budget_bytes)
@@ -156,6 +169,18 @@ class HostArena:
             with self._lock:
                 self._add_idle(Region(block=block, pinned_bytes=pinned_bytes), pinned_bytes)
         return total
+
+    def sizes_for(self, nbytes: int, blocks_if_unknown: int) -> list[int]:
+        """Block sizes that add up to at least ``nbytes``: the sizes the latest step asked for,
+        repeated, or ``blocks_if_unknown`` equal blocks when no step has asked yet."""
+        pattern = list(self._step_sizes) or [-(-nbytes // max(1, blocks_if_unknown))]
+        sizes: list[int] = []
+        total = 0
+        while total < nbytes:
+            size = pattern[len(sizes) % len(pattern)]
+            sizes.append(size)
+            total += size
+        return sizes
 
     def _queue(self, size: int) -> None:
         future = self._pinner.submit(size)
@@ -233,6 +258,9 @@ class HostArena:
         queued on the background pinner, so the next layers find them ready.
         """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
+        if step != self._last_acquiring_step:
+            self._step_sizes = []
+        self._step_sizes.append(size)
         if self._pending and not captured:
             region = self._collect_pending(size)
             if region is not None:

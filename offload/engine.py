@@ -61,8 +61,8 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
+from torch.autograd.profiler import record_function
 
-from . import native
 from .arena import CaptureError, HostArena
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
@@ -77,6 +77,8 @@ if TYPE_CHECKING:
 Transport = Union[CudaTransport, HostTransport]
 
 _detach = torch.Tensor.detach
+# One C call (~50 ns): the profiler ranges below cost nothing while no profiler runs.
+_profiling = torch._C._autograd._profiler_enabled
 
 
 class StorageHandle:
@@ -291,8 +293,7 @@ class OffloadEngine:
         # Lay the group out, or forget it when nothing was saved into it.
         self.arena.unclaim(group.saved_bytes)
         if group.entries:
-            offsets, total = native.plan_layout(group.slot_sizes())
-            group.close(offsets, total)
+            group.close()
             step.unconsumed += 1
             return group
         group.state = GroupState.KEPT  # nothing saved: nothing to do, ever
@@ -448,8 +449,7 @@ class OffloadEngine:
         if failed or not group.entries:
             group.state = GroupState.KEPT  # nothing to move; any handles autograd kept stay valid
             return
-        offsets, total = native.plan_layout(group.slot_sizes())
-        group.close(offsets, total)
+        group.close()
         self.start_offload(group)
         self.release(group)
 
@@ -462,6 +462,9 @@ class OffloadEngine:
             group = self._between_layers_group()
             if group is None:
                 return t
+        if _profiling():
+            with record_function("offload::pack"):
+                return self._pack_into(group, t)
         return self._pack_into(group, t)
 
     def _pack_local(self, t: torch.Tensor) -> Any:
@@ -498,6 +501,12 @@ class OffloadEngine:
 
     def unpack(self, packed: Any) -> Any:
         """Unpack hook: hand back the original, or a typed view of the reloaded group."""
+        if _profiling():
+            with record_function("offload::unpack"):
+                return self._unpack(packed)
+        return self._unpack(packed)
+
+    def _unpack(self, packed: Any) -> Any:
         if type(packed) is not tuple:
             if type(packed) is StorageHandle:
                 return self._unpack_storage(packed)
@@ -541,7 +550,7 @@ class OffloadEngine:
     def _unpack_storage(self, handle: StorageHandle) -> Any:
         # Every component is fetched first; only then is the storage rebuilt, so a failure leaves
         # nothing half-restored.
-        parts = [None if p is None else self.unpack(p) for p in handle.parts]
+        parts = [None if p is None else self._unpack(p) for p in handle.parts]
         handle.restorable.restore_from_saved(parts)
         return handle.restorable
 
@@ -564,6 +573,12 @@ class OffloadEngine:
         """Copy a closed group to a host region (or keep it on the GPU if none can be had)."""
         if group.state is not GroupState.RESIDENT:
             return
+        if _profiling():
+            with record_function("offload::offload"):
+                return self._start_offload(group)
+        return self._start_offload(group)
+
+    def _start_offload(self, group: Group) -> None:
         counters = group.counters
         try:
             more = 0 if group.local else self.schedule.offloaded_after(group.layer)
@@ -587,7 +602,11 @@ class OffloadEngine:
         """Drop the GPU originals of an offloading group once its D2H is ordered before reuse."""
         if group.state is not GroupState.OFFLOADING:
             return
-        self.transport.wait_offloaded(group, group.counters)
+        if _profiling():
+            with record_function("offload::release_wait"):
+                self.transport.wait_offloaded(group, group.counters)
+        else:
+            self.transport.wait_offloaded(group, group.counters)
         group.mark_released()
         group.counters.released_bytes += group.copy_bytes
 
@@ -595,6 +614,12 @@ class OffloadEngine:
         """Start the one H2D copy of an offloaded group (into a fresh or the given buffer)."""
         if group.state is not GroupState.OFFLOADED:
             return
+        if _profiling():
+            with record_function("offload::reload"):
+                return self._start_reload(group, into)
+        return self._start_reload(group, into)
+
+    def _start_reload(self, group: Group, into: Optional[torch.Tensor]) -> None:
         captured = self.transport.capturing()
         if captured != group.captured:
             raise CaptureError(
@@ -644,6 +669,24 @@ class OffloadEngine:
             and not step.forward_done
         ):
             step.abandoned = True
+
+    def reserve(self, nbytes: int, *, background: bool = False) -> int:
+        """Pin host blocks for ``nbytes`` of offloaded groups ahead of need; returns the bytes.
+
+        The blocks take the sizes the latest step's groups asked for (repeated) when a step has
+        run, else ``nbytes`` is cut into one equal block per offloaded layer (an arena block
+        serves groups of half to all of its size). ``background=True`` queues them on the
+        arena's pinner thread and returns at once. Over the host budget: ``ValueError`` naming
+        it, and nothing is pinned.
+        """
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int):
+            raise TypeError(f"offload: reserve(nbytes) takes an integer number of bytes, got {type(nbytes).__name__}")
+        if nbytes < 0:
+            raise ValueError(f"offload: reserve(nbytes) takes a number of bytes >= 0, got {nbytes}")
+        if nbytes == 0:
+            return 0
+        sizes = self.arena.sizes_for(nbytes, blocks_if_unknown=self.schedule.num_layers)
+        return self.arena.preallocate(sizes, background=background)
 
     def register_module_storages(self, *modules: torch.nn.Module) -> None:
         """Keep on the GPU every saved tensor over the memory of these modules' parameters and

@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import native
 from .layout import ALIGNMENT
 
 
@@ -46,7 +47,15 @@ class GroupState(enum.Enum):
 
 
 # The states in which the original GPU tensors are still held and can be handed back as they are.
-HOLDS_ORIGINALS = frozenset({GroupState.OPEN, GroupState.RESIDENT, GroupState.KEPT, GroupState.OFFLOADING})
+# Tuples, not sets, for every state test: ``in`` on a tuple compares by identity first, while a
+# set hashes the member, and Enum's ``__hash__`` is Python code (0.5 us a test on the hot path).
+HOLDS_ORIGINALS = (GroupState.OPEN, GroupState.RESIDENT, GroupState.KEPT, GroupState.OFFLOADING)
+
+_FROM_OPEN = (GroupState.OPEN,)
+_FROM_RESIDENT = (GroupState.RESIDENT,)
+_FROM_OFFLOADING = (GroupState.OFFLOADING,)
+_FROM_OFFLOADED = (GroupState.OFFLOADED,)
+_FROM_RELOADED = (GroupState.RELOADED,)
 
 _ALIGN_MASK = ~(ALIGNMENT - 1)
 
@@ -94,6 +103,17 @@ def storage_extent_bytes(t: torch.Tensor) -> int:
 class Group:
     """The saved tensors of one layer in one step, with their layout and restore recipe."""
 
+    # Slots: a group is created per layer per step, and its attributes are read on every pack
+    # and unpack.
+    __slots__ = (
+        "layer", "step", "retain", "state", "_slot_of_ptr", "slot_storages", "slot_lo", "slot_hi",
+        "entries", "originals", "versions", "modified", "callers", "saved_bytes",
+        "min_offload_bytes", "sizes", "slot_offsets", "nbytes", "copy_bytes",
+        "entry_element_offsets", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "typed",
+        "unpacks_since_reload", "unpacks", "consumed", "counters", "on_free", "local", "captured",
+        "reload_captured", "__weakref__",
+    )
+
     def __init__(self, layer: int, step: int, *, retain: bool = True) -> None:
         self.layer = layer
         self.step = step
@@ -130,8 +150,10 @@ class Group:
         self.saved_bytes = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close().
+        self.sizes: list[int] = []      # byte size of each slot's span
         self.slot_offsets: list[int] = []
-        self.nbytes = 0
+        self.nbytes = 0                 # the region's size (layout total, alignment included)
+        self.copy_bytes = 0             # bytes each direction's copy moves (the spans, no padding)
         self.entry_element_offsets: list[int] = []
         # Filled by the transport / engine.
         self.host: Any = None           # arena region holding the group's bytes
@@ -184,9 +206,13 @@ class Group:
         """Byte size of each storage slot's span."""
         return [hi - lo for lo, hi in zip(self.slot_lo, self.slot_hi)]
 
-    def close(self, offsets: list[int], total: int) -> None:
-        """Freeze the group with the layout ``(offsets, total)`` planned for ``slot_sizes()``."""
-        self._move({GroupState.OPEN}, GroupState.RESIDENT)
+    def close(self) -> None:
+        """Freeze the group and lay its slots out in one region (the one layout function)."""
+        self._move(_FROM_OPEN, GroupState.RESIDENT)
+        sizes = self.slot_sizes()
+        offsets, total = native.plan_layout(sizes)
+        self.sizes = sizes
+        self.copy_bytes = sum(sizes)
         self.slot_offsets = offsets
         self.nbytes = total
         self.entry_element_offsets = [
@@ -195,13 +221,8 @@ class Group:
         ]
         self._slot_of_ptr.clear()
 
-    @property
-    def copy_bytes(self) -> int:
-        """Bytes each direction's copy moves (slot spans, without alignment padding)."""
-        return sum(hi - lo for lo, hi in zip(self.slot_lo, self.slot_hi))
-
     # -- state transitions -----------------------------------------------------------------------
-    def _move(self, allowed: frozenset[GroupState] | set[GroupState], new: GroupState) -> None:
+    def _move(self, allowed: tuple[GroupState, ...], new: GroupState) -> None:
         if self.state not in allowed:
             names = ", ".join(sorted(s.value for s in allowed))
             raise RuntimeError(
@@ -212,11 +233,11 @@ class Group:
 
     def mark_kept(self) -> None:
         """No host region could be had: the group stays on the GPU, nothing is lost."""
-        self._move({GroupState.RESIDENT}, GroupState.KEPT)
+        self._move(_FROM_RESIDENT, GroupState.KEPT)
 
     def mark_offloading(self, host: Any, d2h_done: Any) -> None:
         """The D2H copy of the group into ``host`` was submitted; ``d2h_done`` marks its end."""
-        self._move({GroupState.RESIDENT}, GroupState.OFFLOADING)
+        self._move(_FROM_RESIDENT, GroupState.OFFLOADING)
         self.host = host
         self.d2h_done = d2h_done
 
@@ -227,7 +248,7 @@ class Group:
         no longer be seen, and autograd would have refused them (the error is raised at unpack,
         where autograd raises it).
         """
-        self._move({GroupState.OFFLOADING}, GroupState.OFFLOADED)
+        self._move(_FROM_OFFLOADING, GroupState.OFFLOADED)
         versions = self.versions
         for index, t in enumerate(self.originals):  # type: ignore[arg-type]
             if t._version != versions[index]:
@@ -239,7 +260,7 @@ class Group:
 
     def mark_reloaded(self, gpu: torch.Tensor, h2d_done: Any) -> None:
         """``gpu`` holds the group's bytes once ``h2d_done`` has completed."""
-        self._move({GroupState.OFFLOADED}, GroupState.RELOADED)
+        self._move(_FROM_OFFLOADED, GroupState.RELOADED)
         self.gpu = gpu
         self.h2d_done = h2d_done
         self.h2d_waited = False
@@ -248,7 +269,7 @@ class Group:
 
     def mark_dropped(self) -> None:
         """Forget the reload buffer (its views may live on; the allocator frees it after them)."""
-        self._move({GroupState.RELOADED}, GroupState.OFFLOADED)
+        self._move(_FROM_RELOADED, GroupState.OFFLOADED)
         self.gpu = None
         self.typed = {}
 

@@ -66,7 +66,7 @@ def slot_copy_lists(group: Group, region: Region) -> tuple[list[int], list[int],
     return (
         [base + off for off in group.slot_offsets],
         [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
-        group.slot_sizes(),
+        group.sizes,
     )
 
 
@@ -78,7 +78,7 @@ def _byte_view(storage: Any, offset: int, nbytes: int, device: torch.device) -> 
 def copy_slots_torch(group: Group, region: Region, *, device: torch.device, non_blocking: bool) -> None:
     """The offload copy without the extension: one ``copy_`` per storage slot, on the current
     stream."""
-    for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, group.slot_sizes()):
+    for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, group.sizes):
         region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, device), non_blocking=non_blocking)
 
 

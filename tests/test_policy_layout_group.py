@@ -159,7 +159,7 @@ def test_layout_errors() -> None:
 
 # -- group ----------------------------------------------------------------------------------------
 def close(group: Group) -> None:
-    group.close(*plan_layout_py(group.slot_sizes()))
+    group.close()
 
 
 def reload_from_originals(group: Group) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..group import Group, GroupState
+from ..layout import ALIGNMENT
 from ..planner.model import (
     PREFETCH_DEPTH, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
 )
@@ -69,6 +70,21 @@ class PlannedSchedule(Schedule):
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
         return layer < len(self.actions) and self.actions[layer] is not Action.KEEP
+
+    def region_bytes(self) -> list[int]:
+        """The host region each copying layer will ask for: its copied bytes plus the layout's
+        per-slot alignment (what the arena pins ahead for this plan)."""
+        sizes = []
+        for layer, lp in zip(self.profile.layers, self.plan.layers):
+            if lp.action is Action.OFFLOAD:
+                slots = [n for n in layer.slot_bytes if n >= lp.min_offload_bytes]
+                sizes.append(sum(slots) + ALIGNMENT * len(slots))
+            elif lp.action is Action.RECOMPUTE:
+                sizes.append(layer.input_bytes + ALIGNMENT * 4)  # a layer's few input tensors
+        return [n for n in sizes if n > 0]
+
+    def offloaded_after(self, layer: int) -> int:
+        return sum(self._copies[layer + 1:])
 
     def min_offload_bytes(self, layer: int) -> Optional[int]:
         """Offload only slots of at least this size in ``layer`` (None: the policy's default)."""
