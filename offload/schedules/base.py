@@ -29,6 +29,10 @@ class Schedule:
         """Whether the group of ``layer`` is a candidate for offloading."""
         return layer < self.num_layers
 
+    def expects_offload(self) -> bool:
+        """Whether a step that offloads nothing is worth a warning (see ``offload.diagnose``)."""
+        return self.num_layers > 0
+
     def min_offload_bytes(self, layer: int) -> Optional[int]:
         """A size floor for ``layer``'s offloaded tensors, or None for the policy's default."""
         return None
@@ -68,3 +72,7 @@ class ManualSchedule(Schedule):
     """
 
     name = "manual"
+
+    def expects_offload(self) -> bool:
+        """The user decides what is offloaded, and when: nothing to warn about."""
+        return False
