@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import numbers
 import os
 import warnings
@@ -27,6 +26,7 @@ from . import native
 from .arena import HostArena
 from .engine import OffloadEngine
 from .group import GroupState
+from .keywords import reject_unknown
 from .policy import SELECTIONS, SelectionPolicy
 from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
 from .transport import CudaTransport, HostTransport
@@ -132,19 +132,7 @@ def _check_choice(api: str, name: str, value: Any, choices: tuple[str, ...], non
 def check_unknown_options(api: str, unknown: Iterable[str], accepted: Optional[Iterable[str]] = None) -> None:
     """Refuse keyword arguments the public function ``api`` does not take, listing the ones it
     does (``accepted``, by default ``ACCEPTED_OPTIONS[api]``), with a close match if any."""
-    unknown = list(unknown)
-    if not unknown:
-        return
-    accepted = tuple(ACCEPTED_OPTIONS[api] if accepted is None else accepted)
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, accepted, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    plural = "s" if len(unknown) > 1 else ""
-    raise TypeError(
-        f"offload: {api}() got unexpected keyword argument{plural} {', '.join(hints)}; "
-        f"it accepts: {', '.join(accepted)}"
-    )
+    reject_unknown(api, unknown, ACCEPTED_OPTIONS[api] if accepted is None else accepted)
 
 
 def _modules_of(api: str, params_from: Any) -> list[torch.nn.Module]:
