@@ -14,6 +14,7 @@ can still be copied or saved.
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import weakref
 from typing import Any, Iterable, Optional
@@ -21,7 +22,8 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .api import build_engine
+from .api import ENGINE_OPTIONS, _check_bool, _check_int, _got, build_engine, check_unknown_options
+from .schedules.auto import ScheduleAuto
 from .step import first_grad_tensor
 from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
@@ -58,6 +60,22 @@ class _LayerHook:
         return (_LayerHook, (None, self._after))
 
 
+class _GroupBoundary:
+    """A global module forward hook (the no-layers form): after each module call, closes the
+    open group if it holds ``group_bytes``. Weak like :class:`_LayerHook`; registered only while
+    the ``with`` is open."""
+
+    __slots__ = ("_owner",)
+
+    def __init__(self, owner: "OffloadActivations") -> None:
+        self._owner = weakref.ref(owner)
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        owner = self._owner()
+        if owner is not None and owner.active:
+            owner._module_done(output)
+
+
 class _RecomputeForward:
     """Stands in for a layer's ``forward`` and runs it under non-reentrant checkpointing when
     the plan recomputes the layer being run (a weight-shared module is decided per call).
@@ -86,12 +104,43 @@ class _RecomputeForward:
         return (_RecomputeForward, (None, self.fn))
 
 
-class OffloadActivations:
-    """One ``with`` around the whole forward; layer boundaries come from module hooks.
+# The no-layers form closes a group once it holds this many offloadable bytes. Large enough that
+# a group's fixed costs (events, one region, one batched copy, one reload buffer: tens of
+# microseconds) vanish next to its copy (~0.6 ms at 54 GB/s), small enough that copies pipeline
+# behind the compute of the groups after them and the tail kept on the GPU stays small.
+DEFAULT_GROUP_BYTES = 32 << 20
+# Copies in flight before the oldest group is released: one group computing while the previous
+# one's copy finishes, as in v2's layer budget.
+DEFAULT_STASH_GROUPS = 2
 
-    ``layers`` are the modules that form the repeated layers (e.g. ``model.layers``), in call
-    order; a module listed several times (weight-shared layers, ALBERT-style) is one layer per
-    call. By default all but the last are offloaded (``num_offload_layers=len(layers) - 1``).
+
+class OffloadActivations:
+    """One ``with`` around the whole forward: ``layers`` given, or groups found by bytes.
+
+    **With layers** (``OffloadActivations(model.layers)``): layer boundaries come from module
+    hooks on ``layers``, the modules that form the repeated layers, in call order; a module listed
+    several times (weight-shared layers, ALBERT-style) is one layer per call. By default all but
+    the last are offloaded (``num_offload_layers=len(layers) - 1``).
+
+    **Without layers** (``OffloadActivations()``, torchtune's form): the forward is cut into
+    groups by bytes. A group closes at the end of the first module call (any ``nn.Module``) after
+    it holds ``group_bytes`` (default 32 MiB) of offloadable tensors, and the output of that call
+    carries the group's backward marker. A group's D2H starts when ``keep_last_groups`` (default 1)
+    later groups have closed, so the last group(s) of the forward never leave the GPU (backward
+    needs them first); a group is released once ``max_fwd_stash_size`` (default 2) later copies
+    have started, and all are released when the forward ends. In backward, reaching a group's
+    marker reloads it and prefetches the two before it; a group needed earlier is reloaded on its
+    first unpack. Code that calls no module (pure functions) makes one group, which is the tail:
+    nothing is offloaded, and a warning says so. ``NVTE_CPU_OFFLOAD_V1=1`` (or ``mode="v1"``)
+    only changes the default selection to opt-in (``mark_activation_offload``) here.
+
+    torchtune's options are accepted with their meanings: ``min_offload_size`` is
+    ``min_offload_bytes`` (default 64 KiB here, 1 KiB in torchtune); ``max_fwd_stash_size``
+    (no-layers form only) counts groups here, not tensors; ``use_pin_memory=True`` and
+    ``use_streams=None/True`` are what the engine always does (a pinned arena reused every step,
+    copies on their own streams); ``use_pin_memory=False`` and ``use_streams=False`` are refused
+    with a ``ValueError``. Use :class:`offload.keep_on_gpu` for torchtune's ``NoOpManager``.
+
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
     those of :func:`offload.get_cpu_offload_context`.
 
@@ -99,7 +148,7 @@ class OffloadActivations:
     around ``forward`` or ``__call__``, e.g. HF ``gradient_checkpointing_enable``) offload only
     their checkpoint inputs, which come back before the layer's recompute.
 
-    Plans (per layer keep / offload / recompute, see ``offload.planner``):
+    Plans (per layer keep / offload / recompute, see ``offload.planner``; with layers only):
     ``memory_budget_bytes=N`` (or ``"lowest"``) runs its first step plainly (warm-up), the
     second with one layer recomputed (calibration), probes the third (plainly), then plans and
     follows the fastest plan whose predicted peak fits ``N`` from the fourth step on;
@@ -112,19 +161,64 @@ class OffloadActivations:
 
     def __init__(
         self,
-        layers: Iterable[torch.nn.Module],
+        layers: Optional[Iterable[torch.nn.Module]] = None,
         num_offload_layers: Optional[int] = None,
         *,
         enabled: bool = True,
         plan: Optional[Plan] = None,
         memory_budget_bytes: Budget = None,
         measure_peak: bool = False,
+        group_bytes: Optional[int] = None,
+        keep_last_groups: Optional[int] = None,
+        use_pin_memory: bool = True,
+        use_streams: Optional[bool] = None,
+        max_fwd_stash_size: Optional[int] = None,
+        min_offload_size: Optional[int] = None,
         **options: Any,
     ) -> None:
+        api = "OffloadActivations"
+        # Every name is checked first, enabled or not: a misspelt option would otherwise go
+        # unnoticed until offloading is turned on.
+        check_unknown_options(api, [name for name in options if name not in ENGINE_OPTIONS])
+        _check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
+        if min_offload_size is not None:
+            if "min_offload_bytes" in options:
+                raise ValueError(
+                    "offload: OffloadActivations takes min_offload_size (torchtune's name) or "
+                    "min_offload_bytes, not both; they are the same option"
+                )
+            options["min_offload_bytes"] = min_offload_size
+        self.enabled = bool(enabled)
+        self.auto = layers is None
+        self.measure_peak = bool(measure_peak)
+        self.plan: Optional[Plan] = None
+        self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
+        self._probe: Optional[ProbeStep] = None
+        self._warmup_left = 2  # steps before the probe (a budget without a plan): plain, calibration
+        self._recompute_peak: Optional[tuple[int, int, float]] = None  # from the calibration step
+        self._step_mark: Any = None
+        self.active = False
+        self._tracking = False  # this forward is tracked (grad enabled at entry)
+        self._handles: list[Any] = []
+        self._boundary: Any = None  # the global module hook of the no-layers form, while open
+        self._thread = 0
+        if self.auto:
+            self._init_auto(num_offload_layers, plan, memory_budget_bytes, group_bytes, keep_last_groups,
+                            max_fwd_stash_size, options)
+            return
+        for name, value in (("group_bytes", group_bytes), ("keep_last_groups", keep_last_groups),
+                            ("max_fwd_stash_size", max_fwd_stash_size)):
+            if value is not None:
+                raise ValueError(
+                    f"offload: OffloadActivations: {name} applies to the form without layers, where "
+                    "groups are found by bytes; with layers, num_offload_layers (or a plan) decides "
+                    "what is offloaded and the layer budget how long copies may run"
+                )
         self.layers = list(layers)
         if not self.layers or not all(isinstance(m, torch.nn.Module) for m in self.layers):
             raise ValueError(
-                "offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. model.layers)"
+                "offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. "
+                "model.layers), or no layers at all to find group boundaries by bytes"
             )
         count = len(self.layers)
         self.budget = check_budget(memory_budget_bytes, "OffloadActivations:")
@@ -151,26 +245,56 @@ class OffloadActivations:
         options.setdefault("model_layers", count)
         # The layers' parameters and buffers (and views of them) are never copied.
         options.setdefault("params_from", self.layers)
-        self.enabled = bool(enabled)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
-        self.measure_peak = bool(measure_peak)
-        self.plan: Optional[Plan] = None
-        self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
-        self._probe: Optional[ProbeStep] = None
-        self._warmup_left = 2  # steps before the probe (a budget without a plan): plain, calibration
-        self._recompute_peak: Optional[tuple[int, int, float]] = None  # from the calibration step
-        self._step_mark: Any = None
         if self.engine is not None and plan is not None:
             self._follow(plan)
-        self.active = False
-        self._tracking = False  # this forward is tracked (grad enabled at entry)
-        self._handles: list[Any] = []
+
+    def _init_auto(
+        self, num_offload_layers: Optional[int], plan: Optional[Plan], memory_budget_bytes: Budget,
+        group_bytes: Optional[int], keep_last_groups: Optional[int], stash: Optional[int],
+        options: dict[str, Any],
+    ) -> None:
+        api = "OffloadActivations"
+        refused = [
+            name for name, given in (
+                ("num_offload_layers", num_offload_layers is not None),
+                ("plan", plan is not None),
+                ("memory_budget_bytes", memory_budget_bytes is not None),
+                ("num_layers", "num_layers" in options),
+                ("model_layers", "model_layers" in options),
+                ("manual_synchronization", bool(options.get("manual_synchronization"))),
+                ("double_buffering", bool(options.get("double_buffering"))),
+            ) if given
+        ]
+        if refused:
+            raise ValueError(
+                f"offload: OffloadActivations() without layers finds group boundaries by bytes, so "
+                f"{', '.join(refused)} cannot apply; pass the layer modules first "
+                "(OffloadActivations(model.layers, ...)) to use layer counts, plans or manual control"
+            )
+        group_bytes = DEFAULT_GROUP_BYTES if group_bytes is None else group_bytes
+        _check_int(api, "group_bytes", group_bytes, 1, "an integer number of bytes")
+        keep_last_groups = 1 if keep_last_groups is None else keep_last_groups
+        _check_int(api, "keep_last_groups", keep_last_groups, 1)
+        self.group_bytes = group_bytes
+        self.layers = []
+        self.budget = None
+        schedule = ScheduleAuto(
+            tail=keep_last_groups, stash=DEFAULT_STASH_GROUPS if stash is None else stash
+        )
+        self.engine = (
+            build_engine(num_layers=0, model_layers=1, layer_contexts=False, schedule=schedule, **options)
+            if self.enabled else None
+        )
 
     # -- the with ----------------------------------------------------------------------------------
     def __enter__(self) -> "OffloadActivations":
         if self.active:
             raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
         if self.engine is None:
+            return self
+        if self.auto:
+            self._enter_auto()
             return self
         planning = self.budget is not None or self.plan is not None
         if planning and torch.is_grad_enabled():
@@ -201,6 +325,9 @@ class OffloadActivations:
             return
         self.active = False
         self._tracking = False
+        if self.auto:
+            self._exit_auto(failed=exc_type is not None)
+            return
         if self._probe is not None and self.plan is None:
             self._probe.end_forward()
             if exc_type is not None:
@@ -218,6 +345,53 @@ class OffloadActivations:
                 f"offload: the forward ran {counted} of the {len(self.layers)} layers given to "
                 "OffloadActivations; pass the modules one forward really calls, in call order",
             )
+
+    # -- the form without layers ------------------------------------------------------------------
+    def _enter_auto(self) -> None:
+        engine = self.engine
+        self._tracking = engine.begin_forward()  # type: ignore[union-attr]
+        if not self._tracking:
+            return
+        try:
+            engine.begin_layer()  # type: ignore[union-attr]
+        except BaseException:
+            self._tracking = False
+            engine.abort_step()  # type: ignore[union-attr]
+            raise
+        self._thread = threading.get_ident()
+        # Global, so that any module of any model is a possible boundary; removed at exit.
+        self._boundary = torch.nn.modules.module.register_module_forward_hook(_GroupBoundary(self))
+        self.active = True
+
+    def _exit_auto(self, failed: bool) -> None:
+        if self._boundary is not None:
+            self._boundary.remove()
+            self._boundary = None
+        engine = self.engine
+        if failed:
+            engine.abort_step()  # type: ignore[union-attr]
+            return
+        engine.end_layer()  # type: ignore[union-attr]
+        engine.finish_forward()  # type: ignore[union-attr]
+
+    def _module_done(self, output: Any) -> None:
+        # After any module call in the forward: cut the group here once it is big enough. Not in
+        # other threads, not under no_grad (a frozen module: the next group must open with grad
+        # on), not in backward (a checkpoint recomputing).
+        if threading.get_ident() != self._thread or not torch.is_grad_enabled() \
+                or torch._C._current_graph_task_id() != -1:
+            return
+        engine = self.engine
+        group = engine.open_group  # type: ignore[union-attr]
+        if group is None or group.saved_bytes < self.group_bytes:
+            return
+        layer = engine.end_layer()  # type: ignore[union-attr]
+        engine.begin_layer()  # type: ignore[union-attr]
+        if layer is not None:
+            # Its gradient is computed when backward is about to run the closed group's nodes.
+            marked = first_grad_tensor(output)
+            if marked is not None:
+                engine.attach_backward_marker(marked, layer)  # type: ignore[union-attr]
 
     # -- plans -------------------------------------------------------------------------------------
     def _between_steps(self) -> None:
@@ -331,3 +505,36 @@ class OffloadActivations:
         if self.engine is None:
             return 0
         return self.engine.reserve(nbytes, background=background)
+
+def _check_torchtune_options(
+    use_pin_memory: Any, use_streams: Any, max_fwd_stash_size: Any, min_offload_size: Any
+) -> None:
+    """torchtune's ``OffloadActivations`` options: types, ranges, and what has no equivalent."""
+    api = "OffloadActivations"
+    _check_bool(api, "use_pin_memory", use_pin_memory)
+    if not use_pin_memory:
+        raise ValueError(
+            "offload: OffloadActivations: use_pin_memory=False is not supported: offloaded tensors "
+            "go to a pinned host arena that is allocated once and reused every step (no pinned "
+            "allocation per tensor); pass host_budget_bytes to cap the host memory it holds"
+        )
+    if use_streams is not None:
+        _check_bool(api, "use_streams", use_streams)
+        if not use_streams:
+            raise ValueError(
+                "offload: OffloadActivations: use_streams=False is not supported: copies always run "
+                "on their own streams, ordered by events, and give the same gradients; pass "
+                "enabled=False to turn offloading off"
+            )
+    if max_fwd_stash_size is not None:
+        if not isinstance(max_fwd_stash_size, int) or isinstance(max_fwd_stash_size, bool):
+            raise TypeError(
+                f"offload: OffloadActivations: max_fwd_stash_size must be an integer >= 1 (groups "
+                f"whose copies may run before the oldest is released), got {_got(max_fwd_stash_size)}"
+            )
+        if max_fwd_stash_size < 1:
+            raise ValueError(
+                f"offload: OffloadActivations: max_fwd_stash_size must be at least 1, got {max_fwd_stash_size}"
+            )
+    if min_offload_size is not None:
+        _check_int(api, "min_offload_size", min_offload_size, 0, "an integer number of bytes")

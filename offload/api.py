@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import contextlib
-import difflib
 import numbers
 import os
 import warnings
@@ -27,6 +26,7 @@ from . import native
 from .arena import HostArena
 from .engine import OffloadEngine
 from .group import GroupState
+from .keywords import reject_unknown
 from .policy import SELECTIONS, SelectionPolicy
 from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
 from .transport import CudaTransport, HostTransport
@@ -88,9 +88,14 @@ ENGINE_OPTIONS = (
     "manual_synchronization", "retain_pinned_cpu_buffers", "offload_stream", "mode", "device",
     "min_offload_bytes", "host_budget_bytes", "selection", "params_from", "timing",
 )
+# torchtune's OffloadActivations options, accepted with their meanings (see activations.py).
+TORCHTUNE_OPTIONS = ("use_pin_memory", "use_streams", "max_fwd_stash_size", "min_offload_size")
 ACCEPTED_OPTIONS = {
     "get_cpu_offload_context": ("enabled",) + ENGINE_OPTIONS,
-    "OffloadActivations": ("layers", "num_offload_layers", "enabled", "plan", "memory_budget_bytes", "measure_peak") + ENGINE_OPTIONS,
+    "OffloadActivations": (
+        "layers", "num_offload_layers", "enabled", "plan", "memory_budget_bytes", "measure_peak",
+        "group_bytes", "keep_last_groups",
+    ) + TORCHTUNE_OPTIONS + ENGINE_OPTIONS,
 }
 
 
@@ -124,21 +129,10 @@ def _check_choice(api: str, name: str, value: Any, choices: tuple[str, ...], non
         raise ValueError(f"offload: {api}: {name} must be one of {listed} or None ({none_means}), got {value!r}")
 
 
-def check_unknown_options(api: str, unknown: Iterable[str]) -> None:
-    """Refuse keyword arguments ``api`` does not take, listing the ones it does."""
-    unknown = list(unknown)
-    if not unknown:
-        return
-    accepted = ACCEPTED_OPTIONS[api]
-    hints = []
-    for name in unknown:
-        close = difflib.get_close_matches(name, accepted, n=1)
-        hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    plural = "s" if len(unknown) > 1 else ""
-    raise TypeError(
-        f"offload: {api}() got unexpected keyword argument{plural} {', '.join(hints)}; "
-        f"it accepts: {', '.join(accepted)}"
-    )
+def check_unknown_options(api: str, unknown: Iterable[str], accepted: Optional[Iterable[str]] = None) -> None:
+    """Refuse keyword arguments the public function ``api`` does not take, listing the ones it
+    does (``accepted``, by default ``ACCEPTED_OPTIONS[api]``), with a close match if any."""
+    reject_unknown(api, unknown, ACCEPTED_OPTIONS[api] if accepted is None else accepted)
 
 
 def _modules_of(api: str, params_from: Any) -> list[torch.nn.Module]:
@@ -155,20 +149,44 @@ def _modules_of(api: str, params_from: Any) -> list[torch.nn.Module]:
     return modules
 
 
-def _check_counts(num_layers: int, model_layers: int, api: str = "get_cpu_offload_context") -> None:
+def _check_counts(
+    num_layers: Optional[int], model_layers: int, api: str = "get_cpu_offload_context", *,
+    mode: str = "v2", manual: bool = False,
+) -> None:
+    """The layer counts, as TransformerEngine takes them: v2 offloads at most ``model_layers - 1``
+    layers (TE asserts the same), v1 up to all of them (TE v1 has no such limit: the last group's
+    window is the last layer), and with manual synchronization ``num_layers`` is not used (TE
+    ignores it too; it may be None)."""
     _check_int(api, "model_layers", model_layers, 1)
+    if manual and num_layers is None:
+        return
     _check_int(api, "num_layers", num_layers, 0)
-    if num_layers > model_layers - 1:
+    if manual:
+        return
+    limit = model_layers if mode == "v1" else model_layers - 1
+    if num_layers > limit:  # type: ignore[operator]
+        if mode == "v1":
+            raise ValueError(
+                f"offload: {api}: num_layers={num_layers} is more than model_layers={model_layers}; "
+                "pass at most as many offloaded layers as the model has"
+            )
+        defaults = (
+            " get_cpu_offload_context(True) with the defaults num_layers=1, model_layers=1 describes a "
+            "one-layer model, which has no layer to offload (TransformerEngine asserts the same)."
+            if (api == "get_cpu_offload_context" and num_layers == 1 and model_layers == 1) else ""
+        )
         raise ValueError(
             f"offload: {api}: num_layers={num_layers} is more than model_layers - 1 = {model_layers - 1}. "
             "Backward needs the last layer's activations at once, so at most model_layers - 1 "
-            "layers can be offloaded; lower num_layers or pass the model's true layer count."
+            f"layers can be offloaded.{defaults} Lower num_layers or pass the model's true layer count "
+            f"as model_layers (the v1 schedule, {MODE_ENV_VAR}=1, and manual_synchronization=True "
+            "accept num_layers=model_layers)."
         )
 
 
 def build_engine(
     *,
-    num_layers: int,
+    num_layers: Optional[int],
     model_layers: int,
     offload_activations: bool = True,
     offload_weights: bool = False,
@@ -184,6 +202,7 @@ def build_engine(
     params_from: Any = None,
     timing: Optional[bool] = None,
     layer_contexts: bool = True,
+    schedule: Optional[Schedule] = None,
     _api: Optional[str] = None,
     **unknown: Any,
 ) -> OffloadEngine:
@@ -192,11 +211,16 @@ def build_engine(
     Errors name the public entry point (``_api``; by default ``get_cpu_offload_context``, or
     ``OffloadActivations`` for a step ended explicitly) and the option at fault: ``TypeError``
     for a wrong type or an unknown keyword (the accepted ones are listed), ``ValueError`` for a
-    value out of range.
+    value out of range. ``schedule``: a schedule to use instead of the one the mode and
+    ``manual_synchronization`` select (``OffloadActivations()`` without layers); the mode then
+    only sets the default selection.
     """
     api = _api or ("get_cpu_offload_context" if layer_contexts else "OffloadActivations")
     check_unknown_options(api, unknown)
-    _check_counts(num_layers, model_layers, api)
+    _check_choice(api, "mode", mode, MODES, f"follow {MODE_ENV_VAR}")
+    _check_bool(api, "manual_synchronization", manual_synchronization)
+    resolved_mode = resolve_mode(mode)
+    _check_counts(num_layers, model_layers, api, mode=resolved_mode, manual=manual_synchronization)
     for name, value in (
         ("offload_activations", offload_activations),
         ("offload_weights", offload_weights),
@@ -210,7 +234,6 @@ def build_engine(
         _check_int(api, "host_budget_bytes", host_budget_bytes, 0, "None or an integer number of bytes")
     if timing is not None:
         _check_bool(api, "timing", timing)
-    _check_choice(api, "mode", mode, MODES, f"follow {MODE_ENV_VAR}")
     _check_choice(api, "selection", selection, SELECTIONS, "'marked' for v1, 'auto' for v2")
     if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
         raise TypeError(f"offload: {api}: offload_stream must be a torch.cuda.Stream or None, got {_got(offload_stream)}")
@@ -228,7 +251,6 @@ def build_engine(
             "offload: offload_activations=False leaves nothing to offload (weights are never "
             "offloaded); pass offload_activations=True, or enabled=False to turn offloading off"
         )
-    resolved_mode = resolve_mode(mode)
     dev = resolve_device(device)
     if double_buffering and resolved_mode != "v1":
         warnings.warn("offload: double_buffering applies to the v1 schedule only; v2 ignores it", stacklevel=3)
@@ -256,14 +278,19 @@ def build_engine(
     )
     if modules:
         policy.set_module_storages(modules)
-    schedule: Schedule
-    if manual_synchronization:
-        schedule = ManualSchedule(num_layers, model_layers)
+    if schedule is not None:
+        label = schedule.name
+    elif manual_synchronization:
+        # Every layer collects its saved tensors and the user decides which to move, as in
+        # TransformerEngine, whose manual mode does not use num_layers.
+        schedule = ManualSchedule(model_layers, model_layers)
+        label = resolved_mode + " (manual)"
     elif resolved_mode == "v1":
-        schedule = ScheduleV1(num_layers, model_layers, double_buffering=double_buffering)
+        schedule = ScheduleV1(num_layers, model_layers, double_buffering=double_buffering)  # type: ignore[arg-type]
+        label = resolved_mode
     else:
-        schedule = ScheduleV2(num_layers, model_layers)
-    label = resolved_mode + (" (manual)" if manual_synchronization else "")
+        schedule = ScheduleV2(num_layers, model_layers)  # type: ignore[arg-type]
+        label = resolved_mode
     return OffloadEngine(
         policy=policy,
         schedule=schedule,
@@ -334,10 +361,10 @@ class ManualController:
         step = self.engine.step
         group = None if step is None else step.groups.get(layer)
         if group is None:
-            offloaded = self.engine.schedule.num_layers
             raise ValueError(
                 f"offload: cannot {action} layer {layer}: it has no offload group in this step "
-                f"(layers 0..{offloaded - 1} are offloaded, and only once their forward has run)"
+                f"(layers 0..{self.engine.model_layers - 1} have one once their forward has run "
+                "and saved tensors for backward)"
             )
         return group
 
@@ -356,8 +383,14 @@ class ManualController:
         self.engine.release(group)
 
     def start_reload_layer(self, layer: int) -> None:
-        """Start the H2D copy of ``layer`` ahead of its backward."""
-        self.engine.start_reload(self._group(layer, "reload"))
+        """Start the H2D copy of ``layer`` ahead of its backward (once it was released)."""
+        group = self._group(layer, "reload")
+        if group.state in (GroupState.RESIDENT, GroupState.OFFLOADING):
+            raise ValueError(
+                f"offload: cannot reload layer {layer}: its activations are still on the GPU; call "
+                f"start_offload_layer({layer}) and release_activation_forward_gpu_memory({layer}) first"
+            )
+        self.engine.start_reload(group)
 
 
 def _identity(tensor: Any) -> Any:
@@ -366,7 +399,7 @@ def _identity(tensor: Any) -> Any:
 
 def get_cpu_offload_context(
     enabled: bool = False,
-    num_layers: int = 1,
+    num_layers: Optional[int] = 1,
     model_layers: int = 1,
     offload_activations: bool = True,
     offload_weights: bool = False,
@@ -389,7 +422,11 @@ def get_cpu_offload_context(
     With ``manual_synchronization=True`` a third element, a :class:`ManualController`, is
     returned. ``enabled=False`` returns a no-op context and the identity function.
 
-    ``num_layers`` of ``model_layers`` layers are offloaded (at most ``model_layers - 1``).
+    ``num_layers`` of ``model_layers`` layers are offloaded: at most ``model_layers - 1`` in v2,
+    where TransformerEngine asserts the same, so ``get_cpu_offload_context(True)`` with the
+    defaults (``num_layers=1, model_layers=1``) raises ``ValueError``; up to ``model_layers`` in v1
+    (as TransformerEngine v1 allows). With ``manual_synchronization=True`` every layer collects
+    its tensors and ``num_layers`` is not used (it may be None), as in TransformerEngine.
     ``mode`` ("v1"/"v2") wins over the ``NVTE_CPU_OFFLOAD_V1`` environment variable.
     ``device="cpu"`` offloads CPU tensors through the host transport (for CPU-only machines).
     ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.

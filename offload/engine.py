@@ -64,6 +64,7 @@ import torch
 from torch.autograd.profiler import record_function
 
 from .arena import CaptureError, HostArena
+from .diagnose import nothing_offloaded
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
 from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
@@ -391,9 +392,30 @@ class OffloadEngine:
         if not step.counters.finished:
             step.counters.finished = True
             step.counters.pinned_allocations += self.arena.counters.pinned_allocations
+            self._diagnose(step.counters)
         self.last_finished = step.counters
         if trim and not step.captured:
             self.arena.end_step(step.index)
+
+    def _diagnose(self, counters: StepCounters) -> None:
+        # Once per step, from its counters: a step that was meant to offload and moved nothing
+        # warns (once per context) with the reason, instead of failing silently.
+        largest_small, self.policy.largest_small = self.policy.largest_small, 0
+        if "nothing_offloaded" in self._warned or not self.schedule.expects_offload():
+            return
+        message = nothing_offloaded(
+            counters, min_offload_bytes=self.policy.min_offload_bytes, largest_small=largest_small
+        )
+        if message is not None:
+            self.warn_once("nothing_offloaded", message)
+
+    def pack_kept(self, t: Any, reason: str, counters: StepCounters) -> Any:
+        """Keep ``t`` where it is, counted under ``reason``: the pack hook of a keep region
+        (``offload.keep_on_gpu``). Not on the per-tensor path of offloading contexts."""
+        counters.keep(reason)
+        if type(t) is torch.Tensor and t.requires_grad and not t.is_leaf:
+            t = _detach(t)  # the cycle reason in the module notes
+        return (t, t._version, self.current_layer)
 
     def _check_finished(self, step: StepState) -> None:
         # A step is finished once its forward is done and every group was handed back in full.

@@ -46,6 +46,7 @@ from torch.utils import _pytree
 
 from .arena import CaptureError
 from .engine import OffloadEngine
+from .keywords import parameter_names, reject_unknown
 from .stats import StepCounters, snapshot
 
 __all__ = ["CaptureError", "GraphedLayer", "StepGraph", "make_graphed_callables"]
@@ -289,6 +290,7 @@ def make_graphed_callables(
     offload: Any = None,
     pre_warmup_hook: Optional[Callable[[], None]] = None,
     post_warmup_hook: Optional[Callable[[], None]] = None,
+    **unknown: Any,
 ) -> Union[GraphedLayer, tuple[GraphedLayer, ...]]:
     """Graph layers with ``torch.cuda.make_graphed_callables``, optionally offloading inside.
 
@@ -300,6 +302,7 @@ def make_graphed_callables(
 
     Returns a :class:`GraphedLayer` per callable (one, not a tuple, for a single callable).
     """
+    reject_unknown("make_graphed_callables", unknown, parameter_names(make_graphed_callables))
     single, funcs, samples = _normalize(callables, sample_args)
     for name, hook in (("pre_warmup_hook", pre_warmup_hook), ("post_warmup_hook", post_warmup_hook)):
         if hook is not None and not callable(hook):
@@ -348,7 +351,8 @@ class StepGraph:
     replay: clone what you keep).
     """
 
-    def __init__(self, step_fn: Callable[..., Any], sample_args: Sequence[torch.Tensor], *, warmup_steps: int = 2, pool: Any = None) -> None:
+    def __init__(self, step_fn: Callable[..., Any], sample_args: Sequence[torch.Tensor], *, warmup_steps: int = 2, pool: Any = None, **unknown: Any) -> None:
+        reject_unknown("StepGraph", unknown, parameter_names(StepGraph.__init__))
         if not callable(step_fn):
             raise TypeError(f"offload: step_fn must be callable, got {type(step_fn).__name__}")
         sample = tuple(sample_args)

@@ -72,12 +72,12 @@ def _detached(obj: Any) -> Any:
     return obj.detach()
 
 
-def _leaves(objs: tuple[Any, ...]) -> Iterator[Any]:
+def _leaves(objs: tuple[Any, ...], api: str = "mark") -> Iterator[Any]:
     for obj in objs:
         if obj is None:
             continue
         if isinstance(obj, (list, tuple)):
-            yield from _leaves(tuple(obj))
+            yield from _leaves(tuple(obj), api)
         elif isinstance(obj, torch.Tensor) and not hasattr(obj, "prepare_for_saving"):
             yield obj
         elif hasattr(obj, "prepare_for_saving"):
@@ -85,8 +85,8 @@ def _leaves(objs: tuple[Any, ...]) -> Iterator[Any]:
             yield from storage_components(obj)
         else:
             raise TypeError(
-                f"cannot mark an object of type {type(obj).__name__}: pass tensors or quantized "
-                "storages (objects with prepare_for_saving/restore_from_saved)"
+                f"offload: {api}() cannot mark an object of type {type(obj).__name__}: pass tensors "
+                "or quantized storages (objects with prepare_for_saving/restore_from_saved)"
             )
 
 
@@ -96,7 +96,7 @@ def mark_not_offload(*tensors: Any) -> None:
     Honored by the one selection policy, so it holds in every schedule (v1 and v2) and wins over
     :func:`mark_activation_offload` when a tensor carries both marks.
     """
-    for obj in _leaves(tensors):
+    for obj in _leaves(tensors, "mark_not_offload"):
         setattr(obj, KEEP_ATTR, True)
 
 
@@ -107,8 +107,27 @@ def mark_activation_offload(*tensors: Any) -> None:
     every schedule a marked tensor is offloaded whatever its size, so that small FP8 scale tensors
     travel in their group's region next to their data.
     """
-    for obj in _leaves(tensors):
+    for obj in _leaves(tensors, "mark_activation_offload"):
         setattr(obj, OFFLOAD_ATTR, True)
+
+
+def start_offload(*tensors: Any, offload_base_tensor: bool = False) -> None:
+    """TransformerEngine's ``start_offload``: accepted, checked, and nothing more is needed.
+
+    In TransformerEngine it records an event so that a tensor's copy may start before its layer
+    ends, and with ``offload_base_tensor=True`` offloads a view's base instead of the view. Here
+    a layer's group is copied in one batch as soon as the layer ends (a finer start would cost a
+    CUDA event per tensor on the hot path), and every saved view is always resolved to its base
+    storage and restored as a view of it. So the call only checks its arguments (tensors,
+    quantized storages, None, or lists of them), and code written for TransformerEngine runs
+    unchanged.
+    """
+    if not isinstance(offload_base_tensor, bool):
+        raise TypeError(
+            f"offload: start_offload(): offload_base_tensor must be True or False, got {offload_base_tensor!r}"
+        )
+    for _ in _leaves(tensors, "start_offload"):
+        pass
 
 
 def is_marked_keep(t: torch.Tensor) -> bool:

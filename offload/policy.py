@@ -25,6 +25,7 @@ KEEP_SMALL = "small"            # fewer bytes than min_offload_bytes (empty tens
 KEEP_OTHER_DEVICE = "other_device"  # not on the engine's device
 KEEP_UNSUPPORTED = "unsupported"    # meta/fake tensors, tensor subclasses, sparse and nested layouts
 KEEP_BUDGET = "budget"          # host budget or pinned allocation exhausted
+KEEP_REGION = "keep_on_gpu"     # saved inside an ``offload.keep_on_gpu()`` region
 
 SELECTIONS = ("auto", "marked")
 
@@ -66,6 +67,9 @@ class SelectionPolicy:
         # Data pointers of the storages of registered modules' parameters and buffers: a tensor
         # over that memory frees nothing when offloaded (the module keeps it), so it is kept.
         self.module_storages: frozenset[int] = frozenset()
+        # The largest tensor kept as too small since the last step's diagnosis (the warning that
+        # a step offloaded nothing names it); updated on the small-tensor keep path only.
+        self.largest_small = 0
 
     def set_module_storages(self, modules: Iterable[torch.nn.Module]) -> None:
         """Keep every tensor whose storage is that of a parameter or buffer of ``modules``.
@@ -124,6 +128,8 @@ class SelectionPolicy:
         nbytes = t.nbytes
         floor = self.min_offload_bytes if min_offload_bytes is None else min_offload_bytes
         if nbytes == 0 or (nbytes < floor and not opted_in):
+            if nbytes > self.largest_small:
+                self.largest_small = nbytes
             return KEEP_SMALL
         if not self.reserve_host_bytes(nbytes):
             return KEEP_BUDGET

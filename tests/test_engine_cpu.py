@@ -690,7 +690,9 @@ def test_disabled_context_installs_nothing_and_moves_nothing(enabled: bool) -> N
             control.start_offload_layer(i)
             control.release_activation_forward_gpu_memory(i)
     h.sum().backward()
-    assert [p.seen for p in layers] == ([[True], [True], [False]] if enabled else [[False]] * 3)
+    # Manual synchronization collects every layer's tensors (TransformerEngine's manual mode does
+    # not use num_layers either); the user moved layers 0 and 1 only.
+    assert [p.seen for p in layers] == ([[True]] * 3 if enabled else [[False]] * 3)
     # Backward runs the last layer first.
     assert SavePointer.seen == ([True, False, False] if enabled else [True, True, True])
     assert not hooks_installed()
@@ -760,7 +762,7 @@ def test_unknown_keywords_list_the_accepted_ones() -> None:
     # Even when disabled: a misspelt option would otherwise go unnoticed until it is enabled.
     with pytest.raises(TypeError, match=r"get_cpu_offload_context\(\) got unexpected keyword argument 'min_offload_byte' \(did you mean 'min_offload_bytes'\?\)"):
         offload.get_cpu_offload_context(False, min_offload_byte=0)
-    with pytest.raises(TypeError, match=r"^offload: OffloadActivations\(\) got unexpected keyword arguments 'prefetch', 'num_offload_layer' \(did you mean 'num_offload_layers'\?\); it accepts: layers, num_offload_layers, enabled, plan, memory_budget_bytes, measure_peak, num_layers"):
+    with pytest.raises(TypeError, match=r"^offload: OffloadActivations\(\) got unexpected keyword arguments 'prefetch', 'num_offload_layer' \(did you mean 'num_offload_layers'\?\); it accepts: layers, num_offload_layers, enabled, plan, memory_budget_bytes, measure_peak, .*num_layers"):
         offload.OffloadActivations(make_mlp_layers(3), device="cpu", prefetch=2, num_offload_layer=1)
 
 

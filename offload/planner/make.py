@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 
 from ..api import DEFAULT_MIN_OFFLOAD_BYTES, resolve_device
+from ..keywords import parameter_names, reject_unknown
 from ..policy import SelectionPolicy
 from .probe import ProbeStep, measure_link
 from .search import BudgetError, best_plan, lowest_peak
@@ -118,6 +119,7 @@ def plan(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
     warmup_steps: int = 2,
+    **unknown: Any,
 ) -> Plan:
     """Probe one step of ``step_fn`` and return the fastest plan whose peak fits the budget.
 
@@ -131,6 +133,7 @@ def plan(
     Raises :class:`BudgetError` (a ValueError) when no plan fits, naming the lowest reachable
     peak, and RuntimeError when the probe step itself raises.
     """
+    reject_unknown("plan", unknown, parameter_names(plan))
     budget = check_budget(memory_budget_bytes, "plan():")
     profile = profile_step(layers, step_fn, device=device, min_offload_bytes=min_offload_bytes, link=link,
                            warmup_steps=warmup_steps)

@@ -34,6 +34,10 @@ class Schedule:
         asked only when the arena has no block, so a loop is fine)."""
         return sum(self.offloads(later) for later in range(layer + 1, self.model_layers))
 
+    def expects_offload(self) -> bool:
+        """Whether a step that offloads nothing is worth a warning (see ``offload.diagnose``)."""
+        return self.num_layers > 0
+
     def min_offload_bytes(self, layer: int) -> Optional[int]:
         """A size floor for ``layer``'s offloaded tensors, or None for the policy's default."""
         return None
@@ -73,3 +77,7 @@ class ManualSchedule(Schedule):
     """
 
     name = "manual"
+
+    def expects_offload(self) -> bool:
+        """The user decides what is offloaded, and when: nothing to warn about."""
+        return False

@@ -1,0 +1,81 @@
+"""Why a step offloaded nothing, read from its counters at the step's end.
+
+A context that is enabled but moves no bytes is almost always a configuration mistake (a size
+floor above every tensor, opt-in selection with no marks, a model too small for its groups), and
+it fails silently: gradients stay exact and only the memory does not drop. The engine asks
+:func:`nothing_offloaded` once per step, from ``StepCounters.kept``, never per tensor, and warns
+once per context with the answer.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from .policy import (
+    KEEP_BUDGET,
+    KEEP_LAYER,
+    KEEP_MARKED,
+    KEEP_NOT_SELECTED,
+    KEEP_OTHER_DEVICE,
+    KEEP_PARAMETER,
+    KEEP_REGION,
+    KEEP_SMALL,
+    KEEP_UNSUPPORTED,
+)
+from .stats import StepCounters, format_bytes
+
+
+def _explain(reason: str, count: int, min_offload_bytes: int, largest_small: int) -> str:
+    if reason == KEEP_SMALL:
+        return (
+            f"{count} were smaller than min_offload_bytes={min_offload_bytes} (the largest of them "
+            f"had {largest_small} bytes, {format_bytes(largest_small)}): pass a smaller "
+            "min_offload_bytes (min_offload_size in torchtune's form) to offload them"
+        )
+    if reason == KEEP_NOT_SELECTED:
+        return (
+            f"{count} were not selected: selection is 'marked' (the v1 schedule's default, "
+            "NVTE_CPU_OFFLOAD_V1=1), which offloads only tensors marked with "
+            "offload.mark_activation_offload; mark them, or pass selection='auto'"
+        )
+    if reason == KEEP_PARAMETER:
+        return f"{count} were parameters or views of them, whose memory stays on the GPU anyway"
+    if reason == KEEP_LAYER:
+        return (
+            f"{count} were in the last group of the forward, which stays on the GPU because "
+            "backward needs it first; OffloadActivations() without layers closes a group at the "
+            "end of a module call once it holds group_bytes, so pass a smaller group_bytes"
+        )
+    if reason == KEEP_MARKED:
+        return f"{count} were marked with offload.mark_not_offload"
+    if reason == KEEP_REGION:
+        return f"{count} were saved inside offload.keep_on_gpu()"
+    if reason == KEEP_OTHER_DEVICE:
+        return f"{count} were not on the context's device (see its device= option)"
+    if reason == KEEP_UNSUPPORTED:
+        return f"{count} cannot be offloaded (meta or fake tensors, sparse or nested layouts, subclasses)"
+    if reason == KEEP_BUDGET:
+        return f"{count} did not fit in the host budget (host_budget_bytes) or pinned memory"
+    return f"{count} were kept ({reason})"
+
+
+def nothing_offloaded(counters: StepCounters, *, min_offload_bytes: int, largest_small: int) -> Optional[str]:
+    """The warning for a step that offloaded nothing, saying why; None if it offloaded anything.
+
+    ``largest_small``: the largest tensor kept as too small in the step (the policy tallies it).
+    """
+    if counters.offloaded_tensors > 0 or counters.groups_offloaded > 0:
+        return None
+    kept = counters.kept
+    seen = sum(kept.values())
+    if seen == 0:
+        return (
+            f"offload: step {counters.step} offloaded nothing: no saved tensor reached the "
+            "offloaded layers (they saved nothing for backward: frozen, run under no_grad, or "
+            "checkpointed as a whole)"
+        )
+    parts = [
+        _explain(reason, count, min_offload_bytes, largest_small)
+        for reason, count in sorted(kept.items(), key=lambda item: -item[1])
+    ]
+    return f"offload: step {counters.step} offloaded nothing; of the {seen} saved tensors it saw, " + "; ".join(parts)
