@@ -2,8 +2,9 @@
 
 Public API: :func:`get_cpu_offload_context` (TransformerEngine's call shape),
 :class:`OffloadActivations` (one ``with`` around the forward), :func:`mark_not_offload`,
-:func:`mark_activation_offload` and :func:`native_available`. CUDA graphs: ``offload.graphs``
-(:func:`offload.graphs.make_graphed_callables`, :class:`offload.graphs.StepGraph`).
+:func:`mark_activation_offload` and :func:`native_available`; the keys of ``ctx.stats``:
+:class:`StepStats`. CUDA graphs: ``offload.graphs`` (:func:`offload.graphs.make_graphed_callables`,
+:class:`offload.graphs.StepGraph`). Plots (matplotlib optional): ``offload.plot``.
 """
 
 from .api import (
@@ -20,12 +21,14 @@ from .planner import plan
 from .arena import CaptureError
 from .marks import mark_activation_offload, mark_not_offload
 from .native import native_available
+from .stats import StepStats
 
 __all__ = [
     "CaptureError",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "MODE_ENV_VAR",
     "ManualController",
+    "StepStats",
     "OffloadActivations",
     "OffloadContext",
     "get_cpu_offload_context",

@@ -16,12 +16,13 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .api import build_engine
+from .stats import StepStats
 from .step import first_grad_tensor
 from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
@@ -305,8 +306,9 @@ class OffloadActivations:
 
     # -- figures -----------------------------------------------------------------------------------
     @property
-    def stats(self) -> dict[str, Any]:
-        """Figures of the last finished step (see ``offload.stats.snapshot``); ``{}`` when disabled."""
+    def stats(self) -> Union[StepStats, dict[str, Any]]:
+        """Figures of the last finished step (or of the step in progress if none finished): every
+        key, its unit and meaning in :class:`offload.stats.StepStats`; ``{}`` when disabled."""
         return self.engine.stats() if self.engine is not None else {}
 
     def report(self) -> str:
