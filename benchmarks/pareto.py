@@ -6,7 +6,7 @@ Contenders, side by side in one process per model:
   number of offloaded layers (``--ks``); the planner (``offload.planner``) at the budgets
   75% of plain's peak, checkpointing's peak, and the lowest reachable peak.
 
-Targets (BENCHMARKS.md): T8 budget = checkpointing's peak -> step <= 1.20x plain; T9 lowest plan ->
+Targets (docs/benchmarks.md): T8 budget = checkpointing's peak -> step <= 1.20x plain; T9 lowest plan ->
 peak <= 0.97x checkpointing's at <= 1.03x its step; T10 budget = 75% of plain -> step <= 1.05x
 plain; T11 predicted step and peak within 10% of measured. Gradients are checked bit for bit
 against plain on a small Llama with a repeatable SDPA backend (efficient / math).

@@ -87,6 +87,16 @@ class _RecomputeForward:
         return (_RecomputeForward, (None, self.fn))
 
 
+def _on_cpu(layers: list[torch.nn.Module]) -> bool:
+    """Whether the layers' first parameter (or buffer) lives on the CPU."""
+    for module in layers:
+        for tensor in module.parameters():
+            return tensor.device.type == "cpu"
+        for tensor in module.buffers():
+            return tensor.device.type == "cpu"
+    return False
+
+
 class OffloadActivations:
     """One ``with`` around the whole forward; layer boundaries come from module hooks.
 
@@ -94,7 +104,8 @@ class OffloadActivations:
     order; a module listed several times (weight-shared layers, ALBERT-style) is one layer per
     call. By default all but the last are offloaded (``num_offload_layers=len(layers) - 1``).
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
-    those of :func:`offload.get_cpu_offload_context`.
+    those of :func:`offload.get_cpu_offload_context`; ``device=None`` is the current CUDA device,
+    or, on a machine without CUDA, ``"cpu"`` (the host transport) when the layers are on the CPU.
 
     Checkpointing composes: layers run under ``torch.utils.checkpoint`` (reentrant or not,
     around ``forward`` or ``__call__``, e.g. HF ``gradient_checkpointing_enable``) offload only
@@ -152,6 +163,10 @@ class OffloadActivations:
         options.setdefault("model_layers", count)
         # The layers' parameters and buffers (and views of them) are never copied.
         options.setdefault("params_from", self.layers)
+        if options.get("device") is None and not torch.cuda.is_available() and _on_cpu(self.layers):
+            # No CUDA here and the model is on the CPU: the host transport is the only one that
+            # can run, so a plain OffloadActivations(model.layers) works as written.
+            options["device"] = "cpu"
         self.enabled = bool(enabled)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
         self.measure_peak = bool(measure_peak)

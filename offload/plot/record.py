@@ -14,7 +14,10 @@ Where each lane comes from, in order of preference:
   step (host clock), since a native ``memcpy`` is invisible to the profiler.
 - waits: the engine's ``offload::release_wait`` ranges, if it records them.
 - memory: the profiler's allocation events (``profile_memory=True``), summed over time from the
-  allocator's reading at the step's start.
+  allocator's reading at the step's start. They are stamped in host time, and on CUDA those made
+  on autograd's backward thread are missing (seen with torch 2.11 on our H100), so there the
+  curve is right for the forward only; the allocator's own history
+  (``torch.cuda.memory._record_memory_history``) would cover the backward too.
 
 The kineto events are read through ``prof.profiler.kineto_results``, as torch's own parser does:
 the ``[memory]`` events attributed to an operator are folded into it in ``prof.events()``.
@@ -250,7 +253,11 @@ class _Events:
             if e.name() == _MEMORY_EVENT and _is_cuda(e) == cuda
             and (not cuda or e.device_index() == device.index)
         )
-        what = "GPU memory allocated" if cuda else "host memory allocated by torch since the step began"
+        # The profiler stamps an allocation when the host queues the operator (the GPU runs it
+        # later), and on CUDA it misses those made on autograd's backward thread (seen on our
+        # H100): the curve is the forward's, in host time.
+        what = ("GPU memory allocated (host time; backward-thread allocations not recorded)" if cuda
+                else "host memory allocated by torch since the step began")
         curve = MemoryCurve(device=device.type, what=what, samples=[(0.0, start_bytes)])
         level = start_bytes
         for ns, nbytes in deltas:

@@ -53,16 +53,17 @@ def plot_timeline(timeline: Timeline, path: PathLike) -> Path:
     titles = _LANE_TITLES.get(timeline.device, _LANE_TITLES["cuda"])
     fig = _figure(12, 1.0 + 0.8 * len(lanes))
     ax = fig.add_subplot()
-    palette = [f"C{i}" for i in range(10)]
+    # The tab10 colours without its grey (C7), which marks compute outside the layer forwards.
+    palette = [f"C{i}" for i in (0, 1, 2, 3, 4, 5, 6, 8, 9)]
     for row, name in enumerate(reversed(lanes)):
         for bar in timeline.lane(name):
             if name == COMPUTE:
-                color = palette[int(bar.label[1:]) % 10] if bar.label.startswith("L") else "lightgray"
+                color = palette[int(bar.label[1:]) % len(palette)] if bar.label.startswith("L") else "lightgray"
             else:
                 color = _COPY_COLORS.get(name, "tab:purple")
             # A copy of microseconds in a step of hundreds of ms would be drawn zero pixels wide.
             width = max(bar.ms, timeline.step_ms / 400)
-            ax.broken_barh([(bar.start_ms, width)], (row - 0.4, 0.8), facecolors=color)
+            ax.broken_barh([(bar.start_ms, width)], (row - 0.4, 0.8), facecolors=color, edgecolors="white", linewidth=0.5)
             if bar.label and bar.ms > timeline.step_ms / 60:
                 ax.text(bar.start_ms + bar.ms / 2, row, bar.label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(lanes)), [titles.get(n, n) for n in reversed(lanes)])
