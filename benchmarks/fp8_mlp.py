@@ -1,4 +1,4 @@
-"""FP8-MLP: bytes offloaded with the FP8 Linear vs bf16 (target T6 of BENCHMARKS.md).
+"""FP8-MLP: bytes offloaded with the FP8 Linear vs bf16 (target T6 of docs/benchmarks.md).
 
 Two stacks of 8 x MLPBlock (the GPT-A MLP: LayerNorm, Linear 4096->16384, GELU, Linear
 16384->4096, residual), batch 2 x seq 4096 tokens, bf16 parameters and inputs: one with

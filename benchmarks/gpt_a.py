@@ -1,4 +1,4 @@
-"""GPT-A: the core offload benchmark (targets T1, T2, T3 of BENCHMARKS.md).
+"""GPT-A: the core offload benchmark (targets T1, T2, T3 of docs/benchmarks.md).
 
 One process, one model (8 x GPTBlock, hidden 4096, 32 heads, batch 2, seq 4096, bf16; default
 SDPA backend), one training step = forward in TransformerEngine's call shape + backward + grads

@@ -1,4 +1,4 @@
-"""CUDA graphs with offloading (target T7 of BENCHMARKS.md): eager steps against graph replays.
+"""CUDA graphs with offloading (target T7 of docs/benchmarks.md): eager steps against graph replays.
 
 Workloads: SMALL (offload v2, num_layers=15 of 16: host-bound, where graphs pay off) and GPT-A
 (num_layers=2 of 8, T1's setting: GPU-bound). Variants, in one process:

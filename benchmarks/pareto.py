@@ -6,7 +6,7 @@ Contenders, side by side in one process per model:
   number of offloaded layers (``--ks``); the planner (``offload.planner``) at the budgets
   75% of plain's peak, checkpointing's peak, and the lowest reachable peak.
 
-Targets (BENCHMARKS.md): T8 budget = checkpointing's peak -> step <= 1.20x plain; T9 lowest plan ->
+Targets (docs/benchmarks.md): T8 budget = checkpointing's peak -> step <= 1.20x plain; T9 lowest plan ->
 peak <= 0.97x checkpointing's at <= 1.03x its step; T10 budget = 75% of plain -> step <= 1.05x
 plain; T11 predicted step and peak within 10% of measured. Gradients are checked bit for bit
 against plain on a small Llama with a repeatable SDPA backend (efficient / math).
@@ -36,6 +36,7 @@ from workloads import WORKLOADS, LlamaSpec, scale_for  # noqa: E402
 
 import offload  # noqa: E402
 from offload.planner import Action, LayerPlan, plan_for  # noqa: E402
+from offload.plot import ParetoPoint, plot_pareto  # noqa: E402
 
 
 def llama_step(model: torch.nn.Module, ids: torch.Tensor, wrapper: Optional[Callable[[], Any]] = None) -> Callable[[], None]:
@@ -225,33 +226,22 @@ def check_gradients(env: Env) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
+    """Step time against peak per model (drawn by ``offload.plot.plot_pareto``)."""
+    panels = {
+        name: [ParetoPoint(r["variant"], r["peak_bytes"], r["x_plain"], kind=r["variant"].split()[0])
+               for r in result["rows"] if r.get("x_plain") is not None and r.get("peak_bytes") is not None]
+        for name, result in results.items() if isinstance(result, dict) and result.get("rows")
+    }
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+        written = plot_pareto(panels, path)
+    except ImportError as exc:
+        print(f"no plot: {exc}")
         return None
-    models = [m for m in results if results[m].get("rows")]
-    fig, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 5), squeeze=False)
-    for ax, name in zip(axes[0], models):
-        for r in results[name]["rows"]:
-            if r.get("x_plain") is None or r.get("peak_gib") is None:
-                continue
-            v = r["variant"]
-            marker = "o" if v.startswith("plan") else ("s" if v.startswith("offload") else "^")
-            ax.scatter(r["peak_gib"], r["x_plain"], marker=marker)
-            ax.annotate(v, (r["peak_gib"], r["x_plain"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
-        ax.set_title(name)
-        ax.set_xlabel("peak GiB")
-        ax.set_ylabel("step time / plain")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-    return path
+    except ValueError as exc:  # nothing measured (every contender failed)
+        print(f"no plot: {exc}")
+        return None
+    print(f"wrote {written}")
+    return written
 
 
 def main() -> None:

@@ -1,4 +1,4 @@
-"""SMALL: the CPU-bound workload (target T5 of BENCHMARKS.md).
+"""SMALL: the CPU-bound workload (target T5 of docs/benchmarks.md).
 
 16 x (Linear 1024->1024 + GELU), 256 tokens, bf16: every kernel is tiny, so the step time is the
 host's time to run Python and launch kernels, and any per-tensor CPU cost of offloading shows.

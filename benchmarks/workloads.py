@@ -1,4 +1,4 @@
-"""The reference workloads of BENCHMARKS.md, defined once and used by every benchmark.
+"""The reference workloads of docs/benchmarks.md, defined once and used by every benchmark.
 
 Each spec is a small frozen dataclass; ``spec.build(device)`` returns ``(layers, make_input)``:
 an ``nn.ModuleList`` (the layers in call order, reusing ``offload.models``) and a function that

@@ -6,7 +6,8 @@ Public API: :func:`get_cpu_offload_context` (TransformerEngine's call shape),
 :func:`start_offload`, :func:`is_cpu_offload_enabled`, :func:`is_cpu_offload_layer` and the flags
 ``CPUOffloadEnabled`` / ``CPUOffloadedLayer`` (read live). torchtune's ``NoOpManager``:
 :class:`keep_on_gpu`. CUDA graphs: ``offload.graphs``
-(:func:`offload.graphs.make_graphed_callables`, :class:`offload.graphs.StepGraph`).
+(:func:`offload.graphs.make_graphed_callables`, :class:`offload.graphs.StepGraph`). The keys of
+``ctx.stats``: :class:`StepStats`. Plots (matplotlib optional): ``offload.plot``.
 """
 
 from .api import (
@@ -24,12 +25,14 @@ from .arena import CaptureError
 from .marks import mark_activation_offload, mark_not_offload, start_offload
 from .native import native_available
 from .scope import is_cpu_offload_enabled, is_cpu_offload_layer, keep_on_gpu
+from .stats import StepStats
 
 __all__ = [
     "CaptureError",
     "DEFAULT_MIN_OFFLOAD_BYTES",
     "MODE_ENV_VAR",
     "ManualController",
+    "StepStats",
     "OffloadActivations",
     "OffloadContext",
     "get_cpu_offload_context",

@@ -17,13 +17,14 @@ import copy
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from .api import ENGINE_OPTIONS, _check_bool, _check_int, _got, build_engine, check_unknown_options
 from .schedules.auto import ScheduleAuto
+from .stats import StepStats
 from .step import first_grad_tensor
 from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
@@ -142,7 +143,8 @@ class OffloadActivations:
     with a ``ValueError``. Use :class:`offload.keep_on_gpu` for torchtune's ``NoOpManager``.
 
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
-    those of :func:`offload.get_cpu_offload_context`.
+    those of :func:`offload.get_cpu_offload_context`; ``device=None`` is the current CUDA device,
+    or, on a machine without CUDA, ``"cpu"`` (the host transport).
 
     Checkpointing composes: layers run under ``torch.utils.checkpoint`` (reentrant or not,
     around ``forward`` or ``__call__``, e.g. HF ``gradient_checkpointing_enable``) offload only
@@ -188,6 +190,10 @@ class OffloadActivations:
                     "min_offload_bytes, not both; they are the same option"
                 )
             options["min_offload_bytes"] = min_offload_size
+        if options.get("device") is None and not torch.cuda.is_available():
+            # No CUDA here: the host transport is the only one that can run, so a plain
+            # OffloadActivations(model.layers) works as written on a CPU-only machine.
+            options["device"] = "cpu"
         self.enabled = bool(enabled)
         self.auto = layers is None
         self.measure_peak = bool(measure_peak)
@@ -488,8 +494,9 @@ class OffloadActivations:
 
     # -- figures -----------------------------------------------------------------------------------
     @property
-    def stats(self) -> dict[str, Any]:
-        """Figures of the last finished step (see ``offload.stats.snapshot``); ``{}`` when disabled."""
+    def stats(self) -> Union[StepStats, dict[str, Any]]:
+        """Figures of the last finished step (or of the step in progress if none finished): every
+        key, its unit and meaning in :class:`offload.stats.StepStats`; ``{}`` when disabled."""
         return self.engine.stats() if self.engine is not None else {}
 
     def report(self) -> str:

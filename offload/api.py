@@ -29,6 +29,7 @@ from .group import GroupState
 from .keywords import reject_unknown
 from .policy import SELECTIONS, SelectionPolicy
 from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
+from .stats import StepStats
 from .transport import CudaTransport, HostTransport
 
 MODE_ENV_VAR = "NVTE_CPU_OFFLOAD_V1"
@@ -316,8 +317,9 @@ class OffloadContext:
         self.engine.end_layer(failed=exc_type is not None)
 
     @property
-    def stats(self) -> dict[str, Any]:
-        """Figures of the last finished step (see ``offload.stats.snapshot``)."""
+    def stats(self) -> StepStats:
+        """Figures of the last finished step (or of the step in progress if none finished):
+        every key, its unit and meaning in :class:`offload.stats.StepStats`."""
         return self.engine.stats()
 
     def report(self) -> str:

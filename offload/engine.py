@@ -1,6 +1,6 @@
 """The engine: saved-tensor hooks, the step and layer lifecycle, and the primitives schedules use.
 
-Lifetime of one saved tensor (see DESIGN.md for the data flow):
+Lifetime of one saved tensor (the data flow in brief: docs/design.md):
 - ``pack`` (forward): the policy keeps it (``(tensor, version, layer)`` is returned, the tensor
   detached unless it is a parameter, see below) or it joins the open layer's group and
   ``(group, index)`` is returned to autograd.

@@ -8,7 +8,7 @@ path never waits for the GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, TypedDict
 
 
 @dataclass
@@ -42,6 +42,83 @@ class StepCounters:
         self.kept[reason] = self.kept.get(reason, 0) + count
 
 
+class StepStats(TypedDict):
+    """The figures of one step, as ``ctx.stats`` / ``OffloadActivations.stats`` return them.
+
+    "D2H" is the copy out of the layer's memory (GPU to pinned host memory on the CUDA
+    transport, a host-to-host copy into the arena on the ``cpu`` transport), "H2D" the copy back.
+    A step is one forward and its backward.
+
+    - ``step`` (int): the step's number, counted from 1 by the context.
+    - ``mode`` (str): the schedule: ``"v1"``, ``"v2"``, ``"planned"``, with ``" (manual)"`` for
+      ``manual_synchronization=True``.
+    - ``transport`` (str): ``"cuda"`` (side-stream copies to pinned memory) or ``"cpu"`` (host
+      copies, ``device="cpu"``); ``"none"`` for a graphed layer without an engine.
+    - ``native`` (bool): the copies went through the native extension (``offload._C``), not the
+      pure-Python ``copy_`` loop.
+    - ``offloaded_tensors`` (int, tensors): saved tensors copied out (quantized storages count
+      once per component).
+    - ``offloaded_bytes`` (int, bytes): bytes of the storage spans copied out, after dedup (a
+      storage saved twice counts once).
+    - ``released_bytes`` (int, bytes): of ``offloaded_bytes``, the bytes whose originals were
+      then dropped: the memory offloading really freed during the step.
+    - ``kept`` (dict[str, int], tensors per reason): saved tensors left where they were, keyed by
+      the reasons ``offload.policy`` defines (its ``KEEP_*`` names: ``"parameter"``,
+      ``"marked"``, ``"small"``, ``"budget"``, ...); a reason never seen has no key.
+    - ``kept_tensors`` (int, tensors): the sum of ``kept``.
+    - ``groups_offloaded`` (int, groups): layer groups copied out (one group per offloaded layer).
+    - ``groups_kept`` (int, groups): groups left in place because no host region could be had
+      (the host budget or a pinned allocation failed): nothing is lost, memory is not saved.
+    - ``bytes_d2h`` (int, bytes): bytes copied out (the slot spans).
+    - ``bytes_h2d`` (int, bytes): bytes copied back (whole regions: slots plus alignment padding).
+    - ``reloads`` (int, copies): copies back, one per group reloaded.
+    - ``d2h_ms`` / ``h2d_ms`` (float, milliseconds): the *timed* copies' summed durations (CUDA
+      events on the copy streams; host clock on the ``cpu`` transport). Which copies are timed
+      is the ``timing`` option: all, none, or (default) those of 4 MiB or more. 0 when none was
+      timed (graph capture, ``timing=False``, only small copies).
+    - ``timed_bytes_d2h`` / ``timed_bytes_h2d`` (int, bytes): the bytes of the timed copies.
+    - ``d2h_gbps`` / ``h2d_gbps`` (float or None, GB/s = 1e9 bytes per second): timed bytes over
+      timed time, None when no copy was timed.
+    - ``wait_ms`` (float, milliseconds): time the compute stream waited for timed copies (release
+      waits on a D2H, use waits on an H2D): the part of the copies not hidden under compute.
+    - ``pinned_bytes_held`` (int, bytes): host memory the arena holds now, as really locked
+      (page rounding included; pinned on CUDA, plain host memory on the ``cpu`` transport),
+      reused from step to step.
+    - ``pinned_allocations`` (int, allocations): host blocks allocated during the step (0 in a
+      steady step: the arena is reused).
+    - ``finished`` (bool): the step's backward is done (else the figures are of a step still in
+      progress).
+    - ``captured`` (bool): the step was recorded into a CUDA graph: the figures describe every
+      replay, and copy and wait times are not measured.
+    """
+
+    step: int
+    mode: str
+    transport: str
+    native: bool
+    offloaded_tensors: int
+    offloaded_bytes: int
+    released_bytes: int
+    kept: dict[str, int]
+    kept_tensors: int
+    groups_offloaded: int
+    groups_kept: int
+    bytes_d2h: int
+    bytes_h2d: int
+    reloads: int
+    d2h_ms: float
+    h2d_ms: float
+    d2h_gbps: Optional[float]
+    h2d_gbps: Optional[float]
+    timed_bytes_d2h: int
+    timed_bytes_h2d: int
+    wait_ms: float
+    pinned_bytes_held: int
+    pinned_allocations: int
+    finished: bool
+    captured: bool
+
+
 def _elapsed_ms(start: Any, end: Any) -> float:
     if start is None or end is None:
         return 0.0
@@ -49,8 +126,9 @@ def _elapsed_ms(start: Any, end: Any) -> float:
     return float(start.elapsed_time(end))
 
 
-def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport: str) -> dict[str, Any]:
-    """The step's figures as a plain dict (reads the step's CUDA events; may wait for them)."""
+def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport: str) -> StepStats:
+    """The step's figures as a plain dict, keys as :class:`StepStats` documents them (reads the
+    step's CUDA events; may wait for them)."""
     d2h_ms = sum(_elapsed_ms(s, e) for d, _, s, e in c.copies if d == "d2h")
     h2d_ms = sum(_elapsed_ms(s, e) for d, _, s, e in c.copies if d == "h2d")
     # Rates over the timed copies only (untimed copies have no duration to divide by).
@@ -61,33 +139,33 @@ def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport
     def gbps(nbytes: int, ms: float) -> Optional[float]:
         return nbytes / ms / 1e6 if ms > 0 else None
 
-    return {
-        "step": c.step,
-        "mode": c.mode,
-        "transport": transport,
-        "native": native,
-        "offloaded_tensors": c.offloaded_tensors,
-        "offloaded_bytes": c.offloaded_bytes,
-        "released_bytes": c.released_bytes,
-        "kept": dict(c.kept),
-        "kept_tensors": sum(c.kept.values()),
-        "groups_offloaded": c.groups_offloaded,
-        "groups_kept": c.groups_kept,
-        "bytes_d2h": c.bytes_d2h,
-        "bytes_h2d": c.bytes_h2d,
-        "reloads": c.reloads,
-        "d2h_ms": d2h_ms,
-        "h2d_ms": h2d_ms,
-        "d2h_gbps": gbps(d2h_timed, d2h_ms),
-        "h2d_gbps": gbps(h2d_timed, h2d_ms),
-        "timed_bytes_d2h": d2h_timed,
-        "timed_bytes_h2d": h2d_timed,
-        "wait_ms": wait_ms,
-        "pinned_bytes_held": pinned_bytes_held,
-        "pinned_allocations": c.pinned_allocations,
-        "finished": c.finished,
-        "captured": c.captured,
-    }
+    return StepStats(
+        step=c.step,
+        mode=c.mode,
+        transport=transport,
+        native=native,
+        offloaded_tensors=c.offloaded_tensors,
+        offloaded_bytes=c.offloaded_bytes,
+        released_bytes=c.released_bytes,
+        kept=dict(c.kept),
+        kept_tensors=sum(c.kept.values()),
+        groups_offloaded=c.groups_offloaded,
+        groups_kept=c.groups_kept,
+        bytes_d2h=c.bytes_d2h,
+        bytes_h2d=c.bytes_h2d,
+        reloads=c.reloads,
+        d2h_ms=d2h_ms,
+        h2d_ms=h2d_ms,
+        d2h_gbps=gbps(d2h_timed, d2h_ms),
+        h2d_gbps=gbps(h2d_timed, h2d_ms),
+        timed_bytes_d2h=d2h_timed,
+        timed_bytes_h2d=h2d_timed,
+        wait_ms=wait_ms,
+        pinned_bytes_held=pinned_bytes_held,
+        pinned_allocations=c.pinned_allocations,
+        finished=c.finished,
+        captured=c.captured,
+    )
 
 
 def format_bytes(n: float) -> str:
@@ -99,8 +177,20 @@ def format_bytes(n: float) -> str:
     return f"{n:.1f} GiB"
 
 
-def format_report(s: dict[str, Any]) -> str:
-    """A readable table of one :func:`snapshot`."""
+# The report's words for each transport: a GPU's copies go over PCIe to pinned memory; the host
+# transport copies within host memory, where "GPU" and "D2H" would be false.
+_REPORT_WORDS = {
+    "cuda": {"released": "released from the GPU", "out": "D2H", "back": "H2D",
+             "kept_groups": "groups kept on GPU", "held": "pinned held"},
+    "cpu": {"released": "originals freed after the host copy", "out": "host copy out",
+            "back": "host copy back", "kept_groups": "groups kept in place", "held": "host arena held"},
+}
+
+
+def format_report(s: StepStats) -> str:
+    """A readable table of one :func:`snapshot`, worded for its transport (GPU and D2H/H2D on
+    ``cuda``; host copies and the host arena on ``cpu``)."""
+    words = _REPORT_WORDS["cpu" if s["transport"] == "cpu" else "cuda"]
 
     def rate(v: Optional[float]) -> str:
         return f"{v:.1f} GB/s" if v is not None else "-"
@@ -118,16 +208,13 @@ def format_report(s: dict[str, Any]) -> str:
                  f"{', captured in a CUDA graph: times not measured' if s['captured'] else ''})"),
         ("mode / transport", f"{s['mode']} / {s['transport']} ({'native' if s['native'] else 'python'} copies)"),
         ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} groups"),
-        ("bytes offloaded", f"{format_bytes(s['offloaded_bytes'])} ({format_bytes(s['released_bytes'])} released from the GPU)"),
+        ("bytes offloaded", f"{format_bytes(s['offloaded_bytes'])} ({format_bytes(s['released_bytes'])} {words['released']})"),
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
-        ("groups kept on GPU", str(s["groups_kept"])),
-        ("D2H", f"{format_bytes(s['bytes_d2h'])}{timed(s['timed_bytes_d2h'], s['bytes_d2h'], s['d2h_ms'])}, {rate(s['d2h_gbps'])}"),
-        ("H2D", f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
+        (words["kept_groups"], str(s["groups_kept"])),
+        (words["out"], f"{format_bytes(s['bytes_d2h'])}{timed(s['timed_bytes_d2h'], s['bytes_d2h'], s['d2h_ms'])}, {rate(s['d2h_gbps'])}"),
+        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
-        (
-            "pinned held" if s["transport"] == "cuda" else "host arena held",
-            f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)",
-        ),
+        (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["offload report", "-" * (width + 40)]

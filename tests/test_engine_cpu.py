@@ -640,7 +640,7 @@ def test_stats_and_arena_reuse(gpt) -> None:
     assert s["kept"].get("parameter", 0) > 0
     assert s["offloaded_bytes"] == s["bytes_d2h"]
     text = ctx.report()
-    for label in ("tensors offloaded", "bytes offloaded", "tensors kept", "D2H", "H2D", "compute waited", "host arena held"):
+    for label in ("tensors offloaded", "bytes offloaded", "tensors kept", "host copy out", "host copy back", "compute waited", "host arena held"):
         assert label in text
 
 

@@ -60,7 +60,7 @@ def two_layers(**kw) -> StepProfile:
 
 
 def llama_1b(n: int = 16) -> StepProfile:
-    """LLAMA-1B-like (BENCHMARKS.md): ~1.5 GiB saved per layer in 14 slots, 64 MiB inputs,
+    """LLAMA-1B-like (docs/benchmarks.md): ~1.5 GiB saved per layer in 14 slots, 64 MiB inputs,
     6 ms forward / 12 ms backward per layer, the H100 link, 4 GiB base, 3 GiB head."""
     slots = (256 * MiB,) * 4 + (64 * MiB,) * 8 + (16 * MiB,) * 2
     layer = LayerProfile(slots, 64 * MiB, 6.0, 12.0, "llama-1b-layer")
