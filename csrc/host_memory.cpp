@@ -93,7 +93,7 @@ PinnedHostBuffer::PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t co
   }
   mapping_ = base;
   if (touch_threads <= 0)
-    touch_threads = static_cast<int>(std::min<size_t>(16, std::max<size_t>(1, mapped_ >> 29)));
+    touch_threads = static_cast<int>(std::min<size_t>(8, std::max<size_t>(1, mapped_ >> 26)));
   touch_threads = std::min<int>(touch_threads, std::max(1u, std::thread::hardware_concurrency()));
   touch_pages(base, mapped_, kSmallPage * (huge ? 512 : 1), touch_threads);
   try {

@@ -25,7 +25,8 @@ const char* pin_method_name(PinMethod m);
 class PinnedHostBuffer {
  public:
   // Throws std::runtime_error (naming the call and the size) when the host refuses; nothing is
-  // left allocated then. `touch_threads` <= 0 picks one per 512 MiB, at most 16.
+  // left allocated then. `touch_threads` <= 0 picks one per 64 MiB, at most 8 (the
+  // host's other threads still run Python and autograd meanwhile).
   PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t context, int touch_threads);
   ~PinnedHostBuffer();
   PinnedHostBuffer(const PinnedHostBuffer&) = delete;

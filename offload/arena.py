@@ -172,8 +172,14 @@ class HostArena:
 
     def sizes_for(self, nbytes: int, blocks_if_unknown: int) -> list[int]:
         """Block sizes that add up to at least ``nbytes``: the sizes the latest step asked for,
-        repeated, or ``blocks_if_unknown`` equal blocks when no step has asked yet."""
-        pattern = list(self._step_sizes) or [-(-nbytes // max(1, blocks_if_unknown))]
+        repeated, or ``blocks_if_unknown`` equal blocks when no step has asked yet. Equal blocks
+        get 1/8 of headroom: layers' groups differ a little (the first layer's input is a leaf,
+        for one), and a block serves requests of half to all of its size, not more."""
+        if self._step_sizes:
+            pattern = list(self._step_sizes)
+        else:
+            share = -(-nbytes // max(1, blocks_if_unknown))
+            pattern = [share + share // 8]
         sizes: list[int] = []
         total = 0
         while total < nbytes:

@@ -64,21 +64,16 @@ def capture_train_step(layers, x_static, ctx=None, sync=None):
 def delay_copies(monkeypatch, cycles: int = CYCLES) -> None:
     """Sleep on the copy stream right before every D2H and H2D (inside the capture, after the
     copy stream has joined it, so that replays are delayed too)."""
-    real_slots, real_region = transport_module.copy_slots, transport_module.copy_region
+    real_submit = transport_module.CudaTransport._submit
 
-    def slow_slots(group, region, *, use_native, device, stream):
-        with torch.cuda.stream(stream):
+    def slow_submit(self, copy_stream, *args, **kwargs):
+        side = self.d2h_stream if copy_stream is self._d2h or copy_stream == self._d2h else self.h2d_stream
+        side.wait_stream(torch.cuda.current_stream())  # joins the capture, as the copy will
+        with torch.cuda.stream(side):
             torch.cuda._sleep(cycles)
-        real_slots(group, region, use_native=use_native, device=device, stream=stream)
+        return real_submit(self, copy_stream, *args, **kwargs)
 
-    def slow_region(buffer, group, *, use_native, stream):
-        with torch.cuda.stream(stream):
-            torch.cuda._sleep(cycles)
-        real_region(buffer, group, use_native=use_native, stream=stream)
-
-    monkeypatch.setattr(transport_module, "copy_slots", slow_slots)
-    monkeypatch.setattr(transport_module, "copy_region", slow_region)
-
+    monkeypatch.setattr(transport_module.CudaTransport, "_submit", slow_submit)
 
 
 # -- whole-step capture ------------------------------------------------------------------------------

@@ -1,0 +1,204 @@
+"""Host blocks: exact bytes held, pinning ahead (reserve, background, growth forecast), host
+refusals, the ``timing`` option and the profiler ranges. Runs on CPU: the arena is given an
+allocator that stands in for the pinned one (same contract: ``n -> (block, bytes held)``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import offload
+from offload.arena import BLOCK_GRANULE, HostArena
+
+from _util import assert_bitwise, cpu_context, make_mlp_layers, plain_reference, train_step
+
+
+class FakePinned:
+    """Allocator that rounds like a huge-page pinner (2 MiB) and records who called it."""
+
+    def __init__(self, round_to: int = 2 << 20, fail: bool = False, gate: threading.Event | None = None) -> None:
+        self.round_to = round_to
+        self.fail = fail
+        self.gate = gate
+        self.calls: list[tuple[int, str]] = []
+
+    def __call__(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        self.calls.append((nbytes, threading.current_thread().name))
+        if self.gate is not None:
+            self.gate.wait(10)
+        if self.fail:
+            raise RuntimeError("cuMemHostRegister failed with CUDA_ERROR_OUT_OF_MEMORY")
+        return torch.empty(nbytes, dtype=torch.uint8), -(-nbytes // self.round_to) * self.round_to
+
+
+def pinned_arena(allocator: FakePinned, budget: int = 1 << 30) -> HostArena:
+    return HostArena(pinned=True, budget_bytes=budget, retain=False, allocate=allocator)
+
+
+def test_bytes_held_are_the_bytes_really_pinned() -> None:
+    alloc = FakePinned()
+    arena = pinned_arena(alloc)
+    region = arena.acquire(3 * BLOCK_GRANULE, step=1)
+    assert region is not None and region.block.numel() == 3 * BLOCK_GRANULE
+    assert arena.counters.bytes_held == 2 << 20  # what the allocator says it locked, not the request
+    arena.release(region, None)
+    other = arena.acquire(40 * BLOCK_GRANULE, step=2)  # too big for the idle block: a new one
+    assert arena.counters.bytes_held == (2 << 20) + (4 << 20)
+    arena.end_step(2)  # the first block was not used in step 2: trimmed, its real bytes given back
+    assert arena.counters.bytes_held == 4 << 20 and other is not None
+
+
+def test_reserve_pins_ahead_and_the_step_then_allocates_nothing() -> None:
+    layers, x = make_mlp_layers(4, width=64), torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(3, 4)
+    probe_ctx, probe_sync = cpu_context(3, 4)
+    train_step(layers, x, probe_ctx, probe_sync)
+    group_bytes = probe_ctx.engine.arena.counters.bytes_in_use or probe_ctx.stats["bytes_h2d"] // 3
+    reserved = ctx.reserve(3 * group_bytes)
+    assert reserved >= 3 * group_bytes
+    before = ctx.engine.arena.counters.pinned_allocations
+    assert before == 3  # one block per offloaded layer: nbytes cut into equal blocks
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.engine.arena.counters.pinned_allocations == before
+    assert ctx.stats["pinned_allocations"] == 0
+
+
+def test_reserve_after_a_step_repeats_its_group_sizes() -> None:
+    alloc = FakePinned(round_to=1)
+    arena = pinned_arena(alloc)
+    for size in (5 * BLOCK_GRANULE, 2 * BLOCK_GRANULE):
+        arena.acquire(size, step=1)
+    assert arena.sizes_for(14 * BLOCK_GRANULE, blocks_if_unknown=9) == [5 * BLOCK_GRANULE, 2 * BLOCK_GRANULE] * 2
+    fresh = pinned_arena(FakePinned())
+    assert fresh.sizes_for(30, blocks_if_unknown=3) == [11, 11, 11]  # 1/8 headroom
+
+
+@pytest.mark.parametrize("bad, error", [(-1, ValueError), (1.5, TypeError), (True, TypeError), ("8", TypeError)])
+def test_reserve_bad_input(bad: Any, error: type) -> None:
+    ctx, _ = cpu_context(1, 2)
+    with pytest.raises(error, match="reserve"):
+        ctx.reserve(bad)
+
+
+def test_reserve_over_the_host_budget_names_it_and_pins_nothing() -> None:
+    ctx, _ = cpu_context(2, 3, host_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"host budget of 1048576 bytes \(host_budget_bytes"):
+        ctx.reserve(4 << 20)
+    assert ctx.engine.arena.counters.bytes_held == 0
+    oa = offload.OffloadActivations(make_mlp_layers(3), device="cpu", host_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="host budget"):
+        oa.reserve(4 << 20)
+
+
+def test_background_preallocate_runs_on_the_pinner_thread_and_acquire_waits_for_it() -> None:
+    gate = threading.Event()
+    alloc = FakePinned(gate=gate)
+    arena = pinned_arena(alloc)
+    arena.preallocate([4 * BLOCK_GRANULE], background=True)
+    assert arena.counters.bytes_pending == 4 * BLOCK_GRANULE
+    threading.Timer(0.2, gate.set).start()  # the block finishes pinning while acquire waits
+    region = arena.acquire(3 * BLOCK_GRANULE, step=1)
+    assert region is not None and region.block.numel() == 4 * BLOCK_GRANULE
+    assert arena.counters.waited_for_pinning == 1
+    assert arena.counters.bytes_pending == 0
+    assert [name for _, name in alloc.calls] and all(n.startswith("offload-pinner") for _, n in alloc.calls)
+
+
+def test_first_miss_forecasts_the_steps_remaining_layers() -> None:
+    alloc = FakePinned()
+    arena = pinned_arena(alloc)
+    first = arena.acquire(BLOCK_GRANULE, step=1, expected_more=3)
+    assert first is not None
+    later = [arena.acquire(BLOCK_GRANULE, step=1, expected_more=2 - i) for i in range(3)]
+    assert all(r is not None for r in later)
+    pinner_calls = [n for n, name in alloc.calls if name.startswith("offload-pinner")]
+    assert len(pinner_calls) == 3  # the three later layers were pinned in the background
+    assert len(alloc.calls) == 4 and arena.counters.pinned_allocations == 4
+
+
+def test_forecast_stays_inside_the_budget() -> None:
+    alloc = FakePinned(round_to=1)
+    arena = pinned_arena(alloc, budget=3 * BLOCK_GRANULE)
+    arena.acquire(BLOCK_GRANULE, step=1, expected_more=10)
+    assert arena.counters.bytes_pending + arena.counters.bytes_held <= 3 * BLOCK_GRANULE
+
+
+def test_host_refusal_keeps_the_group_on_the_gpu_counted_as_budget_and_loses_nothing() -> None:
+    layers, x = make_mlp_layers(4, width=64), torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(3, 4)
+    ctx.engine.arena.allocate = FakePinned(fail=True)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    stats = ctx.stats
+    assert stats["groups_kept"] == 3 and stats["kept"].get("budget", 0) > 0
+    assert stats["offloaded_tensors"] == 0 and ctx.engine.arena.counters.failures == 3
+
+
+def test_background_refusal_falls_back_to_allocating_now() -> None:
+    alloc = FakePinned(fail=True)
+    arena = pinned_arena(alloc)
+    arena.preallocate([BLOCK_GRANULE], background=True)
+    alloc.fail = False
+    # The queued block may or may not have failed yet; either way acquire ends with a block.
+    assert arena.acquire(BLOCK_GRANULE, step=1) is not None
+
+
+def test_background_pinning_at_exit_does_not_crash_the_interpreter() -> None:
+    script = textwrap.dedent(
+        """
+        import time, torch
+        from offload.arena import HostArena
+        def slow(n):
+            time.sleep(0.3)
+            return torch.empty(n, dtype=torch.uint8), n
+        arena = HostArena(pinned=True, budget_bytes=1 << 30, retain=False, allocate=slow)
+        arena.preallocate([1 << 16] * 5, background=True)
+        time.sleep(0.05)
+        del arena   # dropped with blocks queued and one being pinned
+        print("done")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "done"
+    assert "Traceback" not in result.stderr and "Exception" not in result.stderr
+
+
+@pytest.mark.parametrize("timing", [None, True, False])
+def test_timing_option(timing: Any) -> None:
+    layers, x = make_mlp_layers(4, width=64), torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(3, 4, timing=timing)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    stats = ctx.stats
+    if timing is False:
+        assert stats["timed_bytes_d2h"] == 0 and stats["d2h_gbps"] is None
+        assert "not timed" in ctx.report()
+    else:  # the host clock costs nothing: host copies are timed unless turned off
+        assert stats["timed_bytes_d2h"] == stats["bytes_d2h"] > 0
+
+
+def test_timing_must_be_a_bool_or_none() -> None:
+    with pytest.raises(TypeError, match="timing"):
+        cpu_context(1, 2, timing="yes")
+
+
+def test_profiler_trace_names_the_offload_work() -> None:
+    layers, x = make_mlp_layers(4, width=64), torch.randn(8, 64)
+    ctx, sync = cpu_context(3, 4)
+    train_step(layers, x, ctx, sync)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        train_step(layers, x, ctx, sync)
+    names = {e.name for e in prof.events()}
+    for name in ("offload::pack", "offload::offload", "offload::release_wait", "offload::reload", "offload::unpack"):
+        assert name in names, f"{name} missing from the trace"
+    counts = {n: sum(e.name == n for e in prof.events()) for n in ("offload::offload", "offload::pack")}
+    assert counts["offload::offload"] == 3  # one per offloaded layer
+    assert counts["offload::pack"] == ctx.stats["offloaded_tensors"] + ctx.stats["kept_tensors"] - ctx.stats["kept"].get("layer", 0)
