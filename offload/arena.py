@@ -53,6 +53,15 @@ BLOCK_GRANULE = 64 * 1024
 # A free block is reused for a request only if it is at most this much larger than the request,
 # so one huge idle block doesn't get tied up by a small group.
 REUSE_SLACK = 2.0
+# A block pinned for a size only guessed (the growth forecast, a reserve cut into equal blocks)
+# gets this fraction of headroom: layers' groups differ a little (the first layer's input is a
+# leaf, for one), and a block serves requests of half to all of its size, never more.
+GUESS_HEADROOM = 1 / 8
+
+
+def with_headroom(nbytes: int) -> int:
+    """``nbytes`` plus the headroom of a guessed block, in whole granules."""
+    return align_up(nbytes + int(nbytes * GUESS_HEADROOM), BLOCK_GRANULE)
 
 
 def default_host_budget_bytes() -> int:
@@ -172,14 +181,11 @@ class HostArena:
 
     def sizes_for(self, nbytes: int, blocks_if_unknown: int) -> list[int]:
         """Block sizes that add up to at least ``nbytes``: the sizes the latest step asked for,
-        repeated, or ``blocks_if_unknown`` equal blocks when no step has asked yet. Equal blocks
-        get 1/8 of headroom: layers' groups differ a little (the first layer's input is a leaf,
-        for one), and a block serves requests of half to all of its size, not more."""
+        repeated, or ``blocks_if_unknown`` equal blocks (with headroom) when no step has asked."""
         if self._step_sizes:
             pattern = list(self._step_sizes)
         else:
-            share = -(-nbytes // max(1, blocks_if_unknown))
-            pattern = [share + share // 8]
+            pattern = [with_headroom(-(-nbytes // max(1, blocks_if_unknown)))]
         sizes: list[int] = []
         total = 0
         while total < nbytes:
@@ -304,10 +310,11 @@ class HostArena:
             forecast = 0
             # Host blocks that are not pinned cost no more than any allocation: no forecast.
             if self.pinned and expected_more > 0 and not self._pending:
-                room = (self.budget_bytes - self._committed() - size) // size
+                guess = with_headroom(size)
+                room = (self.budget_bytes - self._committed() - size) // guess
                 forecast = max(0, min(expected_more, room))
         for _ in range(forecast):
-            self._queue(size)
+            self._queue(guess)
         try:
             block, pinned_bytes = self.allocate(size)
         except RuntimeError:
