@@ -488,6 +488,15 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+def _offload_package() -> Optional[str]:
+    try:
+        import offload as package
+
+        return str(Path(package.__file__).resolve().parent)
+    except Exception:  # noqa: BLE001 - metadata only
+        return None
+
+
 def metadata(env: Env) -> dict[str, Any]:
     """Device, versions, date and how the offload package was found."""
     try:
@@ -508,6 +517,9 @@ def metadata(env: Env) -> dict[str, Any]:
         "git_commit": _git_commit(),
         "cpu_smoke": env.smoke,
         "native": native_state,
+        # Which offload package ran: a script of this tree may run against another checkout's
+        # package (PYTHONPATH), e.g. the engine before a change, for before/after tables.
+        "offload_package": _offload_package(),
         "env": {k: os.environ[k] for k in ("OFFLOAD_NATIVE", "NVTE_CPU_OFFLOAD_V1", "CUDA_VISIBLE_DEVICES") if k in os.environ},
         "args": {k: v for k, v in vars(env.args).items()},
     }

@@ -32,25 +32,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RESULTS_DIR, Env, free_memory, gib, make_parser, print_table, setup, time_steps, verdict, write_json,
 )
-from workloads import WORKLOADS, LlamaSpec, scale_for  # noqa: E402
+from workloads import WORKLOADS, LlamaSpec, llama_step, scale_for  # noqa: E402
 
 import offload  # noqa: E402
 from offload.planner import Action, LayerPlan, plan_for  # noqa: E402
 from offload.plot import ParetoPoint, plot_pareto  # noqa: E402
-
-
-def llama_step(model: torch.nn.Module, ids: torch.Tensor, wrapper: Optional[Callable[[], Any]] = None) -> Callable[[], None]:
-    """One training step: loss, backward, gradients dropped (no optimizer)."""
-    params = [p for p in model.parameters() if p.requires_grad]
-
-    def step() -> None:
-        with wrapper() if wrapper is not None else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        for p in params:
-            p.grad = None
-
-    return step
 
 
 def timed_row(env: Env, label: str, step: Callable[[], None], **extra: Any) -> dict[str, Any]:

@@ -20,10 +20,12 @@ CPU cost per offloaded tensor, measured two ways:
 1. end to end: (host ms of the offload step - host ms of the plain step) / tensors offloaded per
    step. This charges everything the engine adds to the step (hooks, layer entry/exit, schedule,
    events, copy submission, backward markers) to the offloaded tensors: an upper bound.
-2. direct: the engine's own ``pack`` / layer exit (group close, layout, D2H submission) / ``unpack``
-   (reload submission, waits, typed views) called by hand in a loop on CUDA tensors, outside
-   autograd, timed with perf_counter, per tensor. Two shapes: SMALL's (16 layers, 2 tensors of
-   512 KiB per offloaded layer) and one big group (64 tensors in one layer).
+2. direct: the engine's own ``pack`` / layer boundary (entry, exit with group close, layout, D2H
+   submission, releases) / ``unpack`` (the backward marker's reload submission, waits, typed views)
+   called by hand in a loop on CUDA tensors, outside autograd, timed with perf_counter, per tensor
+   (the loop of ``engine_parts.py``; ``cpu_overhead.py`` shows every part on its own). Two
+   shapes: SMALL's (16 layers, 2 tensors of 512 KiB per offloaded layer) and one big group (64
+   tensors in one layer).
 
 T5: offload on <= 1.3 x plain step; hooks + submission <= 5 us of CPU per offloaded tensor
 (judged on the direct measurement of the SMALL shape with the native extension; the end-to-end
@@ -44,6 +46,7 @@ from typing import Any, Optional
 import torch
 
 import common
+import engine_parts
 import workloads
 
 MICRO_SHAPES = {
@@ -65,71 +68,30 @@ def set_native(enabled: bool) -> tuple[bool, str]:
 def micro_pack_unpack(env: common.Env, shape: str, nbytes: int, *, reps: int, warmup: int) -> dict[str, Any]:
     """Host cost of the engine's per-tensor work, called by hand (no autograd in the loop).
 
-    One rep = one step: for each layer, enter its context, ``pack`` the layer's tensors, exit it
-    (the group is closed and its D2H submitted; releases happen at the next layer's entry), then
-    ``unpack`` every handle, last layer first (the first unpack of a group submits its reload and
-    makes the compute stream wait for it). Nothing synchronises the host inside a rep; the GPU is
-    drained between reps, outside the timed spans.
+    The loop of ``engine_parts.measure_parts`` (default options), its parts summed into three
+    columns per offloaded tensor: pack; layer boundary (entry, exit with the group close, layout and
+    D2H submission, releases); unpack (the backward marker's reload submission, waits, typed views).
     """
     model_layers, k, per_layer = MICRO_SHAPES[shape]
-    ctx, _ = common.offload_context(env, k, model_layers)
-    engine = ctx.engine
-    numel = nbytes // 2
-    pool = [[torch.randn(numel, device=env.device, dtype=torch.bfloat16) for _ in range(per_layer)] for _ in range(k)]
-    pack_t: list[float] = []
-    bound_t: list[float] = []
-    unpack_t: list[float] = []
-    for rep in range(warmup + reps):
-        handles: list[list[Any]] = []
-        t_pack = t_bound = 0.0
-        for layer in range(model_layers):
-            a = time.perf_counter()
-            ctx.__enter__()
-            b = time.perf_counter()
-            if layer < k:
-                handles.append([engine.pack(t) for t in pool[layer]])
-            c = time.perf_counter()
-            ctx.__exit__(None, None, None)
-            d = time.perf_counter()
-            t_pack += c - b
-            t_bound += (b - a) + (d - c)
-        a = time.perf_counter()
-        outs = [engine.unpack(h) for hs in reversed(handles) for h in hs]
-        b = time.perf_counter()
-        bad = [i for i, o in enumerate(outs) if not isinstance(o, torch.Tensor)]
-        if bad:
-            raise RuntimeError(f"engine.unpack returned non-tensors for entries {bad[:5]}")
-        del outs, handles
-        # Let the GPU drain between reps (untimed): otherwise the host runs ahead, the stream's
-        # queue fills and submissions start to block, which would inflate the host figures.
-        env.sync()
-        if rep >= warmup:
-            pack_t.append(t_pack)
-            bound_t.append(t_bound)
-            unpack_t.append(b - a)
-    env.sync()
-    stats = common.offload_stats(ctx)
-    n = k * per_layer
-    if stats["offloaded_tensors"] != n:
-        print(f"  note: micro {shape}: engine offloaded {stats['offloaded_tensors']} of {n} tensors per step "
-              f"(kept: {stats['kept']})")
-    us = lambda v: statistics.median(v) / n * 1e6  # noqa: E731
+    parts = engine_parts.measure_parts(
+        env, engine_parts.PartsShape(shape, model_layers, k, per_layer, nbytes), reps=reps, warmup=warmup,
+    )
+    per_tensor = lambda *names: sum(parts[f"{p}_us_t"] or 0.0 for p in names)  # noqa: E731
     res = {
         "shape": shape,
         "model_layers": model_layers,
         "num_layers": k,
         "tensors_per_layer": per_layer,
         "tensor_bytes": nbytes,
-        "tensors_per_step": n,
-        "offloaded_per_step": stats["offloaded_tensors"],
-        "native": stats.get("native"),
-        "pack_us": us(pack_t),
-        "boundary_us": us(bound_t),
-        "unpack_us": us(unpack_t),
+        "tensors_per_step": parts["tensors_per_step"],
+        "offloaded_per_step": parts["offloaded_per_step"],
+        "native": parts["native"],
+        "pack_us": per_tensor("pack"),
+        "boundary_us": per_tensor("entry", "exit", "release"),
+        "unpack_us": per_tensor("reach", "unpack"),
+        "parts": parts,
     }
     res["total_us"] = res["pack_us"] + res["boundary_us"] + res["unpack_us"]
-    del ctx, engine, pool
-    common.free_memory(env)
     return res
 
 

@@ -15,11 +15,16 @@ and rounded; the number of layers never changes, so a num_layers sweep stays the
 * LLAMA-1B / LLAMA-2B: real model code nobody here wrote, HuggingFace ``LlamaForCausalLM`` with
   random init (no download), bf16, SDPA attention, no KV cache, vocab 32000. ``LlamaSpec.build``
   returns ``(model, ids)``: the repeated layers are ``model.model.layers``, and the loss is
-  ``model(input_ids=ids, labels=ids).loss``. Needs ``transformers``.
+  ``model(input_ids=ids, labels=ids).loss`` (``llama_step``). Needs ``transformers``.
+* MOE: 8 MoE layers of 64 expert MLPs (Linear 512->1024, GELU, Linear 1024->512), 2048 tokens
+  routed by a fixed random top-1 assignment (32 tokens per expert), bf16: a layer saves ~4 small
+  tensors per expert (hundreds per layer), the shape where per-tensor CPU cost shows. Not in
+  BENCHMARKS.md's list; ``cpu_overhead.py`` (issue 12) uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -202,6 +207,95 @@ class LlamaSpec:
                 f"vocab {self.vocab}, {str(self.dtype).replace('torch.', '')}, sdpa")
 
 
+def llama_step(model: nn.Module, ids: torch.Tensor, wrapper: Optional[Callable[[], Any]] = None) -> Callable[[], None]:
+    """One training step of a Llama built by :meth:`LlamaSpec.build`: loss, backward, gradients
+    dropped (no optimizer). ``wrapper``: a context manager factory put around the forward (an
+    ``OffloadActivations``, ``save_on_cpu``...)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        with wrapper() if wrapper is not None else contextlib.nullcontext():
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        for p in params:
+            p.grad = None
+
+    return step
+
+
+class MoELayer(nn.Module):
+    """A mixture-of-experts MLP layer with a frozen routing: each expert, a small MLP, runs on its
+    own fixed slice of the tokens (a random top-1 assignment drawn once, the same count each).
+
+    Per expert autograd saves the gathered tokens, the GELU input, the second Linear's input and
+    the gather index (each its own storage), so one layer saves ``4 * experts + 1`` activations:
+    many small tensors in one layer's group. No router GEMM or load balancing: the routing is not
+    what is measured.
+    """
+
+    def __init__(self, hidden: int, ffn: int, experts: int, tokens: int, *, seed: int, device: Any = None, dtype: Any = None) -> None:
+        super().__init__()
+        if tokens < experts:
+            raise ValueError(f"MoELayer: {tokens} tokens cannot feed {experts} experts")
+        kw = {"device": device, "dtype": dtype}
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(hidden, ffn, **kw), nn.GELU(), nn.Linear(ffn, hidden, **kw)) for _ in range(experts)
+        )
+        order = torch.randperm(tokens, generator=torch.Generator().manual_seed(seed))
+        # Constants, not buffers: nothing should move or save them with the module. Cloned so that
+        # each index is its own storage, as a real router's per-expert indices are.
+        self.routes = [chunk.clone().to(device) for chunk in order.tensor_split(experts)]
+        self.inverse = torch.argsort(order).to(device)  # concatenated expert outputs -> token order
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([expert(x.index_select(0, idx)) for expert, idx in zip(self.experts, self.routes)])
+        return x + y.index_select(0, self.inverse)
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """A stack of :class:`MoELayer` fed (tokens, hidden): host-bound, hundreds of saved tensors a layer."""
+
+    name: str
+    hidden: int
+    ffn: int
+    experts: int
+    layers: int
+    tokens: int
+    dtype: torch.dtype = torch.bfloat16
+
+    def scaled(self, scale: float) -> "MoESpec":
+        if scale == 1:
+            return self
+        # Keep the experts (the tensor count is what MOE is about); shrink the widths, and the
+        # tokens down to a few per expert (64 tiny GEMMs a layer are slow on a CPU).
+        tokens = max(2 * self.experts, int(self.tokens * scale))
+        return replace(self, hidden=_scaled(self.hidden, scale, 16), ffn=_scaled(self.ffn, scale, 16), tokens=tokens)
+
+    @property
+    def expert_tokens(self) -> int:
+        """Tokens per expert (the largest slice when they do not divide evenly)."""
+        return -(-self.tokens // self.experts)
+
+    def build(self, device: Any, seed: int = 0) -> tuple[nn.ModuleList, InputFactory]:
+        dev = torch.device(device)
+        torch.manual_seed(seed)
+        layers = nn.ModuleList(
+            MoELayer(self.hidden, self.ffn, self.experts, self.tokens, seed=seed + i, device=dev, dtype=self.dtype)
+            for i in range(self.layers)
+        )
+        return layers, _input_factory((self.tokens, self.hidden), dev, self.dtype)
+
+    def describe(self) -> str:
+        return (f"{self.name}: {self.layers} x MoE layer ({self.experts} experts of Linear {self.hidden}->{self.ffn} + GELU "
+                f"+ Linear {self.ffn}->{self.hidden}, fixed random top-1 routing, {self.expert_tokens} tokens each), "
+                f"{self.tokens} tokens, {str(self.dtype).replace('torch.', '')}")
+
+
+def moe(scale: float = 1.0) -> MoESpec:
+    return MoESpec("MOE", hidden=512, ffn=1024, experts=64, layers=8, tokens=2048).scaled(scale)
+
+
 def llama_1b(scale: float = 1.0) -> LlamaSpec:
     return LlamaSpec("LLAMA-1B", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, batch=4, seq=4096).scaled(scale)
 
@@ -229,6 +323,7 @@ def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise"
 
 WORKLOADS: dict[str, Callable[..., Any]] = {
     "gpt_a": gpt_a, "gpt_b": gpt_b, "small": small, "fp8_mlp": fp8_mlp, "llama_1b": llama_1b, "llama_2b": llama_2b,
+    "moe": moe,
 }
 
 

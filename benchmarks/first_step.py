@@ -1,0 +1,364 @@
+"""The first steps with offload against a steady step (issue 12; target T14 of BENCHMARKS.md).
+
+The first step with offload makes its pinned host memory (``torch.empty(pin_memory=True)`` costs
+~0.7 ms per MB on our H100 host); T14 asks that it cost at most 1.5x a steady step.
+
+Workloads, one after the other in one process, GPU memory freed between them:
+
+* GPT-A (``workloads.gpt_a``), TransformerEngine's call shape, all layers but the last offloaded;
+* LLAMA-1B (HF ``LlamaForCausalLM``, random init, bf16, SDPA, as ``pareto.py`` builds it) with
+  ``OffloadActivations(model.model.layers)`` (all layers but the last offloaded).
+
+Variants per workload, in this order:
+
+1. ``plain (cold)``: the plain model's first steps in this process (after ``--warmup`` untimed
+   plain steps, 0 by default). CUDA and cuBLAS warm-up hit plain too; this run is also the warm-up
+   that keeps cold-CUDA costs out of the offload variants' step 1.
+2. ``offload``: a FRESH context (a new object, so step 1 really makes its pinned memory).
+3. ``offload + reserve``: a fresh context, ``ctx.reserve(nbytes)`` called before step 1 and timed
+   on its own (``nbytes``: the most pinned bytes the ``offload`` run held, else its offloaded
+   bytes). Engines without ``reserve`` (before issue 12) skip it.
+4. ``plain (warm)``: the plain model again, for its step 1 in a warm process.
+
+Before every variant the CUDA caching allocator and PyTorch's pinned host cache are emptied (so no
+variant inherits the pinned blocks of the one before it, and every step 1 grows the device
+allocator alike: ``plain (warm)`` shows what that costs without offload).
+
+Each step (forward + backward, gradients dropped, no optimizer) is timed with the host wall clock
+around the whole step, ``torch.cuda.synchronize()`` at its end (and before its start). Reported:
+step 1, step 2 and the steady step (median of steps 5..N), the ratios step1/steady and
+step2/steady, and ``pinned_allocations`` / ``pinned_bytes_held`` of the context's stats after
+steps 1 and 2 and at the end. T14: step 1 <= 1.5x steady, judged on the ``offload`` variant (the
+reserve variant's verdict, reserve call excluded, is printed next to it).
+
+Usage: ``python benchmarks/first_step.py [--steps N] [--models gpt_a,llama_1b]``; ``--cpu-smoke``
+for a tiny CPU check. Writes ``benchmarks/results/first_step.json``. About 1 to 2 minutes of GPU
+time with the defaults (LLAMA-1B's first offload step took 19 s before issue 12). Not in
+``run_all.sh``: it is slow, and it wants a fresh process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import sys
+import time
+import traceback
+from typing import Any, Callable, Optional
+
+import torch
+
+import common
+import workloads
+
+T14_RATIO = 1.5
+STEADY_FROM = 5  # the steady step is the median of steps 5..N (1-based)
+MIN_STEPS = 3    # fewer steps (CPU smoke runs) take the median of steps min(5, N)..N
+MODELS = ("gpt_a", "llama_1b")
+
+
+def steady_from(steps: int) -> int:
+    """The first step (1-based) of the steady median."""
+    return min(STEADY_FROM, steps)
+
+
+def empty_host_cache() -> Optional[str]:
+    """Give PyTorch's cached pinned host blocks back to the OS; the function used, or None.
+
+    The engine before issue 12 pins with ``torch.empty(pin_memory=True)``, whose blocks go back to
+    PyTorch's host cache when freed: without this, a fresh context would reuse the previous
+    variant's pinned memory and its step 1 would look cheap.
+    """
+    candidates: list[tuple[str, Callable[[], Any]]] = []
+    memory = getattr(getattr(torch, "accelerator", None), "memory", None)
+    for owner, name, label in (
+        (memory, "empty_host_cache", "torch.accelerator.memory.empty_host_cache"),
+        (getattr(torch, "accelerator", None), "empty_host_cache", "torch.accelerator.empty_host_cache"),
+        (torch._C, "_host_emptyCache", "torch._C._host_emptyCache"),
+    ):
+        fn = getattr(owner, name, None) if owner is not None else None
+        if callable(fn):
+            candidates.append((label, fn))
+    for label, fn in candidates:
+        try:
+            fn()
+            return label
+        except Exception:  # noqa: BLE001 - try the next spelling
+            continue
+    return None
+
+
+def host_cache_figures(env: common.Env) -> dict[str, Optional[int]]:
+    """Bytes PyTorch's pinned host allocator owns (in use + cached) and has handed out (in use).
+
+    Read from ``torch.cuda.host_memory_stats`` where it exists; None where it cannot tell.
+    """
+    out: dict[str, Optional[int]] = {"owned_bytes": None, "active_bytes": None}
+    if not env.cuda:
+        return out
+    try:
+        stats = torch.cuda.host_memory_stats()
+    except Exception:  # noqa: BLE001 - absent on some versions
+        return out
+    for key, name in (("owned_bytes", "allocated_bytes.current"), ("active_bytes", "active_bytes.current")):
+        if name in stats:
+            out[key] = int(stats[name])
+    return out
+
+
+def reset_memory(env: common.Env) -> dict[str, Any]:
+    """Empty the device and pinned host caches between variants (see the module notes)."""
+    common.free_memory(env)
+    used = empty_host_cache() if env.cuda else None
+    return {"host_cache_emptied_with": used, "pinned_host_allocator_after": host_cache_figures(env)}
+
+
+def pinned_figures(ctx: Any) -> dict[str, Any]:
+    """The context's pinned-memory figures of its last finished step."""
+    try:
+        stats = dict(ctx.stats)
+    except Exception as exc:  # noqa: BLE001 - figures only
+        return {"error": repr(exc)}
+    return {key: stats.get(key) for key in ("pinned_allocations", "pinned_bytes_held", "offloaded_bytes", "offloaded_tensors", "groups_offloaded")}
+
+
+def find_reserve(ctx: Any) -> tuple[Optional[Callable[[int], Any]], Optional[str]]:
+    """The context's ``reserve`` (issue 12), or its engine's; (None, None) on older engines.
+
+    Never the arena's ``reserve``: that one is the host-budget promise made at pack time, not a
+    pre-allocation.
+    """
+    for owner, label in ((ctx, "ctx.reserve"), (getattr(ctx, "engine", None), "ctx.engine.reserve")):
+        fn = getattr(owner, "reserve", None) if owner is not None else None
+        if callable(fn):
+            return fn, label
+    return None, None
+
+
+def run_steps(
+    env: common.Env,
+    label: str,
+    step: Callable[[], None],
+    steps: int,
+    *,
+    ctx: Any = None,
+    reserve_bytes: Optional[int] = None,
+) -> dict[str, Any]:
+    """Time ``steps`` steps one by one (wall clock, synchronised at both ends) and return the row.
+
+    ``ctx``: the offload context (its stats are read after steps 1 and 2 and at the end, outside
+    the timed spans). ``reserve_bytes``: call the context's ``reserve`` with it before step 1.
+    """
+    row: dict[str, Any] = {"variant": label}
+    try:
+        if reserve_bytes is not None:
+            reserve, how = find_reserve(ctx)
+            if reserve is None:
+                row["skipped"] = "this engine has no reserve()"
+                print(f"  {label:<20} skipped: {row['skipped']}", flush=True)
+                return row
+            env.sync()
+            t0 = time.perf_counter()
+            result = reserve(int(reserve_bytes))
+            env.sync()
+            row.update(reserve_ms=(time.perf_counter() - t0) * 1e3, reserve_bytes=int(reserve_bytes),
+                       reserve_call=how, reserve_result=result if isinstance(result, (bool, int, float, type(None))) else repr(result))
+            if ctx is not None:
+                row["pinned_after_reserve"] = pinned_figures(ctx)
+        times: list[float] = []
+        for i in range(steps):
+            env.sync()
+            t0 = time.perf_counter()
+            step()
+            env.sync()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if ctx is not None and i < 2:
+                row[f"pinned_after_step{i + 1}"] = pinned_figures(ctx)
+        if ctx is not None:
+            row["pinned_final"] = pinned_figures(ctx)
+        steady = statistics.median(times[steady_from(steps) - 1:])
+        row.update(step_ms=times, step1_ms=times[0], step2_ms=times[1], steady_ms=steady,
+                   step1_ratio=times[0] / steady, step2_ratio=times[1] / steady)
+        if ctx is not None:
+            row["t14_ok"] = row["step1_ratio"] <= T14_RATIO
+        if "reserve_ms" in row:
+            row["reserve_plus_step1_ratio"] = (row["reserve_ms"] + times[0]) / steady
+        held = [row.get(f"pinned_after_step{i}", {}).get(key) for i in (1, 2) for key in ("pinned_allocations", "pinned_bytes_held")]
+        row["allocs1"], row["held1"], row["allocs2"], row["held2"] = held
+    except Exception as exc:  # noqa: BLE001 - one failing variant must not hide the others
+        traceback.print_exc()
+        row["error"] = f"{type(exc).__name__}: {exc}"
+    shown = row.get("error") or row.get("skipped") or (
+        f"step 1 {row['step1_ms']:.0f} ms, step 2 {row['step2_ms']:.0f} ms, steady {row['steady_ms']:.1f} ms "
+        f"({row['step1_ratio']:.2f}x / {row['step2_ratio']:.2f}x)"
+        + (f"; reserve {row['reserve_ms']:.0f} ms" if "reserve_ms" in row else ""))
+    print(f"  {label:<20} {shown}", flush=True)
+    return row
+
+
+def reserve_estimate(row: dict[str, Any]) -> Optional[int]:
+    """Bytes to reserve: the most pinned memory the default run held, else what it offloaded."""
+    figures = [row.get(k) or {} for k in ("pinned_after_step1", "pinned_after_step2", "pinned_final")]
+    held = [f.get("pinned_bytes_held") for f in figures if f.get("pinned_bytes_held")]
+    if held:
+        return max(held)
+    offloaded = [f.get("offloaded_bytes") for f in figures if f.get("offloaded_bytes")]
+    return max(offloaded) if offloaded else None
+
+
+class Workload:
+    """One model: how to build it, its plain step, and a step with a fresh offload context."""
+
+    def __init__(self, env: common.Env, name: str, scale: float) -> None:
+        self.env = env
+        self.name = name
+        self.spec = workloads.WORKLOADS[name](scale)
+        self.model: Any = None
+        self.layers: Any = None
+        self.x: Any = None
+
+    def build(self) -> None:
+        if isinstance(self.spec, workloads.LlamaSpec):
+            self.model, self.x = self.spec.build(self.env.device)
+            self.layers = self.model.model.layers
+        else:
+            self.layers, make_input = self.spec.build(self.env.device)
+            self.x = make_input()
+
+    def plain_step(self) -> Callable[[], None]:
+        if self.model is not None:
+            return workloads.llama_step(self.model, self.x)
+        return common.make_step(self.layers, self.x)
+
+    @contextlib.contextmanager
+    def offload_step(self) -> Any:
+        """A fresh context and its step: yields ``(context, step)``; the context is closed after."""
+        if self.model is not None:
+            import offload
+
+            oa = offload.OffloadActivations(self.layers, device=self.env.offload_device)
+            try:
+                yield oa, workloads.llama_step(self.model, self.x, lambda: oa)
+            finally:
+                oa.close()
+        else:
+            n = len(self.layers)
+            ctx, sync = common.offload_context(self.env, n - 1, n)
+            yield ctx, common.make_step(self.layers, self.x, context=ctx, sync=sync)
+
+    def drop(self) -> None:
+        self.model = self.layers = self.x = None
+
+
+def run_workload(env: common.Env, name: str, scale: float, steps: int) -> dict[str, Any]:
+    work = Workload(env, name, scale)
+    print(f"\n{work.spec.describe()}", flush=True)
+    rows: list[dict[str, Any]] = []
+    resets: list[dict[str, Any]] = []
+    try:
+        work.build()
+        plain = work.plain_step()
+        for _ in range(env.args.warmup):
+            plain()
+        rows.append(run_steps(env, "plain (cold)", plain, steps))
+        resets.append(reset_memory(env))
+        with work.offload_step() as (ctx, step):
+            rows.append(run_steps(env, "offload", step, steps, ctx=ctx))
+        del ctx, step
+        resets.append(reset_memory(env))
+        nbytes = reserve_estimate(rows[-1])
+        with work.offload_step() as (ctx, step):
+            if nbytes is None:
+                rows.append({"variant": "offload + reserve", "skipped": "no byte figure from the offload run"})
+            else:
+                rows.append(run_steps(env, "offload + reserve", step, steps, ctx=ctx, reserve_bytes=nbytes))
+        del ctx, step
+        resets.append(reset_memory(env))
+        rows.append(run_steps(env, "plain (warm)", plain, steps))
+        del plain
+    except Exception as exc:  # noqa: BLE001 - e.g. transformers missing: the other workload still runs
+        traceback.print_exc()
+        rows.append({"variant": "(workload)", "error": f"{type(exc).__name__}: {exc}"})
+    finally:
+        work.drop()
+        resets.append(reset_memory(env))
+    return {"workload": work.spec.describe(), "rows": rows, "memory_resets": resets}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = common.make_parser(__doc__, warmup=0, steps=8, smoke_warmup=0, smoke_steps=MIN_STEPS)
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} (default: both)")
+    env = common.setup(parser, argv)
+    args = env.args
+    if args.steps < MIN_STEPS:
+        parser.error(f"--steps must be >= {MIN_STEPS} (step 1, step 2 and a steady step; 8 or more on the GPU)")
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODELS]
+    if unknown:
+        parser.error(f"unknown --models {unknown}; choose from {', '.join(MODELS)}")
+    scale = workloads.scale_for(env.smoke)
+    print(f"device: {common.device_name(env)}; torch {torch.__version__}; {args.steps} steps per variant, "
+          f"steady = median of steps {steady_from(args.steps)}..{args.steps}; wall clock per step, synchronised")
+    t_start = time.perf_counter()
+    results = {name: run_workload(env, name, scale, args.steps) for name in names}
+
+    lines = []
+    targets: dict[str, Any] = {}
+    for name, res in results.items():
+        for r in res["rows"]:
+            if r.get("t14_ok") is None:
+                continue
+            main_row = r["variant"] == "offload"
+            key = f"T14 {name}" + ("" if main_row else f" ({r['variant']})")
+            targets[key] = {"ok": r["t14_ok"], "step1_ratio": r["step1_ratio"], "step2_ratio": r["step2_ratio"],
+                            "reserve_plus_step1_ratio": r.get("reserve_plus_step1_ratio")}
+            extra = "" if main_row else (f"; with the reserve call ({r['reserve_ms']:.0f} ms) "
+                                         f"{r['reserve_plus_step1_ratio']:.2f}x")
+            lines.append(
+                f"{'T14' if main_row else '   '} {common.verdict(r['t14_ok'])}  {name} {r['variant']}: step 1 "
+                f"{r['step1_ms']:.0f} ms = {r['step1_ratio']:.2f}x steady {r['steady_ms']:.1f} ms (need <= {T14_RATIO}x); "
+                f"step 2 {r['step2_ratio']:.2f}x{extra}")
+    failed = [f"{name}: {r['variant']}" for name, res in results.items() for r in res["rows"] if "error" in r]
+    common.write_json("first_step", env, {
+        "features": {"reserve": {name: next((r.get("reserve_call") for r in res["rows"] if r.get("reserve_call")), None)
+                                 for name, res in results.items()}},
+        "steady_from_step": steady_from(args.steps),
+        "targets": targets,
+        "workloads": results,
+        "failed": failed,
+        "seconds": time.perf_counter() - t_start,
+    })
+    for name, res in results.items():
+        for r in res["rows"]:
+            for key in ("held1", "held2"):
+                r[key.replace("held", "gib")] = common.gib(r.get(key))
+            if "error" in r:
+                r["variant"] += " (FAILED)"
+            elif "skipped" in r:
+                r["variant"] += " (skipped)"
+        common.print_table(f"{name}: wall ms per step, synchronised ({common.device_name(env)})", res["rows"], [
+            ("variant", "variant", ""),
+            ("step1_ms", "step 1", ".1f"),
+            ("step2_ms", "step 2", ".1f"),
+            ("steady_ms", "steady", ".1f"),
+            ("step1_ratio", "1/steady", ".2f"),
+            ("step2_ratio", "2/steady", ".2f"),
+            ("reserve_ms", "reserve ms", ".1f"),
+            ("allocs1", "pin allocs 1", ""),
+            ("allocs2", "pin allocs 2", ""),
+            ("gib1", "pinned GiB 1", ".2f"),
+            ("gib2", "pinned GiB 2", ".2f"),
+        ])
+    print(f"\nplain (cold) ran first and warmed CUDA up for the offload variants; every variant starts with empty "
+          f"device and pinned caches ({time.perf_counter() - t_start:.0f} s in all)")
+    print("targets (measured in this run):")
+    for line in lines:
+        print("  " + line)
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
