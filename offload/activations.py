@@ -22,6 +22,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .api import build_engine
+from .eager import run_eagerly
 from .step import first_grad_tensor
 from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
@@ -42,6 +43,7 @@ class _LayerHook:
         self._owner = weakref.ref(owner) if owner is not None else None
         self._after = after
 
+    @run_eagerly
     def __call__(self, module: torch.nn.Module, args: Any, output: Any = None) -> None:
         owner = self._owner() if self._owner is not None else None
         if owner is None or not owner.active:
@@ -167,6 +169,7 @@ class OffloadActivations:
         self._handles: list[Any] = []
 
     # -- the with ----------------------------------------------------------------------------------
+    @run_eagerly
     def __enter__(self) -> "OffloadActivations":
         if self.active:
             raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
@@ -196,6 +199,7 @@ class OffloadActivations:
         self.active = self._tracking
         return self
 
+    @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.engine is None or not self._tracking:
             return
@@ -254,6 +258,7 @@ class OffloadActivations:
         if plan.recomputes():
             self._install_recompute()
 
+    @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
     def _recompute_current(self) -> bool:
         engine = self.engine
         return engine is not None and engine.in_layer and engine.schedule.recomputes(engine.current_layer)
