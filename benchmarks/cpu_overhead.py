@@ -1,4 +1,4 @@
-"""The engine's CPU cost per offloaded tensor and per group (issue 12; target T5 of BENCHMARKS.md).
+"""The engine's CPU cost per offloaded tensor and per group (issue 12; target T5 of docs/benchmarks.md).
 
 In the spirit of TransformerEngine's ``benchmark_linear_cpu_overhead``: host-bound workloads where
 every microsecond the engine spends shows in the step.

@@ -1,4 +1,4 @@
-"""The first steps with offload against a steady step (issue 12; target T14 of BENCHMARKS.md).
+"""The first steps with offload against a steady step (issue 12; target T14 of docs/benchmarks.md).
 
 The first step with offload makes its pinned host memory (``torch.empty(pin_memory=True)`` costs
 ~0.7 ms per MB on our H100 host); T14 asks that it cost at most 1.5x a steady step.

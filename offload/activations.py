@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from .api import ENGINE_OPTIONS, _check_bool, _check_int, _got, build_engine, check_unknown_options
 from .schedules.auto import ScheduleAuto
 from .stats import StepStats
+from .eager import run_eagerly
 from .step import first_grad_tensor
 from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
@@ -45,6 +46,7 @@ class _LayerHook:
         self._owner = weakref.ref(owner) if owner is not None else None
         self._after = after
 
+    @run_eagerly
     def __call__(self, module: torch.nn.Module, args: Any, output: Any = None) -> None:
         owner = self._owner() if self._owner is not None else None
         if owner is None or not owner.active:
@@ -71,6 +73,7 @@ class _GroupBoundary:
     def __init__(self, owner: "OffloadActivations") -> None:
         self._owner = weakref.ref(owner)
 
+    @run_eagerly
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         owner = self._owner()
         if owner is not None and owner.active:
@@ -294,6 +297,7 @@ class OffloadActivations:
         )
 
     # -- the with ----------------------------------------------------------------------------------
+    @run_eagerly
     def __enter__(self) -> "OffloadActivations":
         if self.active:
             raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
@@ -326,6 +330,7 @@ class OffloadActivations:
         self.active = self._tracking
         return self
 
+    @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if self.engine is None or not self._tracking:
             return
@@ -443,6 +448,7 @@ class OffloadActivations:
             except ValueError:
                 pass  # over the host budget: the step keeps what does not fit on the GPU
 
+    @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
     def _recompute_current(self) -> bool:
         engine = self.engine
         return engine is not None and engine.in_layer and engine.schedule.recomputes(engine.current_layer)

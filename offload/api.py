@@ -24,6 +24,7 @@ import torch
 
 from . import native
 from .arena import HostArena
+from .eager import run_eagerly
 from .engine import OffloadEngine
 from .group import GroupState
 from .keywords import reject_unknown
@@ -309,10 +310,12 @@ class OffloadContext:
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
 
+    @run_eagerly
     def __enter__(self) -> "OffloadContext":
         self.engine.begin_layer()
         return self
 
+    @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self.engine.end_layer(failed=exc_type is not None)
 
@@ -338,6 +341,7 @@ class SyncFunction:
     def __init__(self, engine: OffloadEngine) -> None:
         self.engine = engine
 
+    @run_eagerly
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         if not isinstance(tensor, torch.Tensor):
             raise ValueError(
@@ -370,6 +374,7 @@ class ManualController:
             )
         return group
 
+    @run_eagerly
     def start_offload_layer(self, layer: int) -> None:
         """Start the D2H copy of ``layer``'s saved tensors (after its forward)."""
         group = self._group(layer, "offload")
@@ -377,6 +382,7 @@ class ManualController:
             raise ValueError(f"offload: layer {layer} is still running its forward; offload it after its `with` closes")
         self.engine.start_offload(group)
 
+    @run_eagerly
     def release_activation_forward_gpu_memory(self, layer: int) -> None:
         """Drop ``layer``'s GPU copies once its D2H is done (ordered on the GPU, not the host)."""
         group = self._group(layer, "release")
@@ -384,6 +390,7 @@ class ManualController:
             raise ValueError(f"offload: layer {layer} was not offloaded yet; call start_offload_layer({layer}) first")
         self.engine.release(group)
 
+    @run_eagerly
     def start_reload_layer(self, layer: int) -> None:
         """Start the H2D copy of ``layer`` ahead of its backward (once it was released)."""
         group = self._group(layer, "reload")

@@ -65,6 +65,7 @@ from torch.autograd.profiler import record_function
 
 from .arena import CaptureError, HostArena
 from .diagnose import nothing_offloaded
+from .eager import saved_tensors_hooks
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
 from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
@@ -129,11 +130,12 @@ class OffloadEngine:
         self._hooks_pushed = False
         self._forward_hooks_pushed = False
         self._warned: set[str] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+        # Run eagerly even under a compiled frame (see offload.eager).
+        self._hooks = saved_tensors_hooks(self.pack, self.unpack)
         self._step_index = 0
         # The graphed layer being captured or warmed up (offload.graphs), with its own hooks.
         self.local_group: Optional[Group] = None
-        self._local_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_local, self.unpack)
+        self._local_hooks = saved_tensors_hooks(self._pack_local, self.unpack)
         self._local_hooks_pushed = False
 
     # -- step and layer lifecycle ----------------------------------------------------------------

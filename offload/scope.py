@@ -32,7 +32,9 @@ def current_engine() -> tuple[Optional[OffloadEngine], bool]:
     top = _top_hooks(False)
     if top is None:
         return None, False
-    pack = top[0]
+    # The engine's hooks are wrapped to run eagerly under torch.compile (offload.eager): the
+    # bound method is the wrapper's __wrapped__.
+    pack = getattr(top[0], "__wrapped__", top[0])
     owner = getattr(pack, "__self__", None)
     if not isinstance(owner, OffloadEngine):
         return None, False

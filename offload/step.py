@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from .eager import run_eagerly
 from .group import Group
 from .stats import StepCounters
 
@@ -99,5 +100,6 @@ class BackwardReach:
         self.step = step
         self.layer = layer
 
+    @run_eagerly
     def __call__(self, grad: torch.Tensor) -> None:
         self.engine.on_backward_reach(self.step, self.layer)
