@@ -200,3 +200,59 @@ def test_profiler_trace_names_the_offload_work() -> None:
     counts = {n: sum(e.name == n for e in prof.events()) for n in ("offload::offload", "offload::pack")}
     assert counts["offload::offload"] == 3  # one per offloaded layer
     assert counts["offload::pack"] == ctx.stats["offloaded_tensors"] + ctx.stats["kept_tensors"] - ctx.stats["kept"].get("layer", 0)
+
+
+def test_a_miss_may_leave_its_block_to_the_pinner_and_return_none() -> None:
+    gate = threading.Event()
+    arena = pinned_arena(FakePinned(gate=gate))
+    assert arena.acquire(BLOCK_GRANULE, step=1, wait=lambda: False) is None
+    assert arena.last_miss == "pinning" and arena.counters.bytes_pending == BLOCK_GRANULE
+    # A second group of the step cannot count on the first one's block: it queues its own.
+    assert arena.acquire(BLOCK_GRANULE, step=1, wait=lambda: False) is None
+    assert arena.counters.bytes_pending == 2 * BLOCK_GRANULE
+    gate.set()
+    first = arena.acquire(BLOCK_GRANULE, step=2, wait=lambda: True)  # waits for one now
+    second = arena.acquire(BLOCK_GRANULE, step=2, wait=lambda: True)
+    assert first is not None and second is not None and first.block is not second.block
+    assert arena.counters.pinned_allocations == 2 and arena.counters.bytes_pending == 0
+
+
+def test_over_budget_miss_says_budget() -> None:
+    arena = pinned_arena(FakePinned(round_to=1), budget=BLOCK_GRANULE)
+    assert arena.acquire(2 * BLOCK_GRANULE, step=1, wait=lambda: False) is None
+    assert arena.last_miss == "budget"
+
+
+def test_first_step_keeps_groups_while_their_blocks_are_pinned_then_offloads_them() -> None:
+    layers, x = make_mlp_layers(4, width=256), torch.randn(256, 256)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(3, 4)
+    engine = ctx.engine
+    gate = threading.Event()
+    engine.arena.allocate = FakePinned(gate=gate)
+    engine.arena.pinned = True  # as on a GPU: blocks are pinned ahead, in the background
+    engine.transport.has_room = lambda nbytes: True  # the device has room to keep them meanwhile
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    first = ctx.stats
+    assert first["offloaded_tensors"] == 0 and first["groups_kept"] == 3
+    assert first["kept"]["pinning"] == sum(v for k, v in first["kept"].items() if k not in ("parameter", "layer"))
+    gate.set()
+    for _, future in list(engine.arena._pending):
+        future.result(timeout=10)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    steady = ctx.stats
+    assert steady["groups_kept"] == 0 and "pinning" not in steady["kept"] and steady["groups_offloaded"] == 3
+    assert steady["pinned_allocations"] == 0
+
+
+def test_first_step_without_room_waits_for_pinning_and_offloads() -> None:
+    layers, x = make_mlp_layers(4, width=256), torch.randn(256, 256)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(3, 4)
+    engine = ctx.engine
+    engine.arena.allocate = FakePinned()
+    engine.arena.pinned = True
+    engine.transport.has_room = lambda nbytes: False
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["groups_offloaded"] == 3 and ctx.stats["groups_kept"] == 0
