@@ -40,7 +40,7 @@ import concurrent.futures
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Optional
 
 import psutil
 import torch
@@ -62,11 +62,6 @@ GUESS_HEADROOM = 1 / 8
 def with_headroom(nbytes: int) -> int:
     """``nbytes`` plus the headroom of a guessed block, in whole granules."""
     return align_up(nbytes + int(nbytes * GUESS_HEADROOM), BLOCK_GRANULE)
-
-
-# Why ``acquire`` returned None (``HostArena.last_miss``); also the stats' keep reasons.
-MISS_BUDGET = "budget"
-MISS_PINNING = "pinning"
 
 
 def default_host_budget_bytes() -> int:
@@ -129,10 +124,6 @@ class HostArena:
         self._pinner = BackgroundPinner(allocate_for_arena, device_index if pinned else None)
         weakref.finalize(self, self._pinner.close)
         self._step_sizes: list[int] = []  # block sizes asked for by the latest acquiring step
-        self.last_miss = MISS_BUDGET  # why the latest acquire returned None
-        # Blocks being pinned that a group of this step, kept meanwhile, counts on.
-        self._promised: set[concurrent.futures.Future] = set()
-        self._promised_step = -1
         # Blocks being pinned in the background: (size, future), sorted by size.
         self._pending: list[tuple[int, concurrent.futures.Future]] = []
         self.budget_bytes = default_host_budget_bytes() if budget_bytes is None else int(budget_bytes)
@@ -203,16 +194,12 @@ class HostArena:
             total += size
         return sizes
 
-    def _queue(self, size: int, promised_to_step: Optional[int] = None) -> None:
+    def _queue(self, size: int) -> None:
         future = self._pinner.submit(size)
         with self._lock:
             self.counters.bytes_pending += size
             i = bisect.bisect_right([s for s, _ in self._pending], size)
             self._pending.insert(i, (size, future))
-            if promised_to_step is not None:
-                if promised_to_step != self._promised_step:
-                    self._promised_step, self._promised = promised_to_step, set()
-                self._promised.add(future)
 
     def _add_idle(self, region: Region, pinned_bytes: int) -> None:
         # Called with the lock held: a newly pinned block joins the idle list.
@@ -222,35 +209,23 @@ class HostArena:
         self._free_sizes.insert(i, region.block.numel())
         self._free.insert(i, region)
 
-    def _from_pending(self, size: int, step: int, wait: bool) -> tuple[Optional[Region], bool]:
-        """A block for ``size`` from the background pinner: ``(region, False)``, or
-        ``(None, True)`` when one that fits is still being pinned and ``wait`` is False, or
-        ``(None, False)`` when none fits. Finished blocks join the idle list first."""
+    def _collect_pending(self, size: int) -> Optional[Region]:
+        """Move finished background blocks to the idle list; then, if one still being pinned
+        fits ``size``, wait for it and return it (in use)."""
         waited: Optional[tuple[int, concurrent.futures.Future]] = None
         with self._lock:
-            if step != self._promised_step:
-                self._promised_step, self._promised = step, set()
             keep = []
             for entry in self._pending:
                 pending_size, future = entry
                 if future.done():
                     self._settle(pending_size, future)
-                elif (waited is None and future not in self._promised
-                        and size <= pending_size <= size * REUSE_SLACK):
+                elif waited is None and size <= pending_size <= size * REUSE_SLACK:
                     waited = entry
                 else:
                     keep.append(entry)
-            if waited is not None and not wait:
-                # A group that stays where it is counts on this block for the next step: no other
-                # group of this step may count on it too, or one of them would miss again.
-                keep.append(waited)
-                self._promised.add(waited[1])
             self._pending = keep
-            region = self._take_idle(size, step, captured=False)
-        if region is not None or waited is None:
-            return region, False
-        if not wait:
-            return None, True
+        if waited is None:
+            return None
         pending_size, future = waited
         try:
             block, pinned_bytes = future.result()
@@ -258,29 +233,14 @@ class HostArena:
             with self._lock:
                 self.counters.bytes_pending -= pending_size
                 self.counters.failures += 1
-            return None, False
+            return None
         with self._lock:
             self.counters.bytes_pending -= pending_size
             self.counters.pinned_allocations += 1
             self.counters.bytes_held += pinned_bytes
             self.counters.bytes_in_use += block.numel()
             self.counters.waited_for_pinning += 1
-        return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step), False
-
-    def _take_idle(self, size: int, step: int, captured: bool) -> Optional[Region]:
-        # Called with the lock held: the smallest idle block that fits (within the slack).
-        i = bisect.bisect_left(self._free_sizes, size)
-        # Under capture any idle block that fits will do: the slack rule only keeps big blocks
-        # for big groups, and failing the capture would be worse.
-        if i == len(self._free) or not (captured or self._free_sizes[i] <= size * REUSE_SLACK):
-            return None
-        self._free_sizes.pop(i)
-        region = self._free.pop(i)
-        self.counters.bytes_in_use += region.block.numel()
-        region.used_in_step = step
-        region.graph_owned = captured
-        self.counters.graph_owned_blocks += captured
-        return region
+        return Region(block=block, pinned_bytes=pinned_bytes)
 
     def _settle(self, size: int, future: concurrent.futures.Future) -> None:
         # Called with the lock held, for a finished (or cancelled) background block.
@@ -300,82 +260,66 @@ class HostArena:
         """Whether a block is waiting to be reused (what a CUDA-graph capture needs)."""
         return bool(self._free)
 
-    def acquire(
-        self,
-        nbytes: int,
-        step: int,
-        *,
-        captured: bool = False,
-        expected_more: int = 0,
-        wait: Callable[[], bool] = lambda: True,
-    ) -> Optional[Region]:
-        """A block of at least ``nbytes``, or None (``last_miss`` says why: ``"budget"`` when the
-        budget or the host says no, ``"pinning"`` when the block is being pinned).
+    def acquire(self, nbytes: int, step: int, *, captured: bool = False, expected_more: int = 0) -> Optional[Region]:
+        """A block of at least ``nbytes``, or None when the budget or the allocator says no.
 
         ``captured``: the caller is capturing a CUDA graph. Only an idle block can be handed out
         (raises ``CaptureError`` when none fits), and the graph owns it from now on.
         ``expected_more``: how many more regions of about this size the step will ask for (its
         offloaded layers still to come). On a miss with nothing being pinned, that many blocks are
         queued on the background pinner, so the next layers find them ready.
-        ``wait()``: asked only when no idle block fits: whether the caller must have its block
-        now (pinning it on this thread, or waiting for the pinner). False: the block is left to
-        (or queued on) the pinner and None is returned, for a caller that can keep its group
-        where it is for now (the engine, while the GPU has room).
         """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
         if step != self._last_acquiring_step:
             self._step_sizes = []
         self._step_sizes.append(size)
+        if self._pending and not captured:
+            region = self._collect_pending(size)
+            if region is not None:
+                region.used_in_step = step
+                return region
         with self._lock:
             self._last_acquiring_step = max(self._last_acquiring_step, step)
-            region = self._take_idle(size, step, captured)
-            if region is not None:
+            i = bisect.bisect_left(self._free_sizes, size)
+            # Under capture any idle block that fits will do: the slack rule only keeps big
+            # blocks for big groups, and failing the capture would be worse.
+            fits = i < len(self._free) and (captured or self._free_sizes[i] <= size * REUSE_SLACK)
+            if fits:
+                self._free_sizes.pop(i)
+                region = self._free.pop(i)
+                self.counters.bytes_in_use += region.block.numel()
+                region.used_in_step = step
+                region.graph_owned = captured
+                self.counters.graph_owned_blocks += captured
                 return region
-        if captured:
-            idle = ", ".join(str(n) for n in self._free_sizes) or "none"
-            raise CaptureError(
-                f"offload: a pinned host region of {size} bytes is needed while a CUDA graph is "
-                f"being captured, and no idle block fits (idle block sizes: {idle}). Pinned "
-                "memory cannot be allocated under capture. Run one eager step (or warm-up "
-                "iteration) with offloading on right before capturing, with "
-                "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
-            )
-        must_have = wait()
-        if self._pending:
-            region, in_progress = self._from_pending(size, step, must_have)
-            if region is not None:
-                return region
-            if in_progress:
-                self.last_miss = MISS_PINNING
-                return None
-        with self._lock:
+            if captured:
+                idle = ", ".join(str(n) for n in self._free_sizes) or "none"
+                raise CaptureError(
+                    f"offload: a pinned host region of {size} bytes is needed while a CUDA graph is "
+                    f"being captured, and no idle block fits (idle block sizes: {idle}). Pinned "
+                    "memory cannot be allocated under capture. Run one eager step (or warm-up "
+                    "iteration) with offloading on right before capturing, with "
+                    "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
+                )
             # Make room from idle blocks, largest first, before giving up on the budget.
             while self._free and self._committed() + size > self.budget_bytes:
                 self._drop_free(len(self._free) - 1)
             if self._committed() + size > self.budget_bytes:
                 self.counters.failures += 1
-                self.last_miss = MISS_BUDGET
                 return None
             forecast = 0
-            guess = size
             # Host blocks that are not pinned cost no more than any allocation: no forecast.
             if self.pinned and expected_more > 0 and not self._pending:
                 guess = with_headroom(size)
                 room = (self.budget_bytes - self._committed() - size) // guess
                 forecast = max(0, min(expected_more, room))
-        if not must_have:
-            self._queue(size, promised_to_step=step)
         for _ in range(forecast):
             self._queue(guess)
-        if not must_have:
-            self.last_miss = MISS_PINNING
-            return None
         try:
             block, pinned_bytes = self.allocate(size)
         except RuntimeError:
             with self._lock:
                 self.counters.failures += 1
-            self.last_miss = MISS_BUDGET
             return None
         with self._lock:
             self.counters.pinned_allocations += 1

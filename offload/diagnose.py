@@ -18,7 +18,6 @@ from .policy import (
     KEEP_NOT_SELECTED,
     KEEP_OTHER_DEVICE,
     KEEP_PARAMETER,
-    KEEP_PINNING,
     KEEP_REGION,
     KEEP_SMALL,
     KEEP_UNSUPPORTED,
@@ -55,11 +54,6 @@ def _explain(reason: str, count: int, min_offload_bytes: int, largest_small: int
         return f"{count} were not on the context's device (see its device= option)"
     if reason == KEEP_UNSUPPORTED:
         return f"{count} cannot be offloaded (meta or fake tensors, sparse or nested layouts, subclasses)"
-    if reason == KEEP_PINNING:
-        return (
-            f"{count} stayed on the GPU while their pinned host blocks were being pinned (a first "
-            "step, or groups that grew); ctx.reserve(nbytes) pins ahead"
-        )
     if reason == KEEP_BUDGET:
         return f"{count} did not fit in the host budget (host_budget_bytes) or pinned memory"
     return f"{count} were kept ({reason})"

@@ -604,16 +604,9 @@ class OffloadEngine:
 
     def _start_offload(self, group: Group) -> None:
         counters = group.counters
-        nbytes = group.nbytes
         try:
             more = 0 if group.local else self.schedule.offloaded_after(group.layer)
-            # No idle block (a first step, or groups that grew): a group may stay where it is
-            # while its block is pinned in the background, as long as the device has room for
-            # it; otherwise the step waits for the pinning rather than run out of GPU memory.
-            region = self.arena.acquire(
-                nbytes, group.step, captured=group.captured, expected_more=more,
-                wait=lambda: group.local or not self.transport.has_room(nbytes),
-            )
+            region = self.arena.acquire(group.nbytes, group.step, captured=group.captured, expected_more=more)
         except CaptureError:
             # Join what this capture forked so that it can end and this error is the one seen.
             self._join_side_streams(counters)
@@ -621,7 +614,7 @@ class OffloadEngine:
         if region is None:
             group.mark_kept()
             counters.groups_kept += 1
-            counters.keep(self.arena.last_miss, len(group.entries))
+            counters.keep("budget", len(group.entries))
             return
         group.mark_offloading(region, self.transport.offload(group, region, counters))
         counters.groups_offloaded += 1

@@ -57,10 +57,6 @@ from .stats import StepCounters
 
 # Copies of at least this many bytes are timed when ``timing`` is None (automatic).
 AUTO_TIMING_MIN_BYTES = 4 << 20
-# A group whose host block is still being pinned stays on the GPU only while this fraction of
-# the device's memory would remain free for PyTorch: backward's own peak (gradients, the
-# activations of layers not offloaded) needs room beyond the forward's.
-KEEP_WHILE_PINNING_FREE_FRACTION = 0.25
 
 
 def slot_copy_lists(group: Group, region: Region) -> tuple[list[int], list[int], list[int]]:
@@ -157,10 +153,6 @@ class HostTransport:
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""
         return None
-
-    def has_room(self, nbytes: int) -> bool:
-        """Host blocks are not pinned, so nothing waits for pinning: never keep for it."""
-        return False
 
 
 class CudaTransport:
@@ -320,11 +312,3 @@ class CudaTransport:
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""
         return group.h2d_done if group.h2d_done is not None else group.d2h_done
-
-    def has_room(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more can stay on the device with a quarter of it still free for
-        PyTorch (free in the driver, or cached by the allocator). Asked only when a group's host
-        block is not pinned yet, so the driver query stays off the steady path."""
-        free, total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached - nbytes >= KEEP_WHILE_PINNING_FREE_FRACTION * total
