@@ -18,10 +18,14 @@ register       1.4 GB/s    2.8 GB/s    9.1 GB/s
 register_huge  6.1 GB/s    11.3 GB/s   22.4 GB/s
 =============  ==========  ==========  ==========
 
-Copies to and from the registered memory run at the same 52-55 GB/s as to torch's. Blocks of
-``HUGE_PAGE_MIN_BYTES`` and more use huge pages (a huge page rounds a block up by at most 2 MiB,
-under 7% from that size on); smaller ones use 4 KiB pages. Without the extension, torch's pinned
-allocator is the fallback, and its power-of-two rounding is what is counted as held.
+Copies to and from the registered memory run at the same 52-55 GB/s as to torch's. But the
+driver's submission cost depends on the pages: a 1 MiB copy is submitted in 5-6 us to or from
+``host_alloc`` and huge-page memory, and in 13-31 us to or from 4 KiB-page registered memory
+(it walks the pages). So blocks of ``HUGE_PAGE_MIN_BYTES`` and more use huge pages (a huge page
+rounds a block up by at most 2 MiB, under 25% from that size on, 3% from 64 MiB), and smaller
+ones ``cuMemHostAlloc`` (slow to pin, but a small block pins in a few milliseconds, once).
+Without the extension, torch's pinned allocator is the fallback, and its power-of-two rounding
+is what is counted as held.
 
 Background allocation (:class:`BackgroundPinner`): one worker thread allocates blocks queued ahead
 (``HostArena.preallocate(..., background=True)``, and the growth forecast on a step's first miss),
@@ -40,7 +44,7 @@ import torch
 
 from . import native
 
-HUGE_PAGE_MIN_BYTES = 32 << 20
+HUGE_PAGE_MIN_BYTES = 8 << 20
 
 # (block, bytes really locked) for a request of ``nbytes``.
 Allocator = Callable[[int], tuple[torch.Tensor, int]]
@@ -62,7 +66,7 @@ def allocate_host_block(nbytes: int, *, pinned: bool) -> tuple[torch.Tensor, int
     ext = native.extension()
     if ext is None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), _power_of_two_at_least(nbytes)
-    method = "register_huge" if nbytes >= HUGE_PAGE_MIN_BYTES else "register"
+    method = "register_huge" if nbytes >= HUGE_PAGE_MIN_BYTES else "host_alloc"
     buffer = ext.PinnedBuffer(nbytes, method)
     # frombuffer keeps ``buffer`` alive as long as the tensor (and its views) live; when the last
     # goes, the buffer's destructor unregisters and unmaps the memory.
