@@ -139,7 +139,9 @@ def _repeatable_attention() -> Any:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    # warn_only=False: with warn_only the efficient attention backward keeps its default,
+    # non-deterministic algorithm (torch says so in a warning), and plain does not repeat itself.
+    torch.use_deterministic_algorithms(True)
     try:
         with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
             yield
