@@ -40,7 +40,7 @@ import concurrent.futures
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import psutil
 import torch
@@ -260,14 +260,21 @@ class HostArena:
         """Whether a block is waiting to be reused (what a CUDA-graph capture needs)."""
         return bool(self._free)
 
-    def acquire(self, nbytes: int, step: int, *, captured: bool = False, expected_more: int = 0) -> Optional[Region]:
+    def acquire(
+        self,
+        nbytes: int,
+        step: int,
+        *,
+        captured: bool = False,
+        expected_more: Optional[Callable[[], int]] = None,
+    ) -> Optional[Region]:
         """A block of at least ``nbytes``, or None when the budget or the allocator says no.
 
         ``captured``: the caller is capturing a CUDA graph. Only an idle block can be handed out
         (raises ``CaptureError`` when none fits), and the graph owns it from now on.
-        ``expected_more``: how many more regions of about this size the step will ask for (its
-        offloaded layers still to come). On a miss with nothing being pinned, that many blocks are
-        queued on the background pinner, so the next layers find them ready.
+        ``expected_more()``: how many more regions of about this size the step will ask for (its
+        offloaded layers still to come), asked only on a miss. With nothing being pinned, that
+        many blocks are queued on the background pinner, so the next layers find them ready.
         """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
         if step != self._last_acquiring_step:
@@ -307,12 +314,11 @@ class HostArena:
             if self._committed() + size > self.budget_bytes:
                 self.counters.failures += 1
                 return None
-            forecast = 0
             # Host blocks that are not pinned cost no more than any allocation: no forecast.
-            if self.pinned and expected_more > 0 and not self._pending:
-                guess = with_headroom(size)
-                room = (self.budget_bytes - self._committed() - size) // guess
-                forecast = max(0, min(expected_more, room))
+            more = expected_more() if self.pinned and expected_more is not None and not self._pending else 0
+            guess = with_headroom(size)
+            room = (self.budget_bytes - self._committed() - size) // guess
+            forecast = max(0, min(more, room))
         for _ in range(forecast):
             self._queue(guess)
         try:

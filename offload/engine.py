@@ -605,8 +605,10 @@ class OffloadEngine:
     def _start_offload(self, group: Group) -> None:
         counters = group.counters
         try:
-            more = 0 if group.local else self.schedule.offloaded_after(group.layer)
-            region = self.arena.acquire(group.nbytes, group.step, captured=group.captured, expected_more=more)
+            region = self.arena.acquire(
+                group.nbytes, group.step, captured=group.captured,
+                expected_more=None if group.local else lambda: self.schedule.offloaded_after(group.layer),
+            )
         except CaptureError:
             # Join what this capture forked so that it can end and this error is the one seen.
             self._join_side_streams(counters)

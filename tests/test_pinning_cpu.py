@@ -112,9 +112,9 @@ def test_background_preallocate_runs_on_the_pinner_thread_and_acquire_waits_for_
 def test_first_miss_forecasts_the_steps_remaining_layers() -> None:
     alloc = FakePinned()
     arena = pinned_arena(alloc)
-    first = arena.acquire(BLOCK_GRANULE, step=1, expected_more=3)
+    first = arena.acquire(BLOCK_GRANULE, step=1, expected_more=lambda: 3)
     assert first is not None
-    later = [arena.acquire(BLOCK_GRANULE, step=1, expected_more=2 - i) for i in range(3)]
+    later = [arena.acquire(BLOCK_GRANULE, step=1, expected_more=lambda: 2 - i) for i in range(3)]
     assert all(r is not None for r in later)
     pinner_calls = [n for n, name in alloc.calls if name.startswith("offload-pinner")]
     assert len(pinner_calls) == 3  # the three later layers were pinned in the background
@@ -124,7 +124,7 @@ def test_first_miss_forecasts_the_steps_remaining_layers() -> None:
 def test_forecast_stays_inside_the_budget() -> None:
     alloc = FakePinned(round_to=1)
     arena = pinned_arena(alloc, budget=3 * BLOCK_GRANULE)
-    arena.acquire(BLOCK_GRANULE, step=1, expected_more=10)
+    arena.acquire(BLOCK_GRANULE, step=1, expected_more=lambda: 10)
     assert arena.counters.bytes_pending + arena.counters.bytes_held <= 3 * BLOCK_GRANULE
 
 
