@@ -1,8 +1,10 @@
 """Python face of the native extension ``offload._C``, with a pure-Python fallback.
 
-The extension does two things: plan a group's byte layout (same result as
-:func:`offload.layout.plan_layout_py`) and submit a batch of copies in one call, on a CUDA stream
-through the CUDA driver API, or host to host with ``memcpy``.
+The extension plans a group's byte layout (same result as :func:`offload.layout.plan_layout_py`),
+submits a batch of copies in one call (on a CUDA stream through the CUDA driver API, or host to
+host with ``memcpy``), and, for the CUDA transport and the arena, provides pooled events
+(``record_event``, ``submit_copies``: a group's whole copy in one call) and pinned host buffers
+(``PinnedBuffer``); :func:`extension` hands those to the engine directly.
 
 ``OFFLOAD_NATIVE=0`` (also ``false``/``no``/``off``) turns the extension off: :func:`plan_layout`
 then uses the Python reference and :func:`copy_batch` refuses, so the engine's transport takes its
