@@ -439,7 +439,8 @@ def get_cpu_offload_context(
     ``mode`` ("v1"/"v2") wins over the ``NVTE_CPU_OFFLOAD_V1`` environment variable.
     ``device="cpu"`` offloads CPU tensors through the host transport (for CPU-only machines).
     ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.
-    ``host_budget_bytes``: cap on host memory held (default: 75% of available RAM, psutil).
+    ``host_budget_bytes``: cap on host memory held (default: 75% of the host's total RAM divided
+    by ``LOCAL_WORLD_SIZE``, the processes of this node; ``stats["host_budget_source"]`` says which).
     ``selection``: "auto" (every eligible tensor) or "marked" (opt-in; v1's default).
     ``params_from``: a module (or modules) whose parameters' and buffers' memory stays on the
     GPU in every form (views, ``.data`` aliases): offloading it would free nothing. Parameters

@@ -37,10 +37,11 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
+import os
 import threading
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import psutil
 import torch
@@ -64,9 +65,35 @@ def with_headroom(nbytes: int) -> int:
     return align_up(nbytes + int(nbytes * GUESS_HEADROOM), BLOCK_GRANULE)
 
 
-def default_host_budget_bytes() -> int:
-    """Three quarters of the host RAM available now (psutil)."""
-    return int(psutil.virtual_memory().available * 0.75)
+HOST_BUDGET_FRACTION = 0.75
+LOCAL_RANKS_ENV_VAR = "LOCAL_WORLD_SIZE"  # set by torchrun (and most launchers) on every rank
+
+
+def default_host_budget(environ: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
+    """The host budget of a context given none, and where it came from.
+
+    Three quarters of the host's *total* RAM, divided among the processes of this node
+    (``LOCAL_WORLD_SIZE``, 1 when unset). Total, not available: what happens to be free when a
+    process starts depends on what ran before it, and eight ranks each taking 75% of what is
+    free would together lock more than the node has (pinned memory cannot be swapped out).
+    """
+    environ = os.environ if environ is None else environ
+    text = environ.get(LOCAL_RANKS_ENV_VAR, "").strip()
+    ranks = 1
+    if text:
+        try:
+            ranks = int(text)
+        except ValueError:
+            ranks = 0
+        if ranks < 1:
+            raise ValueError(
+                f"offload: {LOCAL_RANKS_ENV_VAR}={text!r} is not a number of processes >= 1; fix the "
+                "launcher's environment, or pass host_budget_bytes explicitly"
+            )
+    total = psutil.virtual_memory().total
+    budget = int(total * HOST_BUDGET_FRACTION) // ranks
+    gib = total / (1 << 30)
+    return budget, f"{HOST_BUDGET_FRACTION:.0%} of total RAM ({gib:.1f} GiB) / {LOCAL_RANKS_ENV_VAR}={ranks}"
 
 
 class CaptureError(RuntimeError):
@@ -126,7 +153,10 @@ class HostArena:
         self._step_sizes: list[int] = []  # block sizes asked for by the latest acquiring step
         # Blocks being pinned in the background: (size, future), sorted by size.
         self._pending: list[tuple[int, concurrent.futures.Future]] = []
-        self.budget_bytes = default_host_budget_bytes() if budget_bytes is None else int(budget_bytes)
+        if budget_bytes is None:
+            self.budget_bytes, self.budget_source = default_host_budget()
+        else:
+            self.budget_bytes, self.budget_source = int(budget_bytes), "host_budget_bytes"
         if self.budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, got {budget_bytes}")
         self.retain = retain

@@ -734,6 +734,8 @@ class OffloadEngine:
             pinned_bytes_held=self.arena.counters.bytes_held,
             native=self.transport.use_native,
             transport=self.transport.name,
+            host_budget_bytes=self.arena.budget_bytes,
+            host_budget_source=self.arena.budget_source,
         )
 
     def report(self) -> str:

@@ -255,6 +255,8 @@ class GraphedLayer(torch.nn.Module):
             pinned_bytes_held=engine.arena.counters.bytes_held if engine else 0,
             native=engine.transport.use_native if engine else False,
             transport=engine.transport.name if engine else "none",
+            host_budget_bytes=engine.arena.budget_bytes if engine else 0,
+            host_budget_source=engine.arena.budget_source if engine else "",
         )
 
 

@@ -84,6 +84,10 @@ class StepStats(TypedDict):
     - ``pinned_bytes_held`` (int, bytes): host memory the arena holds now, as really locked
       (page rounding included; pinned on CUDA, plain host memory on the ``cpu`` transport),
       reused from step to step.
+    - ``host_budget_bytes`` (int, bytes): the cap on host memory the arena may hold; a group that
+      does not fit stays where it is (``kept["budget"]``).
+    - ``host_budget_source`` (str): where the cap came from: ``"host_budget_bytes"`` (given), or
+      the default's formula (75% of total RAM divided by ``LOCAL_WORLD_SIZE``, with the figures).
     - ``pinned_allocations`` (int, allocations): host blocks allocated during the step (0 in a
       steady step: the arena is reused).
     - ``finished`` (bool): the step's backward is done (else the figures are of a step still in
@@ -114,6 +118,8 @@ class StepStats(TypedDict):
     timed_bytes_h2d: int
     wait_ms: float
     pinned_bytes_held: int
+    host_budget_bytes: int
+    host_budget_source: str
     pinned_allocations: int
     finished: bool
     captured: bool
@@ -126,7 +132,15 @@ def _elapsed_ms(start: Any, end: Any) -> float:
     return float(start.elapsed_time(end))
 
 
-def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport: str) -> StepStats:
+def snapshot(
+    c: StepCounters,
+    *,
+    pinned_bytes_held: int,
+    native: bool,
+    transport: str,
+    host_budget_bytes: int = 0,
+    host_budget_source: str = "",
+) -> StepStats:
     """The step's figures as a plain dict, keys as :class:`StepStats` documents them (reads the
     step's CUDA events; may wait for them)."""
     d2h_ms = sum(_elapsed_ms(s, e) for d, _, s, e in c.copies if d == "d2h")
@@ -162,6 +176,8 @@ def snapshot(c: StepCounters, *, pinned_bytes_held: int, native: bool, transport
         timed_bytes_h2d=h2d_timed,
         wait_ms=wait_ms,
         pinned_bytes_held=pinned_bytes_held,
+        host_budget_bytes=host_budget_bytes,
+        host_budget_source=host_budget_source,
         pinned_allocations=c.pinned_allocations,
         finished=c.finished,
         captured=c.captured,
@@ -215,6 +231,7 @@ def format_report(s: StepStats) -> str:
         (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
+        ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["offload report", "-" * (width + 40)]

@@ -1,0 +1,100 @@
+"""Two processes on the gloo backend (CPU, so CI runs them): DDP with ``OffloadActivations`` gives
+the gradients of the same DDP run without offload, bit for bit, on every rank; parameters are
+never copied; each rank's default host budget is its share of the node."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+WORLD = 2
+
+
+class _Stack(torch.nn.Module):
+    """The layers in a row: what DDP wraps (its forward prepares the gradient reduction)."""
+
+    def __init__(self, layers: torch.nn.ModuleList) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
+    sys.path.insert(0, str(Path(__file__).parent))
+    import psutil
+
+    import offload
+    from _util import make_mlp_layers
+
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        layers = make_mlp_layers(4, width=64)  # same seed on every rank: same weights
+        model = torch.nn.parallel.DistributedDataParallel(_Stack(layers))
+        torch.manual_seed(100 + rank)  # each rank its own batch
+        x = torch.randn(32, 64)
+
+        def step(wrapper: object) -> list[torch.Tensor]:
+            for p in model.parameters():
+                p.grad = None
+            xin = x.detach().requires_grad_(True)
+            if wrapper is None:
+                out = model(xin)
+            else:
+                with wrapper:
+                    out = model(xin)
+            (out ** 2).mean().backward()
+            return [p.grad.clone() for p in model.parameters()] + [xin.grad.clone()]
+
+        plain = step(None)
+        again = step(None)
+        oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
+        offloaded = [step(oa) for _ in range(2)]
+        stats = oa.stats
+        result = {
+            "repeats": all(torch.equal(a, b) for a, b in zip(plain, again)),
+            "bitwise": all(all(torch.equal(a, b) for a, b in zip(plain, got)) for got in offloaded),
+            "offloaded": stats["offloaded_tensors"],
+            "parameters_kept": stats["kept"].get("parameter", 0),
+            "budget_ok": stats["host_budget_bytes"] == int(psutil.virtual_memory().total * 0.75) // WORLD,
+            "synced": True,
+        }
+        # The gradients are DDP's averages: equal on both ranks.
+        flat = torch.cat([g.flatten() for g in offloaded[-1][:-1]])
+        gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+        dist.all_gather(gathered, flat)
+        result["synced"] = torch.equal(gathered[0], gathered[1])
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
+def test_ddp_two_ranks_on_gloo_bitwise_with_offload(tmp_path: Path) -> None:
+    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    for rank in range(WORLD):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["repeats"], f"rank {rank}: the plain DDP step does not repeat itself"
+        assert result["bitwise"], f"rank {rank}: gradients with offload differ from without"
+        assert result["offloaded"] > 0 and result["parameters_kept"] > 0, result
+        assert result["budget_ok"], f"rank {rank}: the default host budget is not its share of the node"
+        assert result["synced"], "DDP's averaged gradients differ between the ranks"
