@@ -4,6 +4,7 @@ never copied; each rank's default host budget is its share of the node."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import sys
@@ -31,14 +32,16 @@ class _Stack(torch.nn.Module):
 
 
 def _worker(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD))
+    # Loopback for gloo's own connections: resolving the host name can pick an interface the
+    # container cannot reach, and the ranks then wait for each other for good.
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD), GLOO_SOCKET_IFNAME="lo")
     sys.path.insert(0, str(Path(__file__).parent))
     import psutil
 
     import offload
     from _util import make_mlp_layers
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         layers = make_mlp_layers(4, width=64)  # same seed on every rank: same weights
         model = torch.nn.parallel.DistributedDataParallel(_Stack(layers))
@@ -90,7 +93,14 @@ def _free_port() -> int:
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo is not available")
 def test_ddp_two_ranks_on_gloo_bitwise_with_offload(tmp_path: Path) -> None:
-    mp.spawn(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    workers = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
+    deadline = 120.0
+    while not workers.join(timeout=5):
+        deadline -= 5
+        if deadline <= 0:
+            for process in workers.processes:
+                process.kill()
+            pytest.fail("the two gloo ranks did not finish within 120 s (killed)")
     for rank in range(WORLD):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert result["repeats"], f"rank {rank}: the plain DDP step does not repeat itself"
