@@ -36,51 +36,57 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     # container cannot reach, and the ranks then wait for each other for good.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(WORLD), GLOO_SOCKET_IFNAME="lo")
     sys.path.insert(0, str(Path(__file__).parent))
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    try:
+        result = _run_rank(rank)
+        # Every DDP object is gone (freed when _run_rank returned) while the group still lives:
+        # a reducer destroyed after destroy_process_group can wait for good.
+        dist.barrier()
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_rank(rank: int) -> dict[str, object]:
     import psutil
 
     import offload
     from _util import make_mlp_layers
 
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        layers = make_mlp_layers(4, width=64)  # same seed on every rank: same weights
-        model = torch.nn.parallel.DistributedDataParallel(_Stack(layers))
-        torch.manual_seed(100 + rank)  # each rank its own batch
-        x = torch.randn(32, 64)
+    layers = make_mlp_layers(4, width=64)  # same seed on every rank: same weights
+    model = torch.nn.parallel.DistributedDataParallel(_Stack(layers))
+    torch.manual_seed(100 + rank)  # each rank its own batch
+    x = torch.randn(32, 64)
 
-        def step(wrapper: object) -> list[torch.Tensor]:
-            for p in model.parameters():
-                p.grad = None
-            xin = x.detach().requires_grad_(True)
-            if wrapper is None:
+    def step(wrapper: object) -> list[torch.Tensor]:
+        for p in model.parameters():
+            p.grad = None
+        xin = x.detach().requires_grad_(True)
+        if wrapper is None:
+            out = model(xin)
+        else:
+            with wrapper:
                 out = model(xin)
-            else:
-                with wrapper:
-                    out = model(xin)
-            (out ** 2).mean().backward()
-            return [p.grad.clone() for p in model.parameters()] + [xin.grad.clone()]
+        (out ** 2).mean().backward()
+        return [p.grad.clone() for p in model.parameters()] + [xin.grad.clone()]
 
-        plain = step(None)
-        again = step(None)
-        oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
-        offloaded = [step(oa) for _ in range(2)]
-        stats = oa.stats
-        result = {
-            "repeats": all(torch.equal(a, b) for a, b in zip(plain, again)),
-            "bitwise": all(all(torch.equal(a, b) for a, b in zip(plain, got)) for got in offloaded),
-            "offloaded": stats["offloaded_tensors"],
-            "parameters_kept": stats["kept"].get("parameter", 0),
-            "budget_ok": stats["host_budget_bytes"] == int(psutil.virtual_memory().total * 0.75) // WORLD,
-            "synced": True,
-        }
-        # The gradients are DDP's averages: equal on both ranks.
-        flat = torch.cat([g.flatten() for g in offloaded[-1][:-1]])
-        gathered = [torch.empty_like(flat) for _ in range(WORLD)]
-        dist.all_gather(gathered, flat)
-        result["synced"] = torch.equal(gathered[0], gathered[1])
-        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    plain = step(None)
+    again = step(None)
+    oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
+    offloaded = [step(oa) for _ in range(2)]
+    stats = oa.stats
+    # The gradients are DDP's averages: equal on both ranks.
+    flat = torch.cat([g.flatten() for g in offloaded[-1][:-1]])
+    gathered = [torch.empty_like(flat) for _ in range(WORLD)]
+    dist.all_gather(gathered, flat)
+    return {
+        "repeats": all(torch.equal(a, b) for a, b in zip(plain, again)),
+        "bitwise": all(all(torch.equal(a, b) for a, b in zip(plain, got)) for got in offloaded),
+        "offloaded": stats["offloaded_tensors"],
+        "parameters_kept": stats["kept"].get("parameter", 0),
+        "budget_ok": stats["host_budget_bytes"] == int(psutil.virtual_memory().total * 0.75) // WORLD,
+        "synced": torch.equal(gathered[0], gathered[1]),
+    }
 
 
 def _free_port() -> int:
