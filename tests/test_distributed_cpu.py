@@ -1,6 +1,7 @@
 """Two processes on the gloo backend (CPU, so CI runs them): DDP with ``OffloadActivations`` gives
 the gradients of the same DDP run without offload, bit for bit, on every rank; parameters are
-never copied; each rank's default host budget is its share of the node."""
+never copied; each rank's default host budget is its share of the node. And a pipeline stage's
+1F1B order (several micro-batches in flight) on one process, bitwise."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -114,3 +116,51 @@ def test_ddp_two_ranks_on_gloo_bitwise_with_offload(tmp_path: Path) -> None:
         assert result["offloaded"] > 0 and result["parameters_kept"] > 0, result
         assert result["budget_ok"], f"rank {rank}: the default host budget is not its share of the node"
         assert result["synced"], "DDP's averaged gradients differ between the ranks"
+
+
+# -- pipeline order on one process -------------------------------------------------------------------
+ONE_F_ONE_B = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+
+
+@pytest.mark.parametrize("form", ["te", "oa"])
+def test_hand_written_1f1b_order_is_bitwise(form: str) -> None:
+    """Several micro-batches in flight (forward mb0, forward mb1, backward mb0, ...), as a
+    pipeline stage runs them with 1F1B: each backward reloads its own micro-batch's groups."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import offload
+    from offload.models import run_layers
+    from _util import assert_bitwise, cpu_context, make_mlp_layers
+
+    layers = make_mlp_layers(4, width=64)
+    torch.manual_seed(7)
+    batches = [torch.randn(16, 64) for _ in range(3)]
+
+    def run(order: list[tuple[str, int]], forward: Any) -> list[torch.Tensor]:
+        for p in layers.parameters():
+            p.grad = None
+        inputs, losses = {}, {}
+        for kind, mb in order:
+            if kind == "F":
+                inputs[mb] = batches[mb].detach().requires_grad_(True)
+                losses[mb] = (forward(inputs[mb]) ** 2).mean()
+            else:
+                losses.pop(mb).backward()
+        return [p.grad.clone() for p in layers.parameters()] + [inputs[mb].grad.clone() for mb in sorted(inputs)]
+
+    plain = run(ONE_F_ONE_B, lambda x: run_layers(layers, x))
+    assert_bitwise(plain, run(ONE_F_ONE_B, lambda x: run_layers(layers, x)))
+    if form == "te":
+        ctx, sync = cpu_context(3, 4)
+        forward = lambda x: run_layers(layers, x, ctx, sync)  # noqa: E731
+        stats = lambda: ctx.stats  # noqa: E731
+    else:
+        oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            with oa:
+                return run_layers(layers, x)
+
+        stats = lambda: oa.stats  # noqa: E731
+    for _ in range(2):
+        assert_bitwise(plain, run(ONE_F_ONE_B, forward))
+    assert stats()["offloaded_tensors"] > 0
