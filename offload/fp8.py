@@ -43,7 +43,6 @@ from .quantized import (
     Float8BlockwiseStorage,
     Float8TensorStorage,
     QuantizedStorage,
-    fp8_transpose,
     quantize_blockwise,
     quantize_tensorwise,
 )

@@ -44,7 +44,6 @@ transport runs (and is tested) on CPU-only torch with real copies.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from typing import Any, Callable, Optional
 
