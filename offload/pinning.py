@@ -6,8 +6,8 @@ for seconds, and its caching host allocator rounds each request up to a power of
 really pinned were not the bytes the arena counted. The native extension instead maps anonymous
 memory, faults it in from several threads (the kernel zeroes each page on first touch: that is
 the slow part, and it parallelises), and registers it with ``cuMemHostRegister``. With
-transparent huge pages the registration walks 512x fewer pages. Measured on the H100 host
-(``.scratch``-free: ``benchmarks/first_step.py`` reports the live figures):
+transparent huge pages the registration walks 512x fewer pages. Measured on our H100 host, one
+block at a time (``benchmarks/first_step.py`` shows what a first step pays with them):
 
 =============  ==========  ==========  ==========
 method         64 MiB      1 GiB       4 GiB
