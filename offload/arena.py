@@ -206,7 +206,7 @@ class HostArena:
                 continue
             block, pinned_bytes = self.allocate(size)
             with self._lock:
-                self._add_idle(Region(block=block, pinned_bytes=pinned_bytes), pinned_bytes)
+                self._add_idle(Region(block=block, pinned_bytes=pinned_bytes))
         return total
 
     def sizes_for(self, nbytes: int, blocks_if_unknown: int) -> list[int]:
@@ -231,17 +231,37 @@ class HostArena:
             i = bisect.bisect_right([s for s, _ in self._pending], size)
             self._pending.insert(i, (size, future))
 
-    def _add_idle(self, region: Region, pinned_bytes: int) -> None:
-        # Called with the lock held: a newly pinned block joins the idle list.
+    def _count_pinned(self, pinned_bytes: int, in_use: int) -> None:
+        # Called with the lock held: one more pinned block, ``in_use`` of it handed out now.
         self.counters.pinned_allocations += 1
         self.counters.bytes_held += pinned_bytes
+        self.counters.bytes_in_use += in_use
+
+    def _add_idle(self, region: Region) -> None:
+        # Called with the lock held: a newly pinned block joins the idle list.
+        self._count_pinned(region.pinned_bytes, 0)
         i = bisect.bisect_right(self._free_sizes, region.block.numel())
         self._free_sizes.insert(i, region.block.numel())
         self._free.insert(i, region)
 
-    def _collect_pending(self, size: int) -> Optional[Region]:
-        """Move finished background blocks to the idle list; then, if one still being pinned
-        fits ``size``, wait for it and return it (in use)."""
+    def _take_idle(self, size: int, step: int, captured: bool) -> Optional[Region]:
+        # Called with the lock held: the smallest idle block that fits, within the slack (under
+        # capture any that fits will do: the slack rule only keeps big blocks for big groups,
+        # and failing the capture would be worse).
+        i = bisect.bisect_left(self._free_sizes, size)
+        if i == len(self._free) or not (captured or self._free_sizes[i] <= size * REUSE_SLACK):
+            return None
+        self._free_sizes.pop(i)
+        region = self._free.pop(i)
+        self.counters.bytes_in_use += region.block.numel()
+        region.used_in_step = step
+        region.graph_owned = captured
+        self.counters.graph_owned_blocks += captured
+        return region
+
+    def _from_pinner(self, size: int, step: int) -> Optional[Region]:
+        """Move finished background blocks to the idle list and take one that fits; else wait
+        for one still being pinned that fits. None when none does (or its pinning failed)."""
         waited: Optional[tuple[int, concurrent.futures.Future]] = None
         with self._lock:
             keep = []
@@ -253,9 +273,12 @@ class HostArena:
                     waited = entry
                 else:
                     keep.append(entry)
+            region = self._take_idle(size, step, captured=False)
+            if region is not None and waited is not None:
+                keep.append(waited)  # not needed after all: it joins the idle list when done
             self._pending = keep
-        if waited is None:
-            return None
+        if region is not None or waited is None:
+            return region
         pending_size, future = waited
         try:
             block, pinned_bytes = future.result()
@@ -266,11 +289,9 @@ class HostArena:
             return None
         with self._lock:
             self.counters.bytes_pending -= pending_size
-            self.counters.pinned_allocations += 1
-            self.counters.bytes_held += pinned_bytes
-            self.counters.bytes_in_use += block.numel()
+            self._count_pinned(pinned_bytes, block.numel())
             self.counters.waited_for_pinning += 1
-        return Region(block=block, pinned_bytes=pinned_bytes)
+        return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
 
     def _settle(self, size: int, future: concurrent.futures.Future) -> None:
         # Called with the lock held, for a finished (or cancelled) background block.
@@ -279,11 +300,7 @@ class HostArena:
             self.counters.failures += 1
             return
         block, pinned_bytes = future.result()
-        self._add_idle(Region(block=block, pinned_bytes=pinned_bytes), pinned_bytes)
-
-    def close(self) -> None:
-        """Cancel blocks still queued for background pinning (the one in progress finishes)."""
-        self._pinner.close()
+        self._add_idle(Region(block=block, pinned_bytes=pinned_bytes))
 
     # -- regions ---------------------------------------------------------------------------------
     def has_idle_blocks(self) -> bool:
@@ -307,37 +324,28 @@ class HostArena:
         many blocks are queued on the background pinner, so the next layers find them ready.
         """
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
-        if step != self._last_acquiring_step:
-            self._step_sizes = []
-        self._step_sizes.append(size)
-        if self._pending and not captured:
-            region = self._collect_pending(size)
+        with self._lock:
+            if step != self._last_acquiring_step:
+                self._step_sizes = []
+            self._step_sizes.append(size)
+            self._last_acquiring_step = max(self._last_acquiring_step, step)
+            region = self._take_idle(size, step, captured)
+        if region is not None:
+            return region
+        if captured:
+            idle = ", ".join(str(n) for n in self._free_sizes) or "none"
+            raise CaptureError(
+                f"offload: a pinned host region of {size} bytes is needed while a CUDA graph is "
+                f"being captured, and no idle block fits (idle block sizes: {idle}). Pinned "
+                "memory cannot be allocated under capture. Run one eager step (or warm-up "
+                "iteration) with offloading on right before capturing, with "
+                "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
+            )
+        if self._pending:
+            region = self._from_pinner(size, step)
             if region is not None:
-                region.used_in_step = step
                 return region
         with self._lock:
-            self._last_acquiring_step = max(self._last_acquiring_step, step)
-            i = bisect.bisect_left(self._free_sizes, size)
-            # Under capture any idle block that fits will do: the slack rule only keeps big
-            # blocks for big groups, and failing the capture would be worse.
-            fits = i < len(self._free) and (captured or self._free_sizes[i] <= size * REUSE_SLACK)
-            if fits:
-                self._free_sizes.pop(i)
-                region = self._free.pop(i)
-                self.counters.bytes_in_use += region.block.numel()
-                region.used_in_step = step
-                region.graph_owned = captured
-                self.counters.graph_owned_blocks += captured
-                return region
-            if captured:
-                idle = ", ".join(str(n) for n in self._free_sizes) or "none"
-                raise CaptureError(
-                    f"offload: a pinned host region of {size} bytes is needed while a CUDA graph is "
-                    f"being captured, and no idle block fits (idle block sizes: {idle}). Pinned "
-                    "memory cannot be allocated under capture. Run one eager step (or warm-up "
-                    "iteration) with offloading on right before capturing, with "
-                    "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
-                )
             # Make room from idle blocks, largest first, before giving up on the budget.
             while self._free and self._committed() + size > self.budget_bytes:
                 self._drop_free(len(self._free) - 1)
@@ -358,9 +366,7 @@ class HostArena:
                 self.counters.failures += 1
             return None
         with self._lock:
-            self.counters.pinned_allocations += 1
-            self.counters.bytes_held += pinned_bytes
-            self.counters.bytes_in_use += size
+            self._count_pinned(pinned_bytes, size)
         return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
 
     def _committed(self) -> int:

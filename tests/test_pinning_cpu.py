@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -200,3 +201,18 @@ def test_profiler_trace_names_the_offload_work() -> None:
     counts = {n: sum(e.name == n for e in prof.events()) for n in ("offload::offload", "offload::pack")}
     assert counts["offload::offload"] == 3  # one per offloaded layer
     assert counts["offload::pack"] == ctx.stats["offloaded_tensors"] + ctx.stats["kept_tensors"] - ctx.stats["kept"].get("layer", 0)
+
+
+def test_an_idle_block_is_taken_before_waiting_for_one_being_pinned() -> None:
+    gate = threading.Event()
+    arena = pinned_arena(FakePinned(gate=gate))
+    gate.set()
+    arena.preallocate([4 * BLOCK_GRANULE])  # idle, ready
+    gate.clear()
+    arena.preallocate([4 * BLOCK_GRANULE], background=True)  # held up on the pinner
+    threading.Timer(2.0, gate.set).start()
+    start = time.perf_counter()
+    region = arena.acquire(3 * BLOCK_GRANULE, step=1)
+    assert region is not None and time.perf_counter() - start < 1.0
+    assert arena.counters.waited_for_pinning == 0
+    gate.wait(5)
