@@ -250,8 +250,6 @@ PYBIND11_MODULE(_C, m) {
       .def_property_readonly("method", [](const offload::PinnedHostBuffer& b) {
         return std::string(offload::pin_method_name(b.method()));
       });
-  m.def("current_context", &offload::current_context,
-        "current_context() -> int: the CUDA context current on this thread (for PinnedBuffer).");
 
   m.def("cuda_copy_path",
         []() -> std::string {

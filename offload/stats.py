@@ -138,8 +138,8 @@ def snapshot(
     pinned_bytes_held: int,
     native: bool,
     transport: str,
-    host_budget_bytes: int = 0,
-    host_budget_source: str = "",
+    host_budget_bytes: int,
+    host_budget_source: str,
 ) -> StepStats:
     """The step's figures as a plain dict, keys as :class:`StepStats` documents them (reads the
     step's CUDA events; may wait for them)."""

@@ -15,7 +15,8 @@ from _util import cpu_context, make_gpt_layers, train_step
 def _snapshot(transport: str) -> StepStats:
     counters = StepCounters(step=1, mode="v2", offloaded_tensors=3, offloaded_bytes=3 << 20,
                             released_bytes=3 << 20, bytes_d2h=3 << 20, bytes_h2d=3 << 20, reloads=1, finished=True)
-    return snapshot(counters, pinned_bytes_held=4 << 20, native=True, transport=transport)
+    return snapshot(counters, pinned_bytes_held=4 << 20, native=True, transport=transport,
+                    host_budget_bytes=1 << 30, host_budget_source="host_budget_bytes")
 
 
 def test_every_stats_key_is_declared_and_documented() -> None:
