@@ -595,3 +595,11 @@ def verdict(ok: Optional[bool]) -> str:
 
 def gib(n: Optional[float]) -> Optional[float]:
     return None if n is None else n / GiB
+
+
+def exit_status(failed: list[str]) -> int:
+    """A benchmark's exit status: 0, or 1 after naming the variants that failed on stderr."""
+    if failed:
+        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

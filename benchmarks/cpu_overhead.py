@@ -239,10 +239,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("\ntargets (measured in this run):")
     for line in lines:
         print("  " + line)
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed)
 
 
 if __name__ == "__main__":

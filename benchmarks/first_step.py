@@ -354,10 +354,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print("targets (measured in this run):")
     for line in lines:
         print("  " + line)
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed)
 
 
 if __name__ == "__main__":

@@ -232,10 +232,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("wait_ms", "wait ms", ".2f"),
         ("grads_bitwise", "bitwise", ""),
     ])
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed)
 
 
 if __name__ == "__main__":

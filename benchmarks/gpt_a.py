@@ -247,10 +247,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["step_ms"] = None
             r["variant"] = r["variant"] + " (FAILED)"
     common.print_table(f"{spec.name} ({common.device_name(env)})", rows, columns)
-    if failed:
-        print(f"\nFAILED variants: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed)
 
 
 if __name__ == "__main__":

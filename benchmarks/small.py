@@ -260,10 +260,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("d2h_gbps", "D2H GB/s", ".1f"),
         ("h2d_gbps", "H2D GB/s", ".1f"),
     ])
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed)
 
 
 if __name__ == "__main__":

@@ -106,10 +106,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("h2d_gbps", "H2D GB/s", ".1f"),
         ("wait_ms", "wait ms", ".1f"),
     ])
-    if failed:
-        print(f"\nFAILED: {', '.join(failed)}", file=sys.stderr)
-        return 1
-    return 0
+    return common.exit_status(failed)
 
 
 if __name__ == "__main__":
