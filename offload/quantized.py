@@ -50,6 +50,7 @@ __all__ = [
     "Float8BlockwiseStorage",
     "MXFP8TensorStorage",
     "fp8_max",
+    "finite_amax",
     "fp8_transpose",
     "e8m0_to_float",
     "quantize_tensorwise",
@@ -67,6 +68,7 @@ MXFP8_BLOCK_SIZE = 32
 # 57344 = 1.75 * 2^15); MX picks the shared exponent so that the block's amax lands in this binade.
 _FP8_EMAX = {torch.float8_e4m3fn: 8, torch.float8_e5m2: 15}
 _E8M0_BIAS = 127
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -112,12 +114,19 @@ def _is_data_dtype(t: torch.Tensor, fp8_dtype: torch.dtype) -> bool:
     return t.dtype == fp8_dtype or t.dtype == torch.uint8
 
 
-def _amax(
+def finite_amax(
     x: torch.Tensor, dim: Optional[int | tuple[int, ...]] = None, keepdim: bool = False
 ) -> torch.Tensor:
-    """float32 ``amax(|x|)``, also defined (as 0) when a reduced dim is empty (an expert with no
-    tokens), where ``torch.amax`` would raise."""
-    xf = x.float().abs()
+    """float32 ``amax(|x|)`` over the finite elements (0 where there are none, and where a
+    reduced dim is empty, such as an expert with no tokens, where ``torch.amax`` would raise).
+
+    Non-finite values do not set the scale, so one ``inf`` cannot turn every other value into
+    zero (a scale of ``fp8_max / inf``) and one NaN cannot make the scale NaN. The cast then
+    saturates ``inf`` to the largest FP8 value and keeps NaN as NaN, so a non-finite input still
+    shows in the result (a NaN loss, as without FP8) instead of becoming a silent garbage scale.
+    """
+    # nan_to_num maps NaN and +inf (|-inf| is +inf) to 0 in one pass.
+    xf = x.float().abs().nan_to_num_(nan=0.0, posinf=0.0)
     if dim is None:
         if x.numel() == 0:
             return torch.zeros((), dtype=torch.float32, device=x.device)
@@ -134,11 +143,13 @@ def _scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     """Current scaling: ``scale = fp8_max / amax`` so the largest element maps to the FP8 max.
 
     amax == 0 (an all-zero tensor or block) would give inf; the scale is 1 there instead, which
-    quantizes zeros to zeros. Computed with ``torch.where`` so that no host sync is needed.
+    quantizes zeros to zeros. A subnormal amax would overflow the division to inf (and 0 * inf is
+    NaN), so the scale is capped at the float32 maximum. Computed with ``torch.where`` so that no
+    host sync is needed.
     """
     fmax = fp8_max(fp8_dtype)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return torch.where(amax > 0, fmax / safe, torch.ones_like(amax))
+    return torch.where(amax > 0, (fmax / safe).clamp_(max=_FLOAT32_MAX), torch.ones_like(amax))
 
 
 def _cast_fp8(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -621,7 +632,7 @@ def quantize_tensorwise(
     _check_input(x, fn)
     _check_fp8_dtype(fp8_dtype)
     _check_usages(rowwise, columnwise, fn)
-    amax = _amax(x).reshape(1)
+    amax = finite_amax(x).reshape(1)
     if scale is None:
         scale = _scale_from_amax(amax, fp8_dtype)
     else:
@@ -668,13 +679,13 @@ def _quantize_blocks(
     # its strides; the data must come out row-major.
     af = a.float().contiguous()
     if block is None:
-        amax = _amax(af, dim=1, keepdim=True)  # (R, 1)
+        amax = finite_amax(af, dim=1, keepdim=True)  # (R, 1)
         scale = _scale_from_amax(amax, fp8_dtype)
         q = _cast_fp8(af * scale, fp8_dtype)
     else:
         br, bc = block
         tiles = af.reshape(r // br, br, c // bc, bc)
-        amax = _amax(tiles, dim=(1, 3))  # (R/br, C/bc)
+        amax = finite_amax(tiles, dim=(1, 3))  # (R/br, C/bc)
         scale = _scale_from_amax(amax, fp8_dtype)
         q = _cast_fp8(tiles * scale[:, None, :, None], fp8_dtype).reshape(r, c)
     return q, torch.reciprocal(scale)
@@ -865,7 +876,7 @@ def _quantize_mx(a: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor,
     """
     r, c = a.shape
     blocks = a.float().contiguous().reshape(r, c // MXFP8_BLOCK_SIZE, MXFP8_BLOCK_SIZE)
-    amax = _amax(blocks, dim=2)  # (R, C/32)
+    amax = finite_amax(blocks, dim=2)  # (R, C/32)
     _, e = torch.frexp(amax)
     shared = (e.to(torch.int32) - 1) - _FP8_EMAX[fp8_dtype]
     # All-zero blocks: scale 1 (biased 127); any scale would do, this one is easy to read.

@@ -1,0 +1,88 @@
+"""Quantize a GEMM operand: the fused Triton kernels on CUDA, the torch path everywhere else.
+
+Both paths give the same bits (tested on the GPU), so which one ran never shows in a result. The
+torch path is :mod:`offload.quantized`'s; it runs on CPU, where Triton is absent, for tensors of
+2**31 elements or more (the kernels use 32-bit offsets), and with ``OFFLOAD_FP8_TRITON=0``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .. import quantized as q
+
+__all__ = ["Operand", "quantize", "triton_available", "to_saved_storage"]
+
+_TRITON_ENV = "OFFLOAD_FP8_TRITON"
+_MAX_TRITON_NUMEL = (1 << 31) - 1
+
+
+class Operand(NamedTuple):
+    """One tensor quantized for FP8 GEMMs. ``row`` is ``(M, K)`` and ``col`` its transpose
+    ``(K, M)``, both row-major, either may be None. Scales are float32 dequantization factors:
+    ``(1,)`` for tensorwise (the same for both layouts), ``(M, 1)`` and ``(K, 1)`` per row."""
+
+    row: Optional[torch.Tensor]
+    row_scale_inv: Optional[torch.Tensor]
+    col: Optional[torch.Tensor]
+    col_scale_inv: Optional[torch.Tensor]
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Any:
+    """The Triton kernels module, imported on first CUDA use (importing Triton costs ~0.5 s), or
+    None where Triton is absent or turned off. ``_kernels.cache_clear()`` re-reads the setting."""
+    if os.environ.get(_TRITON_ENV, "1") == "0":
+        return None
+    try:
+        from . import triton_cast  # noqa: PLC0415 - optional, and slow to import
+    except Exception:  # noqa: BLE001 - absent or broken Triton: the torch path still works
+        return None
+    return triton_cast
+
+
+def triton_available() -> bool:
+    """True when CUDA tensors are quantized by the fused Triton kernels."""
+    return torch.cuda.is_available() and _kernels() is not None
+
+
+def quantize(
+    x: torch.Tensor, fp8_dtype: torch.dtype, scaling: str, rowwise: bool, columnwise: bool
+) -> Operand:
+    """Quantize a 2-D ``(M, K)`` float tensor with current scaling (``"tensorwise"``: one scale;
+    ``"rowwise"``: one per row of each layout), producing the layouts asked for."""
+    if x.is_cuda and x.numel() <= _MAX_TRITON_NUMEL:
+        kernels = _kernels()
+        if kernels is not None:
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            if scaling == "tensorwise":
+                row, col, scale_inv, _ = kernels.quantize_tensorwise_fused(x, fp8_dtype, rowwise, columnwise)
+                return Operand(row, scale_inv, col, scale_inv)
+            return Operand(*kernels.quantize_rowwise_fused(x, fp8_dtype, rowwise, columnwise))
+    if scaling == "tensorwise":
+        s = q.quantize_tensorwise(x, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
+        return Operand(s.rowwise_data, s.scale_inv, s.columnwise_data, s.scale_inv)
+    b = q.quantize_blockwise(x, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
+    return Operand(b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv)
+
+
+def to_saved_storage(op: Operand, fp8_dtype: torch.dtype, scaling: str) -> q.QuantizedStorage:
+    """The columnwise half of ``op`` as a storage to save for wgrad (rowwise data and amax are
+    not kept: wgrad contracts over M and only needs ``(K, M)``)."""
+    if scaling == "tensorwise":
+        return q.Float8TensorStorage(
+            rowwise_data=None, columnwise_data=op.col, scale_inv=op.col_scale_inv, fp8_dtype=fp8_dtype
+        )
+    return q.Float8BlockwiseStorage(
+        rowwise_data=None,
+        rowwise_scale_inv=None,
+        columnwise_data=op.col,
+        columnwise_scale_inv=op.col_scale_inv,
+        fp8_dtype=fp8_dtype,
+        block=None,
+    )

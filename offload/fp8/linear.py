@@ -1,0 +1,278 @@
+"""An FP8 ``Linear`` on ``torch._scaled_mm`` that saves only the columnwise FP8 input for wgrad.
+
+Forward, dgrad and wgrad are three FP8 GEMMs::
+
+    Y  = X  @ W^T     mat1 = X  rowwise (M, K)            mat2 = W rowwise (N, K), transposed
+    dX = dY @ W       mat1 = dY rowwise (M, N)            mat2 = W columnwise (K, N), transposed
+    dW = dY^T @ X     mat1 = dY columnwise (N, M)         mat2 = X columnwise (K, M), transposed
+
+``_scaled_mm`` wants ``mat1`` row-major and ``mat2`` column-major; ``c.t()`` of a contiguous
+``c`` is column-major, so every ``mat2`` above is the ``.t()`` of contiguous data, and the only
+activation autograd has to keep is the columnwise FP8 input ``(K, M)`` with its scale(s): half
+the bytes of a bf16 input. Those components are tagged with
+:func:`offload.marks.mark_activation_offload` so that the v1 schedule (opt-in selection) moves
+them. The weight's FP8 copies come from a per-module cache (the Parameter itself is what autograd
+saves: the engine keeps Parameters on the GPU, and autograd's version check catches a weight
+changed in place between forward and backward).
+
+Cost (what makes it worth using over bf16): inputs and gradients are quantized by fused Triton
+kernels on CUDA (:mod:`offload.fp8.cast`), two launches per tensor, one for small tensors; the
+weight's FP8 copies are made once per weight version (:mod:`offload.fp8.weights`), not once per
+call; the bias is added in the forward GEMM's epilogue; call checks run once per input kind. No
+step waits on the host: forward and backward run under ``torch.cuda.set_sync_debug_mode("error")``
+and capture in a CUDA graph (tested).
+
+Scaling:
+
+* ``"tensorwise"`` (default): current scaling, one float32 scale per tensor
+  (``fp8_max / amax``, 1 when amax == 0). The columnwise copies are exact transposes.
+* ``"rowwise"``: one float32 scale per row of each GEMM operand along its non-contracted dim:
+  ``(M, 1)`` and ``(1, N)``. The columnwise copies are quantized from the transposes with their
+  own per-row scales, since a GEMM can only apply scales along non-contracted dims.
+
+Gradients are quantized to e4m3fn with their own current scale. The bias is added in the forward
+GEMM's epilogue and its gradient summed in high precision. Non-finite inputs saturate (``inf``
+becomes the largest FP8 value, NaN stays NaN) and never set the scale (see
+:func:`offload.quantized.finite_amax`). Every step is deterministic, so outputs and gradients are bitwise
+repeatable run to run.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Union
+
+import torch
+
+from ..marks import mark_activation_offload
+from ..quantized import FP8_DTYPES, QuantizedStorage
+from .cast import quantize, to_saved_storage
+from .gemm import GEMM_MULTIPLE, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
+from .weights import WeightCache
+
+__all__ = ["Linear", "SCALINGS"]
+
+SCALINGS = ("tensorwise", "rowwise")
+_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
+# Gradients are always e4m3fn: cuBLASLt has no e5m2 x e5m2 FP8 GEMM, and the rowwise kernels take
+# e4m3fn only.
+_GRAD_FP8 = torch.float8_e4m3fn
+
+
+class _Call(NamedTuple):
+    """What one forward needs besides tensors (an autograd.Function takes it as one argument)."""
+
+    module: "Linear"
+    need_wgrad: bool
+    refresh_weight: bool
+
+
+def _mat2_scale(scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
+    """A ``(rows, 1)`` per-row scale of contiguous data becomes the ``(1, rows)`` column scale
+    ``_scaled_mm`` wants for its ``.t()``; one tensorwise scale is used as it is."""
+    return scale_inv if scaling == "tensorwise" else scale_inv.view(1, -1)
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: Optional[torch.Tensor],
+        call: _Call,
+    ) -> torch.Tensor:
+        module = call.module
+        scaling = module.scaling
+        # Input: rowwise for this GEMM, columnwise (K, M) for wgrad when it will be needed.
+        xq = quantize(x, module.fp8_dtype, scaling, rowwise=True, columnwise=call.need_wgrad)
+        w = module.weight_cache.get(weight, scaling, call.refresh_weight)
+        fused_bias = bias if bias is not None and bias.dtype == x.dtype else None
+        y = torch._scaled_mm(
+            xq.row, w.fprop, scale_a=xq.row_scale_inv, scale_b=w.fprop_scale,
+            bias=fused_bias, out_dtype=x.dtype, use_fast_accum=False,
+        )
+        if bias is not None and fused_bias is None:
+            y = y + bias.to(x.dtype)
+
+        if call.need_wgrad:
+            # Keep ONLY the columnwise input and its scale(s); the rowwise copy dies here.
+            saved = to_saved_storage(xq, module.fp8_dtype, scaling)
+            mark_activation_offload(saved)
+            tensors, restorable = saved.prepare_for_saving()
+        else:
+            tensors, restorable = [], None
+        del xq
+        ctx.save_for_backward(*tensors, weight)
+        ctx.restorable = restorable
+        ctx.module = module
+        ctx.x_dtype = x.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
+        module: Linear = ctx.module
+        scaling = module.scaling
+        saved = ctx.saved_tensors
+        weight = saved[-1]
+        need_dgrad = ctx.needs_input_grad[0]
+        storage: Optional[QuantizedStorage] = ctx.restorable
+        need_wgrad = ctx.needs_input_grad[1] and storage is not None
+
+        dx = dw = db = None
+        if need_dgrad or need_wgrad:
+            dyq = quantize(dy, _GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
+        if need_dgrad:
+            w = module.weight_cache.get(weight, scaling)
+            dx = torch._scaled_mm(
+                dyq.row, w.dgrad, scale_a=dyq.row_scale_inv, scale_b=w.dgrad_scale,
+                out_dtype=ctx.x_dtype, use_fast_accum=False,
+            )
+        if need_wgrad:
+            assert storage is not None
+            storage.restore_from_saved(list(saved[:-1]))
+            try:
+                # dY^T (N, M) row-major against X (M, K) column-major, the .t() of the saved
+                # columnwise (K, M) input; fp8_gemm accepts the engine's restored uint8 views.
+                x_col, x_scale = _saved_columnwise(storage)
+                dw = fp8_gemm(
+                    dyq.col, x_col.t(), dyq.col_scale_inv, _mat2_scale(x_scale, scaling), weight.dtype
+                )
+            finally:
+                # Drop our references to the (possibly engine-owned) restored buffers right away;
+                # a second backward (retain_graph=True) restores again from ctx.saved_tensors.
+                storage.release()
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            db = dy.sum(dim=0).to(ctx.bias_dtype)
+        return dx, dw, db, None
+
+
+def _saved_columnwise(storage: QuantizedStorage) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8-typed columnwise data, its scale_inv) of a restored saved input."""
+    data = storage.columnwise_data  # type: ignore[attr-defined]
+    if data.dtype != storage.fp8_dtype:
+        data = data.view(storage.fp8_dtype)  # the engine restores FP8 bits as uint8 views
+    scale = getattr(storage, "scale_inv", None)
+    if scale is None:
+        scale = storage.columnwise_scale_inv  # type: ignore[attr-defined]
+    return data, scale
+
+
+class Linear(torch.nn.Linear):
+    """Drop-in for :class:`torch.nn.Linear` whose three GEMMs run in FP8 via ``torch._scaled_mm``.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as for :class:`torch.nn.Linear`. Both
+            feature counts must be multiples of 16 (an FP8 GEMM requirement).
+        scaling: ``"tensorwise"`` (one current scale per tensor) or ``"rowwise"`` (per-row
+            float32 scales, ``(M, 1)`` x ``(1, N)``).
+        fp8_dtype: FP8 format of the input activation (the tensor saved for backward):
+            ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (tensorwise only). Weights and
+            output gradients are always e4m3fn.
+
+    Inputs are ``(..., in_features)`` float32/bfloat16/float16; the output has the input's dtype.
+    When the weight gets a gradient, the number of rows ``M`` (the product of the leading dims)
+    must be a multiple of 16, since wgrad contracts over it.
+
+    The weight's FP8 copies live in ``weight_cache`` (as many bytes as the bf16 weight) and are
+    remade when the weight changes (see :mod:`offload.fp8.weights`). ``forward``'s
+    ``is_first_microbatch=True`` (TransformerEngine's argument) forces a new copy; after writing
+    the weight through ``.data``, which autograd's version counter does not see, call
+    ``weight_cache.clear()``.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        scaling: str = "tensorwise",
+        fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        device: Union[torch.device, str, None] = None,
+        dtype: Optional[torch.dtype] = None,
+    ) -> None:
+        if scaling not in SCALINGS:
+            raise ValueError(f"fp8.Linear: scaling must be one of {SCALINGS}, got {scaling!r}")
+        if fp8_dtype not in FP8_DTYPES:
+            raise ValueError(
+                f"fp8.Linear: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
+            )
+        if scaling == "rowwise" and fp8_dtype != torch.float8_e4m3fn:
+            raise ValueError(
+                "fp8.Linear: scaling='rowwise' supports fp8_dtype=torch.float8_e4m3fn only "
+                "(rowwise-scaled FP8 GEMM kernels take e4m3 operands); use scaling='tensorwise' for e5m2"
+            )
+        for name, n in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(n, int) or n <= 0 or n % GEMM_MULTIPLE:
+                raise ValueError(
+                    f"fp8.Linear: {name}={n} must be a positive multiple of {GEMM_MULTIPLE} "
+                    "(torch._scaled_mm requires it); pad the layer or use torch.nn.Linear"
+                )
+        if dtype is not None and dtype not in _HIGH_PRECISION:
+            raise ValueError(f"fp8.Linear: dtype must be float32, bfloat16 or float16, got {dtype}")
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.scaling = scaling
+        self.fp8_dtype = fp8_dtype
+        self.weight_cache = WeightCache()
+        # Input kinds (dtype, device, weight dtype and device) already checked: the checks cost
+        # more host time than the GEMM at small sizes, and their answer does not change.
+        self._checked_kinds: set[tuple[object, ...]] = set()
+
+    def _check_call(self, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"fp8.Linear expects a torch.Tensor input, got {type(x).__name__}")
+        if x.dim() < 1 or x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"fp8.Linear: input of shape {tuple(x.shape)} does not end in in_features={self.in_features}"
+            )
+        kind = (x.dtype, x.device, self.weight.dtype, self.weight.device)
+        if kind in self._checked_kinds:
+            return
+        if x.dtype not in _HIGH_PRECISION:
+            raise ValueError(
+                f"fp8.Linear: input dtype must be float32, bfloat16 or float16, got {x.dtype}"
+            )
+        if self.weight.dtype not in _HIGH_PRECISION:
+            raise ValueError(
+                f"fp8.Linear: weight dtype must be float32, bfloat16 or float16, got {self.weight.dtype}"
+            )
+        if x.device != self.weight.device:
+            raise ValueError(
+                f"fp8.Linear: input is on {x.device} but the weight is on {self.weight.device}; move one of them"
+            )
+        dev = x.device
+        reason = unsupported_reason(dev)
+        if reason is not None:
+            raise ValueError(f"fp8.Linear cannot run on {dev}: {reason}")
+        if self.scaling == "rowwise":
+            if not rowwise_supported(dev.type):
+                raise ValueError(
+                    f"fp8.Linear: scaling='rowwise' is not supported by torch._scaled_mm on {dev.type} "
+                    f"in PyTorch {torch.__version__}; use scaling='tensorwise' or a CUDA GPU"
+                )
+            for what, dt in (("input", x.dtype), ("weight", self.weight.dtype)):
+                reason = rowwise_out_dtype_reason(dev, dt)
+                if reason is not None:
+                    raise ValueError(f"fp8.Linear ({what}): {reason}")
+        self._checked_kinds.add(kind)
+
+    def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
+        """``x @ W^T + b`` with FP8 GEMMs. ``is_first_microbatch=True`` re-quantizes the weight
+        even when its version did not change (TransformerEngine's argument; ``None``/``False``
+        rely on the version check)."""
+        self._check_call(x)
+        x2 = x.reshape(-1, self.in_features)
+        need_wgrad = self.weight.requires_grad and torch.is_grad_enabled()
+        if need_wgrad and x2.shape[0] % GEMM_MULTIPLE:
+            raise ValueError(
+                f"fp8.Linear: the input has M={x2.shape[0]} rows (product of the leading dims "
+                f"{tuple(x.shape[:-1])}); the FP8 wgrad GEMM contracts over M, which must be a multiple "
+                f"of {GEMM_MULTIPLE}. Pad the batch/sequence to a multiple of 16 tokens"
+            )
+        call = _Call(self, need_wgrad, bool(is_first_microbatch))
+        y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, call)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, scaling={self.scaling}, fp8_dtype={self.fp8_dtype}"
