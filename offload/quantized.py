@@ -149,7 +149,10 @@ def _scale_from_amax(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor
     """
     fmax = fp8_max(fp8_dtype)
     safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    return torch.where(amax > 0, (fmax / safe).clamp_(max=_FLOAT32_MAX), torch.ones_like(amax))
+    # reciprocal, then multiply: two correctly rounded steps that the fused kernels repeat
+    # exactly (offload.fp8.triton_cast), so both paths give the same scale bits.
+    scale = safe.reciprocal().mul_(fmax).clamp_(max=_FLOAT32_MAX)
+    return torch.where(amax > 0, scale, torch.ones_like(amax))
 
 
 def _cast_fp8(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
@@ -292,17 +295,20 @@ class QuantizedStorage:
     rowwise_usage: bool
     columnwise_usage: bool
 
-    def _finish_init(self) -> None:
-        """Validate the components and remember their dtype/shape/device for restore checks."""
-        present = self.components()
-        if not present:
-            raise ValueError(f"{type(self).__name__}: no component tensors given")
-        devices = {t.device for t in present}
-        if len(devices) != 1:
-            raise ValueError(
-                f"{type(self).__name__}: components live on different devices {sorted(map(str, devices))}"
-            )
-        self._validate()
+    def _finish_init(self, validate: bool = True) -> None:
+        """Validate the components (unless the caller made them correct by construction: the
+        checks cost ~10 us, a lot on an FP8 module's hot path) and remember their
+        dtype/shape/device for restore checks."""
+        if validate:
+            present = self.components()
+            if not present:
+                raise ValueError(f"{type(self).__name__}: no component tensors given")
+            devices = {t.device for t in present}
+            if len(devices) != 1:
+                raise ValueError(
+                    f"{type(self).__name__}: components live on different devices {sorted(map(str, devices))}"
+                )
+            self._validate()
         self._specs: list[Optional[_Spec]] = [
             None if t is None else _Spec(t.dtype, tuple(t.shape), t.device)
             for t in (getattr(self, n) for n in self._COMPONENTS)
@@ -543,6 +549,7 @@ class Float8TensorStorage(QuantizedStorage):
         scale_inv: torch.Tensor,
         amax: Optional[torch.Tensor] = None,
         fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        validate: bool = True,
     ) -> None:
         _check_fp8_dtype(fp8_dtype)
         self.fp8_dtype = fp8_dtype
@@ -562,7 +569,7 @@ class Float8TensorStorage(QuantizedStorage):
             self.shape = (columnwise_data.shape[1], columnwise_data.shape[0])
         else:
             raise ValueError("Float8TensorStorage needs rowwise_data or columnwise_data")
-        self._finish_init()
+        self._finish_init(validate)
 
     def _validate(self) -> None:
         m, k = self.shape
@@ -731,6 +738,7 @@ class Float8BlockwiseStorage(QuantizedStorage):
         columnwise_scale_inv: Optional[torch.Tensor],
         fp8_dtype: torch.dtype = torch.float8_e4m3fn,
         block: Optional[tuple[int, int]] = None,
+        validate: bool = True,
     ) -> None:
         _check_fp8_dtype(fp8_dtype)
         self.block = _check_block(block)
@@ -747,7 +755,7 @@ class Float8BlockwiseStorage(QuantizedStorage):
             self.shape = (columnwise_data.shape[1], columnwise_data.shape[0])
         else:
             raise ValueError("Float8BlockwiseStorage needs 2-D rowwise_data or columnwise_data")
-        self._finish_init()
+        self._finish_init(validate)
 
     def _validate(self) -> None:
         m, k = self.shape

@@ -58,8 +58,6 @@ def quantize(
     if x.is_cuda and x.numel() <= _MAX_TRITON_NUMEL:
         kernels = _kernels()
         if kernels is not None:
-            if x.stride(1) != 1:
-                x = x.contiguous()
             if scaling == "tensorwise":
                 row, col, scale_inv, _ = kernels.quantize_tensorwise_fused(x, fp8_dtype, rowwise, columnwise)
                 return Operand(row, scale_inv, col, scale_inv)
@@ -73,10 +71,12 @@ def quantize(
 
 def to_saved_storage(op: Operand, fp8_dtype: torch.dtype, scaling: str) -> q.QuantizedStorage:
     """The columnwise half of ``op`` as a storage to save for wgrad (rowwise data and amax are
-    not kept: wgrad contracts over M and only needs ``(K, M)``)."""
+    not kept: wgrad contracts over M and only needs ``(K, M)``). The quantizer made the
+    components, so the storage skips its checks."""
     if scaling == "tensorwise":
         return q.Float8TensorStorage(
-            rowwise_data=None, columnwise_data=op.col, scale_inv=op.col_scale_inv, fp8_dtype=fp8_dtype
+            rowwise_data=None, columnwise_data=op.col, scale_inv=op.col_scale_inv, fp8_dtype=fp8_dtype,
+            validate=False,
         )
     return q.Float8BlockwiseStorage(
         rowwise_data=None,
@@ -85,4 +85,5 @@ def to_saved_storage(op: Operand, fp8_dtype: torch.dtype, scaling: str) -> q.Qua
         columnwise_scale_inv=op.col_scale_inv,
         fp8_dtype=fp8_dtype,
         block=None,
+        validate=False,
     )

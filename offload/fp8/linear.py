@@ -86,7 +86,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
         # Input: rowwise for this GEMM, columnwise (K, M) for wgrad when it will be needed.
         xq = quantize(x, module.fp8_dtype, scaling, rowwise=True, columnwise=call.need_wgrad)
         w = module.weight_cache.get(weight, scaling, call.refresh_weight)
-        fused_bias = bias if bias is not None and bias.dtype == x.dtype else None
+        # cuBLASLt adds a bias in the FP8 GEMM's epilogue for 16-bit outputs only.
+        fused_bias = bias if bias is not None and bias.dtype == x.dtype and x.dtype != torch.float32 else None
         y = torch._scaled_mm(
             xq.row, w.fprop, scale_a=xq.row_scale_inv, scale_b=w.fprop_scale,
             bias=fused_bias, out_dtype=x.dtype, use_fast_accum=False,

@@ -23,11 +23,17 @@ Offsets are 32-bit: callers send tensors of 2**31 elements or more to the torch 
 
 from __future__ import annotations
 
-from typing import Optional
+import os
+from typing import Any, Optional
 
 import torch
 import triton
 import triton.language as tl
+
+try:
+    from triton import knobs
+except ImportError:  # older Triton: every launch goes through Triton's own dispatch
+    knobs = None
 
 __all__ = ["SMALL_NUMEL", "quantize_tensorwise_fused", "quantize_rowwise_fused"]
 
@@ -36,9 +42,67 @@ SMALL_NUMEL = 1 << 16
 # Programs of the partial-amax kernel: few enough that every cast program can re-reduce them
 # (1 KiB read from L2) instead of paying a separate launch for the final reduction.
 _MAX_PARTS = 256
-_AMAX_BLOCK = 2048
+_AMAX_ROWS = 8
+_AMAX_COLS = 256
 _TILE_M = 64
 _TILE_K = 64
+
+
+class _Launcher:
+    """Launches one Triton kernel without Triton's per-call Python dispatch.
+
+    ``kernel[grid](...)`` binds and specializes every argument in Python on each call: about
+    25 us of host time on the H100's host, more than the kernel itself for a small tensor, and
+    the reason a small FP8 Linear was host-bound. The first launch of each specialization goes
+    through Triton (which compiles it) and keeps the compiled kernel; later launches call its C
+    launcher directly. The key holds every fact Triton specializes on, so equal keys mean equal
+    compiled kernels: the dtype and 16-byte alignment of each tensor, whether each int is 1, is
+    divisible by 16 or needs 64 bits, and the constexprs, on the current device.
+    """
+
+    __slots__ = ("_kernel", "_compiled", "_direct")
+
+    def __init__(self, kernel: Any) -> None:
+        self._kernel = kernel
+        self._compiled: dict[tuple[Any, ...], Any] = {}
+        # The direct call is the CompiledKernel.run ABI of the Triton releases tested here.
+        # (The interpreter, TRITON_INTERPRET=1, runs kernels in Python: no compiled kernel.)
+        self._direct = (
+            knobs is not None
+            and triton.__version__.split(".")[:2] in (["3", "5"], ["3", "6"])
+            and os.environ.get("TRITON_INTERPRET", "0") != "1"
+        )
+
+    def __call__(self, grid: tuple[int, ...], args: tuple[Any, ...], constexprs: dict[str, Any], num_warps: int) -> None:
+        if not self._direct:
+            self._kernel[grid](*args, **constexprs, num_warps=num_warps)
+            return
+        device = torch.cuda.current_device()
+        key = (device, tuple(constexprs.values()), *(_spec(a) for a in args))
+        compiled = self._compiled.get(key)
+        if compiled is None or _hooked():
+            self._compiled[key] = self._kernel[grid](*args, **constexprs, num_warps=num_warps)
+            return
+        g1 = grid[1] if len(grid) > 1 else 1
+        compiled.run(
+            grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
+            compiled.packed_metadata, None, None, None, *args, *constexprs.values(),
+        )
+
+
+def _hooked() -> bool:
+    """Whether a launch hook (a profiler such as proton) is installed: those need Triton's own
+    launch path, which builds the metadata they read. Triton 3.6 holds hooks in a HookChain that
+    is never None, so an empty chain counts as none."""
+    hook = knobs.runtime.launch_enter_hook
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _spec(arg: Any) -> Any:
+    if isinstance(arg, torch.Tensor):
+        return (arg.dtype, arg.data_ptr() & 15 == 0)
+    return (arg == 1, arg & 15 == 0, arg >> 31 != 0)
+
 
 
 @triton.jit
@@ -51,32 +115,61 @@ def _finite_abs(x):
 @triton.jit
 def _scale_from_amax(amax, FP8_MAX: tl.constexpr):
     safe = tl.where(amax > 0.0, amax, 1.0)
-    scale = tl.math.div_rn(safe * 0.0 + FP8_MAX, safe)
+    # torch computes ``fp8_max / amax`` as ``amax.reciprocal() * fp8_max`` (Tensor.__rtruediv__):
+    # the same two correctly rounded steps here, so both paths give the same scale bits.
+    scale = tl.math.div_rn(safe * 0.0 + 1.0, safe) * FP8_MAX
     scale = tl.minimum(scale, 3.4028234663852886e38)
     return tl.where(amax > 0.0, scale, 1.0)
 
 
 @triton.jit
 def _cast(x, scale, FP8_MAX: tl.constexpr, out_ty):
-    v = tl.clamp(x.to(tl.float32) * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    v = x.to(tl.float32) * scale
+    # Saturate by comparison: NaN compares false both ways and passes through as NaN.
+    v = tl.where(v > FP8_MAX, FP8_MAX, v)
+    v = tl.where(v < -FP8_MAX, -FP8_MAX, v)
     return v.to(out_ty)
 
 
 @triton.jit
-def _amax_partials_kernel(X, PART, n, per_prog, BLOCK: tl.constexpr):
+def _store_rowwise(X, ROW, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX: tl.constexpr):
+    """Quantize the (rows, cols) tile of X into ROW (M, K)."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    tl.store(ROW + rows[:, None] * K + cols[None, :], _cast(x, scale, FP8_MAX, ROW.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_columnwise(X, COL, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX: tl.constexpr):
+    """Quantize the (rows, cols) tile of X into COL (K, M), its transpose. The tile is loaded
+    already transposed, (cols, rows), and Triton moves it between the load's and the store's
+    layouts through shared memory. (``tl.trans`` of a tile that is also stored row-major gave
+    wrong bytes for some shapes and for float32 inputs on Triton 3.6, sm_90.)"""
+    mask = (cols[:, None] < K) & (rows[None, :] < M)
+    xt = tl.load(X + rows[None, :] * stride_xm + cols[:, None] * stride_xk, mask=mask, other=0.0)
+    tl.store(COL + cols[:, None] * M + rows[None, :], _cast(xt, scale, FP8_MAX, COL.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _amax_partials_kernel(
+    X, PART, M, K, stride_xm, stride_xk, rows_per_prog,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+):
     pid = tl.program_id(0)
-    start = pid * per_prog
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for off in tl.range(start, start + per_prog, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        x = tl.load(X + offs, mask=offs < n, other=0.0)
-        acc = tl.maximum(acc, _finite_abs(x))
-    tl.store(PART + pid, tl.max(acc, axis=0))
+    acc = tl.zeros([BLOCK_M, BLOCK_K], dtype=tl.float32)
+    for m0 in tl.range(pid * rows_per_prog, (pid + 1) * rows_per_prog, BLOCK_M):
+        rows = m0 + tl.arange(0, BLOCK_M)
+        for k0 in tl.range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            mask = (rows[:, None] < M) & (cols[None, :] < K)
+            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+            acc = tl.maximum(acc, _finite_abs(x))
+    tl.store(PART + pid, tl.max(tl.max(acc, axis=1), axis=0))
 
 
 @triton.jit
 def _cast_tensorwise_kernel(
-    X, ROW, COL, PART, n_parts, SCALE_INV, AMAX, M, K, stride_xm,
+    X, ROW, COL, PART, n_parts, SCALE_INV, AMAX, M, K, stride_xm, stride_xk,
     FP8_MAX: tl.constexpr, MAX_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
@@ -88,14 +181,10 @@ def _cast_tensorwise_kernel(
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     if WRITE_ROW:
-        q = _cast(x, scale, FP8_MAX, ROW.dtype.element_ty)
-        tl.store(ROW + rows[:, None] * K + cols[None, :], q, mask=mask)
+        _store_rowwise(X, ROW, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX)
     if WRITE_COL:
-        qt = _cast(tl.trans(x), scale, FP8_MAX, COL.dtype.element_ty)
-        tl.store(COL + cols[:, None] * M + rows[None, :], qt, mask=tl.trans(mask))
+        _store_columnwise(X, COL, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(SCALE_INV, tl.math.div_rn(scale * 0.0 + 1.0, scale))
         tl.store(AMAX, amax)
@@ -103,7 +192,7 @@ def _cast_tensorwise_kernel(
 
 @triton.jit
 def _small_tensorwise_kernel(
-    X, ROW, COL, SCALE_INV, AMAX, M, K, stride_xm,
+    X, ROW, COL, SCALE_INV, AMAX, M, K, stride_xm, stride_xk,
     FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
 ):
@@ -113,7 +202,7 @@ def _small_tensorwise_kernel(
             rows = m0 + tl.arange(0, BLOCK_M)
             cols = k0 + tl.arange(0, BLOCK_K)
             mask = (rows[:, None] < M) & (cols[None, :] < K)
-            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
             acc = tl.maximum(acc, _finite_abs(x))
     amax = tl.max(tl.max(acc, axis=1), axis=0)
     scale = _scale_from_amax(amax, FP8_MAX)
@@ -121,20 +210,17 @@ def _small_tensorwise_kernel(
         for k0 in tl.range(0, K, BLOCK_K):
             rows = m0 + tl.arange(0, BLOCK_M)
             cols = k0 + tl.arange(0, BLOCK_K)
-            mask = (rows[:, None] < M) & (cols[None, :] < K)
-            x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
             if WRITE_ROW:
-                tl.store(ROW + rows[:, None] * K + cols[None, :], _cast(x, scale, FP8_MAX, ROW.dtype.element_ty), mask=mask)
+                _store_rowwise(X, ROW, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX)
             if WRITE_COL:
-                qt = _cast(tl.trans(x), scale, FP8_MAX, COL.dtype.element_ty)
-                tl.store(COL + cols[:, None] * M + rows[None, :], qt, mask=tl.trans(mask))
+                _store_columnwise(X, COL, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX)
     tl.store(SCALE_INV, tl.math.div_rn(scale * 0.0 + 1.0, scale))
     tl.store(AMAX, amax)
 
 
 @triton.jit
 def _amax_rows_cols_kernel(
-    X, ROW_AMAX, COL_AMAX, M, K, stride_xm,
+    X, ROW_AMAX, COL_AMAX, M, K, stride_xm, stride_xk,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, DO_ROW: tl.constexpr, DO_COL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -142,7 +228,7 @@ def _amax_rows_cols_kernel(
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
-    a = _finite_abs(tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0))
+    a = _finite_abs(tl.load(X + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0))
     if DO_ROW:
         tl.atomic_max(ROW_AMAX + rows, tl.max(a, axis=1), mask=rows < M)
     if DO_COL:
@@ -151,7 +237,7 @@ def _amax_rows_cols_kernel(
 
 @triton.jit
 def _cast_rowwise_kernel(
-    X, ROW, COL, ROW_AMAX, COL_AMAX, ROW_SINV, COL_SINV, M, K, stride_xm,
+    X, ROW, COL, ROW_AMAX, COL_AMAX, ROW_SINV, COL_SINV, M, K, stride_xm, stride_xk,
     FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
 ):
@@ -159,20 +245,24 @@ def _cast_rowwise_kernel(
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(X + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
     if WRITE_ROW:
         row_scale = _scale_from_amax(tl.load(ROW_AMAX + rows, mask=rows < M, other=0.0), FP8_MAX)
-        q = _cast(x, row_scale[:, None], FP8_MAX, ROW.dtype.element_ty)
-        tl.store(ROW + rows[:, None] * K + cols[None, :], q, mask=mask)
+        _store_rowwise(X, ROW, rows, cols, M, K, stride_xm, stride_xk, row_scale[:, None], FP8_MAX)
         if pid_k == 0:
             tl.store(ROW_SINV + rows, tl.math.div_rn(row_scale * 0.0 + 1.0, row_scale), mask=rows < M)
     if WRITE_COL:
         col_scale = _scale_from_amax(tl.load(COL_AMAX + cols, mask=cols < K, other=0.0), FP8_MAX)
-        qt = _cast(tl.trans(x), col_scale[:, None], FP8_MAX, COL.dtype.element_ty)
-        tl.store(COL + cols[:, None] * M + rows[None, :], qt, mask=tl.trans(mask))
+        _store_columnwise(X, COL, rows, cols, M, K, stride_xm, stride_xk, col_scale[:, None], FP8_MAX)
         if pid_m == 0:
             tl.store(COL_SINV + cols, tl.math.div_rn(col_scale * 0.0 + 1.0, col_scale), mask=cols < K)
+
+
+# One launcher per kernel: each keeps its compiled specializations.
+_launch_small_tensorwise = _Launcher(_small_tensorwise_kernel)
+_launch_amax_partials = _Launcher(_amax_partials_kernel)
+_launch_cast_tensorwise = _Launcher(_cast_tensorwise_kernel)
+_launch_amax_rows_cols = _Launcher(_amax_rows_cols_kernel)
+_launch_cast_rowwise = _Launcher(_cast_rowwise_kernel)
 
 
 def _fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -182,8 +272,8 @@ def _fp8_max(fp8_dtype: torch.dtype) -> float:
 def quantize_tensorwise_fused(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``(rowwise (M, K), columnwise (K, M), scale_inv (1,), amax (1,))`` of a row-major 2-D CUDA
-    tensor (``x.stride(1) == 1``) with one current scale; absent layouts are None."""
+    """``(rowwise (M, K), columnwise (K, M), scale_inv (1,), amax (1,))`` of a 2-D CUDA tensor of
+    any strides (an expanded gradient too) with one current scale; absent layouts are None."""
     m, k = x.shape
     dev = x.device
     row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
@@ -195,26 +285,31 @@ def quantize_tensorwise_fused(
     # Triton wants a pointer even for a layout it does not write; the kernel never touches it.
     row_arg = row if row is not None else col
     col_arg = col if col is not None else row
-    fmax = _fp8_max(fp8_dtype)
-    n = m * k
-    if n <= SMALL_NUMEL:
-        _small_tensorwise_kernel[(1,)](
-            x, row_arg, col_arg, scale_inv, amax, m, k, x.stride(0),
-            FP8_MAX=fmax, BLOCK_M=32, BLOCK_K=64, WRITE_ROW=rowwise, WRITE_COL=columnwise,
+    strides = x.stride()
+    if m * k <= SMALL_NUMEL:
+        _launch_small_tensorwise(
+            (1,),
+            (x, row_arg, col_arg, scale_inv, amax, m, k, strides[0], strides[1]),
+            {"FP8_MAX": _fp8_max(fp8_dtype), "BLOCK_M": 32, "BLOCK_K": 64, "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
             num_warps=4,
         )
         return row, col, scale_inv, amax
-    if not x.is_contiguous():
-        x = x.contiguous()
-    per_prog = triton.cdiv(triton.cdiv(n, _MAX_PARTS), _AMAX_BLOCK) * _AMAX_BLOCK
-    n_parts = triton.cdiv(n, per_prog)
+    # One band of rows per program, at most _MAX_PARTS programs, rows a multiple of the tile.
+    rows_per_prog = triton.cdiv(triton.cdiv(m, _MAX_PARTS), _AMAX_ROWS) * _AMAX_ROWS
+    n_parts = triton.cdiv(m, rows_per_prog)
     parts = torch.empty(n_parts, dtype=torch.float32, device=dev)
-    _amax_partials_kernel[(n_parts,)](x, parts, n, per_prog, BLOCK=_AMAX_BLOCK, num_warps=8)
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    _cast_tensorwise_kernel[grid](
-        x, row_arg, col_arg, parts, n_parts, scale_inv, amax, m, k, x.stride(0),
-        FP8_MAX=fmax, MAX_PARTS=_MAX_PARTS, BLOCK_M=_TILE_M, BLOCK_K=_TILE_K,
-        WRITE_ROW=rowwise, WRITE_COL=columnwise, num_warps=4,
+    _launch_amax_partials(
+        (n_parts,),
+        (x, parts, m, k, strides[0], strides[1], rows_per_prog),
+        {"BLOCK_M": _AMAX_ROWS, "BLOCK_K": _AMAX_COLS},
+        num_warps=8,
+    )
+    _launch_cast_tensorwise(
+        (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K)),
+        (x, row_arg, col_arg, parts, n_parts, scale_inv, amax, m, k, strides[0], strides[1]),
+        {"FP8_MAX": _fp8_max(fp8_dtype), "MAX_PARTS": _MAX_PARTS, "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
+         "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
+        num_warps=4,
     )
     return row, col, scale_inv, amax
 
@@ -223,7 +318,7 @@ def quantize_rowwise_fused(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
     """``(rowwise (M, K), row scale_inv (M, 1), columnwise (K, M), its scale_inv (K, 1))`` of a
-    row-major 2-D CUDA tensor, one scale per row of each layout; absent layouts are None."""
+    2-D CUDA tensor of any strides, one scale per row of each layout; absent layouts are None."""
     m, k = x.shape
     dev = x.device
     # The atomics start from zero: one memset for both amax vectors.
@@ -234,15 +329,20 @@ def quantize_rowwise_fused(
     sinv = torch.empty(m + k, dtype=torch.float32, device=dev)
     row_sinv, col_sinv = sinv[:m], sinv[m:]
     grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    _amax_rows_cols_kernel[grid](
-        x, row_amax, col_amax, m, k, x.stride(0),
-        BLOCK_M=_TILE_M, BLOCK_K=_TILE_K, DO_ROW=rowwise, DO_COL=columnwise, num_warps=4,
+    strides = x.stride()
+    _launch_amax_rows_cols(
+        grid,
+        (x, row_amax, col_amax, m, k, strides[0], strides[1]),
+        {"BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K, "DO_ROW": rowwise, "DO_COL": columnwise},
+        num_warps=4,
     )
-    _cast_rowwise_kernel[grid](
-        x, row if row is not None else col, col if col is not None else row,
-        row_amax, col_amax, row_sinv, col_sinv, m, k, x.stride(0),
-        FP8_MAX=_fp8_max(fp8_dtype), BLOCK_M=_TILE_M, BLOCK_K=_TILE_K,
-        WRITE_ROW=rowwise, WRITE_COL=columnwise, num_warps=4,
+    _launch_cast_rowwise(
+        grid,
+        (x, row if row is not None else col, col if col is not None else row,
+         row_amax, col_amax, row_sinv, col_sinv, m, k, strides[0], strides[1]),
+        {"FP8_MAX": _fp8_max(fp8_dtype), "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
+         "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
+        num_warps=4,
     )
     return (
         row,
