@@ -1,26 +1,35 @@
-"""FP8-MLP: bytes offloaded with the FP8 Linear vs bf16 (target T6 of docs/benchmarks.md).
+"""FP8-MLP: bytes offloaded by the FP8 MLP block vs bf16 (target T6 of docs/benchmarks.md).
 
-Two stacks of 8 x MLPBlock (the GPT-A MLP: LayerNorm, Linear 4096->16384, GELU, Linear
-16384->4096, residual), batch 2 x seq 4096 tokens, bf16 parameters and inputs: one with
-``offload.fp8.Linear`` (tensorwise scaling), one with ``nn.Linear``. Each runs plain and with
-offload v2 ``num_layers=7`` (default selection "auto"; the FP8 Linear saves only its columnwise FP8
-input + scale, tagged with ``mark_activation_offload``).
+Stacks of 8 x the GPT-A MLP block (LayerNorm, Linear 4096->16384, GELU, Linear 16384->4096,
+residual), batch 2 x seq 4096 tokens, bf16 parameters and inputs:
+
+* FP8-MLP: ``offload.models.FP8MLPBlock``: ``fp8.LayerNormLinear`` (saves only the bf16 LN input
+  and its per-row mean/rstd; the FP8 wgrad operand is recomputed in backward), ``fp8.GELU``
+  (saves its input in FP8 e4m3), ``fp8.Linear`` (saves its columnwise FP8 input), tensorwise.
+  Per token ~2h + 4h + 4h = 10h bytes.
+* FP8-LINEAR-MLP: the earlier variant for reference, ``MLPBlock`` with ``fp8.Linear`` only
+  (LayerNorm and GELU save bf16): 2h + h + 8h + 4h = 15h.
+* BF16-MLP: ``MLPBlock`` with ``nn.Linear``: 2h + 2h + 8h + 8h = 20h.
+
+Each runs plain and with offload v2 ``num_layers=7`` (default selection "auto"; the FP8 layers'
+saved tensors are tagged with ``mark_activation_offload``).
 
 Per run: step ms (CUDA events, median) and ratio to the same stack's plain run, peak GiB, bytes
 offloaded (stats ``offloaded_bytes``) and per offloaded layer (/ 7), tensors offloaded, achieved
 GB/s each way, compute wait ms.
 
-T6: offloaded bytes per layer of the FP8 stack <= 0.55 x the bf16 stack's; gradients (every
-parameter and the input) bitwise equal with and without offload (checked for both stacks, after a
-plain-vs-plain control that shows the plain step repeats itself bit for bit).
+T6: offloaded bytes per layer of the FP8-MLP stack <= 0.55 x the bf16 stack's; gradients (every
+parameter and the input) bitwise equal with and without offload (checked for every stack, after
+a plain-vs-plain control that shows the plain step repeats itself bit for bit).
 
 A census of the tensors autograd saves in one layer (by submodule and dtype; '<self>' is the
-functional GELU in MLPBlock.forward) is printed too, to show where the bytes are: the FP8 Linear
-halves what the two Linears save, while LayerNorm's input and GELU's bf16 input are unchanged.
+functional GELU in MLPBlock.forward) is printed too, to show where the bytes are: in FP8-MLP the
+LN input is the only bf16 activation (``ln_fc1``), the GELU input (``act``) and the fc2 input are
+FP8.
 
-Skips cleanly (exit 0, JSON with "skipped") when ``offload.fp8`` cannot be imported or FP8 GEMMs
-are not supported on the device. Usage: ``python benchmarks/fp8_mlp.py [--steps N]``;
-``--cpu-smoke`` for a tiny CPU check. Writes ``benchmarks/results/fp8_mlp.json``.
+Skips cleanly (exit 0, JSON with "skipped") when ``offload.fp8`` cannot be imported, lacks the
+layers, or FP8 GEMMs are not supported on the device. Usage: ``python benchmarks/fp8_mlp.py
+[--steps N]``; ``--cpu-smoke`` for a tiny CPU check. Writes ``benchmarks/results/fp8_mlp.json``.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ def fp8_unavailable(env: common.Env) -> Optional[str]:
         from offload import fp8  # noqa: PLC0415 - lazy on purpose
     except Exception as exc:  # noqa: BLE001 - absent or broken: skip, do not crash
         return f"offload.fp8 cannot be imported ({type(exc).__name__}: {exc})"
-    for attr in ("Linear", "scaled_mm_supported"):
+    for attr in ("Linear", "LayerNormLinear", "GELU", "scaled_mm_supported"):
         if not hasattr(fp8, attr):
             return f"offload.fp8 has no {attr}"
     try:
@@ -109,7 +118,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0
 
     scale = workloads.scale_for(env.smoke)
-    specs = [workloads.fp8_mlp(scale, fp8=True, scaling=args.scaling), workloads.fp8_mlp(scale, fp8=False)]
+    specs = [
+        workloads.fp8_mlp(scale, fp8=True, scaling=args.scaling),
+        workloads.fp8_mlp(scale, fp8=True, scaling=args.scaling, fp8_norm_act=False),
+        workloads.fp8_mlp(scale, fp8=False),
+    ]
     k = specs[0].layers - 1
     print(f"device: {common.device_name(env)}; torch {torch.__version__}; offload v2 num_layers={k}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per variant")
@@ -161,37 +174,42 @@ def main(argv: Optional[list[str]] = None) -> int:
         common.free_memory(env)
 
     # -- target T6 ------------------------------------------------------------------------------
-    fp8_name, bf16_name = specs[0].name, specs[1].name
-    off_fp8 = next((r for r in rows if r.get("stack") == fp8_name and "stats" in r and "error" not in r), None)
-    off_bf16 = next((r for r in rows if r.get("stack") == bf16_name and "stats" in r and "error" not in r), None)
+    fp8_name, bf16_name = specs[0].name, specs[-1].name
+    off_rows = {r["stack"]: r for r in rows if "stack" in r and "stats" in r and "error" not in r}
+    off_fp8, off_bf16 = off_rows.get(fp8_name), off_rows.get(bf16_name)
     ratio = off_fp8["per_layer_bytes"] / off_bf16["per_layer_bytes"] if off_fp8 and off_bf16 else None
     bytes_ok = None if ratio is None else ratio <= 0.55
     grads_ok: Optional[bool] = None
-    if bitwise and all(b.get("equal") is not None for b in bitwise.values()) and len(bitwise) == 2:
+    if len(bitwise) == len(specs) and all(b.get("equal") is not None for b in bitwise.values()):
         grads_ok = all(b["equal"] for b in bitwise.values())
     t6 = None if bytes_ok is None or grads_ok is None else (bytes_ok and grads_ok)
     if args.no_bitwise:
         t6 = bytes_ok if bytes_ok is False else None
 
-    def linear_bytes(name: str) -> Optional[int]:
-        c = census.get(name, {}).get("by_module")
-        return None if not c else sum(v for m, v in c.items() if m.startswith("fc"))
+    def vs_bf16(per_stack: dict[str, Any], key: str) -> dict[str, Optional[float]]:
+        """Each FP8 stack's ``key`` over the bf16 stack's."""
+        base = (per_stack.get(bf16_name) or {}).get(key)
+        out: dict[str, Optional[float]] = {}
+        for spec in specs[:-1]:
+            v = (per_stack.get(spec.name) or {}).get(key)
+            out[spec.name] = v / base if v and base else None
+        return out
 
-    lb_fp8, lb_bf16 = linear_bytes(fp8_name), linear_bytes(bf16_name)
-    lin_ratio = lb_fp8 / lb_bf16 if lb_fp8 and lb_bf16 else None
-    tot_fp8, tot_bf16 = census.get(fp8_name, {}).get("total"), census.get(bf16_name, {}).get("total")
-    census_ratio = tot_fp8 / tot_bf16 if tot_fp8 and tot_bf16 else None
+    offload_ratios = vs_bf16(off_rows, "per_layer_bytes")
+    census_ratios = vs_bf16(census, "total")
     lines = [
         f"T6 {common.verdict(t6)}  offloaded bytes per layer: FP8 {common.fmt(off_fp8 and off_fp8['per_layer_mib'], '.1f')} MiB vs "
         f"bf16 {common.fmt(off_bf16 and off_bf16['per_layer_mib'], '.1f')} MiB = {common.fmt(ratio, '.3f')}x (need <= 0.55) "
         f"[{common.verdict(bytes_ok)}]; gradients bitwise equal to no offload: "
         + (", ".join(f"{n} {common.verdict(b.get('equal'))} (plain repeatable: {common.fmt(b.get('plain_repeatable'))})"
                      for n, b in bitwise.items()) or "not checked"),
-        f"     census of one layer's saved tensors: FP8/bf16 total {common.fmt(census_ratio, '.3f')}x; "
-        f"saved by the two Linears alone {common.fmt(lin_ratio, '.3f')}x",
+        "     offloaded bytes per layer vs bf16: "
+        + ", ".join(f"{n} {common.fmt(v, '.3f')}x" for n, v in offload_ratios.items())
+        + "; census of one layer's saved tensors vs bf16: "
+        + ", ".join(f"{n} {common.fmt(v, '.3f')}x" for n, v in census_ratios.items()),
     ]
     targets = {"T6": {"ok": t6, "bytes_ratio": ratio, "bytes_ok": bytes_ok, "grads_ok": grads_ok,
-                      "census_total_ratio": census_ratio, "census_linear_ratio": lin_ratio}}
+                      "offloaded_ratio_vs_bf16": offload_ratios, "census_total_ratio_vs_bf16": census_ratios}}
 
     failed = [r["variant"] for r in rows if "error" in r]
     common.write_json("fp8_mlp", env, {
@@ -204,7 +222,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "failed": failed,
     })
 
-    print("\nsaved tensors of one layer (MiB, by submodule / dtype; '<self>' = functional GELU):")
+    print("\nsaved tensors of one layer (MiB, by submodule / dtype; '<self>' = MLPBlock's functional GELU):")
     for name, c in census.items():
         if "error" in c:
             print(f"  {name}: census failed: {c['error']}")
@@ -218,7 +236,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     for r in rows:
         if "error" in r:
             r["variant"] += " (FAILED)"
-    common.print_table(f"FP8-MLP vs BF16-MLP ({common.device_name(env)})", rows, [
+    common.print_table(f"FP8-MLP vs FP8-LINEAR-MLP vs BF16-MLP ({common.device_name(env)})", rows, [
         ("variant", "variant", ""),
         ("step_ms", "step ms", ".2f"),
         ("ratio", "x plain", ".3f"),

@@ -10,8 +10,11 @@ and rounded; the number of layers never changes, so a num_layers sweep stays the
 * GPT-A: pre-LN GPT blocks, hidden 4096, 32 heads, 8 layers, batch 2, seq 4096, bf16.
 * GPT-B: hidden 8192, 64 heads, 4 layers, batch 1, seq 4096, bf16.
 * SMALL: 16 x (Linear 1024->1024 + GELU), 256 tokens, bf16 (CPU-bound).
-* FP8-MLP: 8 x MLPBlock (the GPT-A MLP) with the FP8 Linear (tensorwise), batch 2 x seq 4096
-  tokens; ``fp8=False`` gives the same stack with ``nn.Linear`` in bf16 for comparison.
+* FP8-MLP: 8 x the GPT-A MLP block (LayerNorm, Linear 4h, GELU, Linear, residual) built from the
+  FP8-saving layers (``FP8MLPBlock``: ``fp8.LayerNormLinear``, ``fp8.GELU``, ``fp8.Linear``,
+  tensorwise), batch 2 x seq 4096 tokens; ``fp8=False`` gives the same stack as ``MLPBlock`` with
+  ``nn.Linear`` in bf16 for comparison, and ``fp8_norm_act=False`` the earlier FP8 variant,
+  ``MLPBlock`` with only its Linears FP8 (LayerNorm and GELU save bf16).
 * LLAMA-1B / LLAMA-2B: real model code nobody here wrote, HuggingFace ``LlamaForCausalLM`` with
   random init (no download), bf16, SDPA attention, no KV cache, vocab 32000. ``LlamaSpec.build``
   returns ``(model, ids)``: the repeated layers are ``model.model.layers``, and the loss is
@@ -32,7 +35,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from offload.models import GPTBlock, LinearGELU, MLPBlock
+from offload.models import FP8MLPBlock, GPTBlock, LinearGELU, MLPBlock
 
 InputFactory = Callable[..., torch.Tensor]
 
@@ -125,7 +128,11 @@ def fp8_linear_factory(scaling: str = "tensorwise") -> Callable[..., nn.Module]:
 
 @dataclass(frozen=True)
 class MLPSpec:
-    """A stack of the GPT-A MLP half (LayerNorm, 4h MLP with GELU, residual)."""
+    """A stack of the GPT-A MLP half (LayerNorm, 4h MLP with GELU, residual).
+
+    ``fp8``: FP8 GEMMs; then ``fp8_norm_act`` picks the block: ``FP8MLPBlock`` (the LayerNorm
+    fused into the first FP8 Linear, an FP8-saving GELU) or ``MLPBlock`` with ``fp8.Linear``s.
+    """
 
     name: str
     hidden: int
@@ -135,6 +142,7 @@ class MLPSpec:
     fp8: bool
     scaling: str = "tensorwise"
     dtype: torch.dtype = torch.bfloat16
+    fp8_norm_act: bool = True
 
     def scaled(self, scale: float) -> "MLPSpec":
         if scale == 1:
@@ -143,14 +151,24 @@ class MLPSpec:
 
     def build(self, device: Any, seed: int = 0) -> tuple[nn.ModuleList, InputFactory]:
         dev = torch.device(device)
-        linear: Callable[..., nn.Module] = fp8_linear_factory(self.scaling) if self.fp8 else nn.Linear
         torch.manual_seed(seed)
-        layers = nn.ModuleList(MLPBlock(self.hidden, linear=linear, device=dev, dtype=self.dtype) for _ in range(self.layers))
+        if self.fp8 and self.fp8_norm_act:
+            layers = nn.ModuleList(
+                FP8MLPBlock(self.hidden, scaling=self.scaling, device=dev, dtype=self.dtype) for _ in range(self.layers)
+            )
+        else:
+            linear: Callable[..., nn.Module] = fp8_linear_factory(self.scaling) if self.fp8 else nn.Linear
+            layers = nn.ModuleList(MLPBlock(self.hidden, linear=linear, device=dev, dtype=self.dtype) for _ in range(self.layers))
         return layers, _input_factory((self.batch, self.seq, self.hidden), dev, self.dtype)
 
     def describe(self) -> str:
-        lin = f"FP8 Linear ({self.scaling})" if self.fp8 else "nn.Linear"
-        return (f"{self.name}: {self.layers} x MLPBlock(hidden {self.hidden}, {lin}), batch {self.batch}, "
+        if not self.fp8:
+            block = f"MLPBlock(hidden {self.hidden}, nn.Linear)"
+        elif self.fp8_norm_act:
+            block = f"FP8MLPBlock(hidden {self.hidden}, fp8.LayerNormLinear + fp8.GELU + fp8.Linear, {self.scaling})"
+        else:
+            block = f"MLPBlock(hidden {self.hidden}, fp8.Linear ({self.scaling}); LayerNorm and GELU save bf16)"
+        return (f"{self.name}: {self.layers} x {block}, batch {self.batch}, "
                 f"seq {self.seq}, {str(self.dtype).replace('torch.', '')}")
 
 
@@ -316,9 +334,11 @@ def small(scale: float = 1.0) -> SmallSpec:
     return SmallSpec("SMALL", width=1024, layers=16, tokens=256).scaled(scale)
 
 
-def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise") -> MLPSpec:
-    name = "FP8-MLP" if fp8 else "BF16-MLP"
-    return MLPSpec(name, hidden=4096, layers=8, batch=2, seq=4096, fp8=fp8, scaling=scaling).scaled(scale)
+def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise", fp8_norm_act: bool = True) -> MLPSpec:
+    name = ("FP8-MLP" if fp8_norm_act else "FP8-LINEAR-MLP") if fp8 else "BF16-MLP"
+    return MLPSpec(
+        name, hidden=4096, layers=8, batch=2, seq=4096, fp8=fp8, scaling=scaling, fp8_norm_act=fp8_norm_act
+    ).scaled(scale)
 
 
 WORKLOADS: dict[str, Callable[..., Any]] = {

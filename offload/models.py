@@ -1,7 +1,8 @@
 """Small reference models used by the demo, the tests and the benchmarks.
 
 A pre-LN GPT block (LayerNorm, QKV Linear, causal SDPA, projection, LayerNorm, 4h MLP with GELU)
-and a plain MLP stack. ``linear`` lets the FP8 Linear stand in for ``nn.Linear``.
+and a plain MLP stack. ``linear`` lets the FP8 Linear stand in for ``nn.Linear``;
+:class:`FP8MLPBlock` is the MLP block made of the FP8-saving layers of ``offload.fp8``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,32 @@ class MLPBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
+class FP8MLPBlock(nn.Module):
+    """:class:`MLPBlock` built from the FP8 layers that save FP8 wherever they can:
+    ``fp8.LayerNormLinear`` (saves only the LayerNorm input), ``fp8.GELU`` (saves its input in
+    FP8) and ``fp8.Linear`` (saves its columnwise FP8 input). Per token it saves ``2h`` bytes
+    (bf16 LN input) + ``4h`` (FP8 GELU input) + ``4h`` (FP8 fc2 input), plus LayerNorm's per-row
+    mean and rstd, against the bf16 block's ``20h``. ``scaling`` and ``fp8_dtype`` go to both FP8
+    GEMM layers."""
+
+    def __init__(
+        self, hidden: int, *, scaling: str = "tensorwise", fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        approximate: str = "none", device: Any = None, dtype: Any = None,
+    ) -> None:
+        # Imported here: offload.fp8 is only needed by FP8 models, and models.py is imported by
+        # every test and benchmark.
+        from . import fp8  # noqa: PLC0415
+
+        super().__init__()
+        kw: dict[str, Any] = {"scaling": scaling, "fp8_dtype": fp8_dtype, "device": device, "dtype": dtype}
+        self.ln_fc1 = fp8.LayerNormLinear(hidden, 4 * hidden, **kw)
+        self.act = fp8.GELU(approximate=approximate)
+        self.fc2 = fp8.Linear(4 * hidden, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(self.act(self.ln_fc1(x)))
 
 
 class LinearGELU(nn.Module):

@@ -2,13 +2,19 @@
 
 * :class:`Linear`: a drop-in ``nn.Linear`` with FP8 forward, dgrad and wgrad GEMMs that saves only
   its columnwise FP8 input.
+* :class:`LayerNormLinear`: LayerNorm fused with an FP8 Linear's input quantization; saves only
+  the LayerNorm input (and its per-row mean/rstd), recomputing the FP8 wgrad operand in backward.
+* :class:`GELU`: ``nn.GELU``'s output, with its input saved in FP8 e4m3 for backward.
 
 Submodules, one job each: :mod:`.gemm` (where FP8 GEMMs run, the checked GEMM call), :mod:`.cast`
 (quantizing an operand: Triton kernels on CUDA, torch elsewhere), :mod:`.triton_cast` (the
-kernels), :mod:`.weights` (FP8 weight copies cached per weight version), :mod:`.linear`.
+kernels), :mod:`.weights` (FP8 weight copies cached per weight version), :mod:`.linear`,
+:mod:`.layernorm_linear`, :mod:`.gelu`.
 """
 
 from .gemm import fp8_gemm, rowwise_supported, scaled_mm_supported
+from .gelu import GELU
+from .layernorm_linear import LayerNormLinear
 from .linear import SCALINGS, Linear
 
-__all__ = ["Linear", "SCALINGS", "fp8_gemm", "rowwise_supported", "scaled_mm_supported"]
+__all__ = ["GELU", "LayerNormLinear", "Linear", "SCALINGS", "fp8_gemm", "rowwise_supported", "scaled_mm_supported"]
