@@ -11,8 +11,9 @@ Forward + backward of ``y.sum()`` per call at (M, K, N) = (16, 1024, 1024), (256
   used), when torchao imports; otherwise the reason is printed and stored.
 
 Per contender: step time (CUDA events, median), process CPU time per call, and the ratio to bf16.
-For the FP8 contenders at the largest shape, a ``torch.profiler`` breakdown of GPU time per call
-into GEMM kernels, quantization kernels and the rest: the reason a target is missed.
+For bf16 and our FP8 contenders, a ``torch.profiler`` breakdown of GPU time per call into GEMM
+kernels, quantization kernels and the rest, and their sum (GPU-busy ms): a step much longer than
+its GPU-busy time is host-bound. These are the reasons a target is missed.
 
 Targets: T12 at (16384, 4096, 16384) fp8 tensorwise >= 1.25x faster than bf16, at
 (4096, 4096, 4096) not slower; T13 at (16, 1024, 1024) CPU time per call <= 2x bf16's.
@@ -123,8 +124,11 @@ def run_shape(env: common.Env, shape: tuple[int, int, int], makers: dict[str, Ca
 
             timing = common.time_steps(step, env)
             row.update(step_ms=timing.median_ms, cpu_ms=statistics.median(timing.cpu_ms), timing=timing.summary())
-            if env.cuda and name.startswith("fp8") and shape == SHAPES[-1]:
-                row.update(gpu_breakdown(step))
+            if env.cuda and (name == "bf16" or name.startswith("fp8")):
+                # GPU-busy time per call next to the step time: where the step is longer than
+                # the GPU work, the host is the bottleneck.
+                split = gpu_breakdown(step)
+                row.update(split, gpu_busy_ms=sum(split.values()))
             del module
         except Exception as exc:  # noqa: BLE001 - one contender failing must not hide the others
             row["error"] = f"{type(exc).__name__}: {exc}"
@@ -176,7 +180,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         rows,
         [("shape", "M x K x N", ""), ("contender", "contender", ""), ("step_ms", "ms", ".3f"),
          ("speedup_vs_bf16", "speed-up", ".2f"), ("cpu_ms", "CPU ms", ".3f"), ("cpu_ratio_vs_bf16", "CPU / bf16", ".2f"),
-         ("gemm_ms", "GEMM ms", ".3f"), ("quantize_ms", "quant ms", ".3f"), ("other_ms", "other ms", ".3f")],
+         ("gpu_busy_ms", "GPU busy", ".3f"), ("gemm_ms", "GEMM ms", ".3f"), ("quantize_ms", "quant ms", ".3f"),
+         ("other_ms", "other ms", ".3f")],
     )
     marks = verdicts(rows, env)
     print(f"\nT12 (16384x4096x16384, fp8 tensorwise >= 1.25x bf16): {common.verdict(marks['T12_large'])}")

@@ -44,6 +44,7 @@ from .layout import plan_layout_py
 
 __all__ = [
     "FP8_DTYPES",
+    "HIGH_PRECISION",
     "MXFP8_BLOCK_SIZE",
     "QuantizedStorage",
     "Float8TensorStorage",
@@ -61,7 +62,7 @@ __all__ = [
 
 FP8_DTYPES: tuple[torch.dtype, ...] = (torch.float8_e4m3fn, torch.float8_e5m2)
 # The high-precision dtypes we quantize from.
-_HIGH_PRECISION: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+HIGH_PRECISION: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 # OCP MX block: 32 consecutive elements share one E8M0 scale.
 MXFP8_BLOCK_SIZE = 32
 # Largest power-of-two exponent of a normal number of each element format (448 = 1.75 * 2^8,
@@ -92,7 +93,7 @@ def _check_fp8_dtype(fp8_dtype: Any, where: str = "fp8_dtype") -> None:
 def _check_input(x: Any, fn: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{fn} expects a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _HIGH_PRECISION:
+    if x.dtype not in HIGH_PRECISION:
         raise ValueError(
             f"{fn} expects a float32, bfloat16 or float16 tensor, got {x.dtype}; "
             "convert it first (FP8 inputs are already quantized)"

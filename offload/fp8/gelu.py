@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..marks import mark_activation_offload
-from ..quantized import _HIGH_PRECISION, Float8TensorStorage
+from ..quantized import HIGH_PRECISION, Float8TensorStorage
 from .cast import quantize
 
 __all__ = ["GELU", "APPROXIMATIONS"]
@@ -89,7 +89,7 @@ class GELU(nn.GELU):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"fp8.GELU expects a torch.Tensor input, got {type(x).__name__}")
-        if x.dtype not in _HIGH_PRECISION:
+        if x.dtype not in HIGH_PRECISION:
             raise ValueError(f"fp8.GELU: input dtype must be float32, bfloat16 or float16, got {x.dtype}")
         if not (x.requires_grad and torch.is_grad_enabled()) or x.numel() == 0:
             # Nothing will be saved (or nothing worth quantizing): the plain op.

@@ -45,8 +45,8 @@ from torch import nn
 
 from ..marks import mark_activation_offload
 from .cast import quantize
-from .gemm import GEMM_MULTIPLE, fp8_gemm
-from .linear import _GRAD_FP8, Linear, _Call, _mat2_scale
+from .gemm import fp8_gemm
+from .linear import GRAD_FP8, Linear, LinearCall, dgrad, fprop, mat2_scale
 
 __all__ = ["LayerNormLinear"]
 
@@ -60,7 +60,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         ln_bias: Optional[torch.Tensor],
         weight: torch.Tensor,
         bias: Optional[torch.Tensor],
-        call: _Call,
+        call: LinearCall,
     ) -> torch.Tensor:
         module: LayerNormLinear = call.module  # type: ignore[assignment]
         scaling = module.scaling
@@ -69,14 +69,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         # ln_out, so neither ln_out nor any FP8 copy of it outlives this function.
         xq = quantize(ln_out, module.fp8_dtype, scaling, rowwise=True, columnwise=False)
         del ln_out
-        w = module.weight_cache.get(weight, scaling, call.refresh_weight)
-        fused_bias = bias if bias is not None and bias.dtype == x.dtype else None
-        y = torch._scaled_mm(
-            xq.row, w.fprop, scale_a=xq.row_scale_inv, scale_b=w.fprop_scale,
-            bias=fused_bias, out_dtype=x.dtype, use_fast_accum=False,
-        )
-        if bias is not None and fused_bias is None:
-            y = y + bias.to(x.dtype)
+        y = fprop(xq, module.weight_cache.get(weight, scaling, call.refresh_weight), bias, x.dtype)
         del xq
         # x is our own (M, K) view of the caller's input: the mark lands on this view only, and
         # the engine resolves it to the caller's storage.
@@ -99,20 +92,16 @@ class _LayerNormLinearFunction(torch.autograd.Function):
 
         dx = d_ln_weight = d_ln_bias = dw = db = None
         if need_dgrad or need_wgrad:
-            dyq = quantize(dy, _GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
+            dyq = quantize(dy, GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
         if need_wgrad:
             ln_out = torch.native_layer_norm(x, module.normalized_shape, ln_weight, ln_bias, module.eps)[0]
             lnq = quantize(ln_out, module.fp8_dtype, scaling, rowwise=False, columnwise=True)
             del ln_out
             # dY^T (N, M) row-major against ln_out (M, K) column-major: the .t() of (K, M).
-            dw = fp8_gemm(dyq.col, lnq.col.t(), dyq.col_scale_inv, _mat2_scale(lnq.col_scale_inv, scaling), weight.dtype)
+            dw = fp8_gemm(dyq.col, lnq.col.t(), dyq.col_scale_inv, mat2_scale(lnq.col_scale_inv, scaling), weight.dtype)
             del lnq
         if need_dgrad:
-            w = module.weight_cache.get(weight, scaling)
-            d_ln_out = torch._scaled_mm(
-                dyq.row, w.dgrad, scale_a=dyq.row_scale_inv, scale_b=w.dgrad_scale,
-                out_dtype=x.dtype, use_fast_accum=False,
-            )
+            d_ln_out = dgrad(dyq, module.weight_cache.get(weight, scaling), x.dtype)
             dx, d_ln_weight, d_ln_bias = torch.ops.aten.native_layer_norm_backward(
                 d_ln_out, x, module.normalized_shape, mean, rstd, ln_weight, ln_bias, ln_mask
             )
@@ -183,7 +172,7 @@ class LayerNormLinear(Linear):
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``Linear(LayerNorm(x))`` with FP8 GEMMs; ``is_first_microbatch`` as for
         :meth:`offload.fp8.Linear.forward`."""
-        self._check_call(x)
+        x2, call = self._prepare_call(x, is_first_microbatch)
         ln_weight = self.layer_norm_weight
         if ln_weight is not None and ln_weight.dtype != x.dtype and ln_weight.dtype != torch.float32:
             # LayerNorm kernels take parameters of the input's dtype or float32 (mixed precision);
@@ -192,15 +181,6 @@ class LayerNormLinear(Linear):
                 f"fp8.LayerNormLinear: the LayerNorm parameters are {ln_weight.dtype} but the input is "
                 f"{x.dtype}; use parameters of the input's dtype or float32"
             )
-        x2 = x.reshape(-1, self.in_features)
-        need_wgrad = self.weight.requires_grad and torch.is_grad_enabled()
-        if need_wgrad and x2.shape[0] % GEMM_MULTIPLE:
-            raise ValueError(
-                f"fp8.LayerNormLinear: the input has M={x2.shape[0]} rows (product of the leading dims "
-                f"{tuple(x.shape[:-1])}); the FP8 wgrad GEMM contracts over M, which must be a multiple "
-                f"of {GEMM_MULTIPLE}. Pad the batch/sequence to a multiple of 16 tokens"
-            )
-        call = _Call(self, need_wgrad, bool(is_first_microbatch))
         y = _LayerNormLinearFunction.apply(x2, ln_weight, self.layer_norm_bias, self.weight, self.bias, call)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
 

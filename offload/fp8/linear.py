@@ -44,21 +44,20 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from ..marks import mark_activation_offload
-from ..quantized import FP8_DTYPES, QuantizedStorage
-from .cast import quantize, to_saved_storage
+from ..quantized import FP8_DTYPES, HIGH_PRECISION, QuantizedStorage
+from .cast import Operand, quantize, to_saved_storage
 from .gemm import GEMM_MULTIPLE, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
-from .weights import WeightCache
+from .weights import GemmWeight, WeightCache
 
-__all__ = ["Linear", "SCALINGS"]
+__all__ = ["Linear", "SCALINGS", "GRAD_FP8", "LinearCall", "mat2_scale", "fprop", "dgrad"]
 
 SCALINGS = ("tensorwise", "rowwise")
-_HIGH_PRECISION = (torch.float32, torch.bfloat16, torch.float16)
 # Gradients are always e4m3fn: cuBLASLt has no e5m2 x e5m2 FP8 GEMM, and the rowwise kernels take
 # e4m3fn only.
-_GRAD_FP8 = torch.float8_e4m3fn
+GRAD_FP8 = torch.float8_e4m3fn
 
 
-class _Call(NamedTuple):
+class LinearCall(NamedTuple):
     """What one forward needs besides tensors (an autograd.Function takes it as one argument)."""
 
     module: "Linear"
@@ -66,10 +65,32 @@ class _Call(NamedTuple):
     refresh_weight: bool
 
 
-def _mat2_scale(scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
+def mat2_scale(scale_inv: torch.Tensor, scaling: str) -> torch.Tensor:
     """A ``(rows, 1)`` per-row scale of contiguous data becomes the ``(1, rows)`` column scale
     ``_scaled_mm`` wants for its ``.t()``; one tensorwise scale is used as it is."""
     return scale_inv if scaling == "tensorwise" else scale_inv.view(1, -1)
+
+
+def fprop(xq: Operand, w: GemmWeight, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``X @ W^T + b``: the quantized input's rowwise data against the weight's forward operand.
+    cuBLASLt adds a bias in the FP8 GEMM's epilogue for 16-bit outputs only; a float32 output gets
+    it added afterwards."""
+    fused = bias is not None and bias.dtype == out_dtype and out_dtype != torch.float32
+    y = torch._scaled_mm(
+        xq.row, w.fprop, scale_a=xq.row_scale_inv, scale_b=w.fprop_scale,
+        bias=bias if fused else None, out_dtype=out_dtype, use_fast_accum=False,
+    )
+    if bias is not None and not fused:
+        y = y + bias.to(out_dtype)
+    return y
+
+
+def dgrad(dyq: Operand, w: GemmWeight, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dY @ W``: the quantized gradient's rowwise data against the weight's dgrad operand."""
+    return torch._scaled_mm(
+        dyq.row, w.dgrad, scale_a=dyq.row_scale_inv, scale_b=w.dgrad_scale,
+        out_dtype=out_dtype, use_fast_accum=False,
+    )
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -79,21 +100,13 @@ class _Fp8LinearFunction(torch.autograd.Function):
         x: torch.Tensor,
         weight: torch.Tensor,
         bias: Optional[torch.Tensor],
-        call: _Call,
+        call: LinearCall,
     ) -> torch.Tensor:
         module = call.module
         scaling = module.scaling
         # Input: rowwise for this GEMM, columnwise (K, M) for wgrad when it will be needed.
         xq = quantize(x, module.fp8_dtype, scaling, rowwise=True, columnwise=call.need_wgrad)
-        w = module.weight_cache.get(weight, scaling, call.refresh_weight)
-        # cuBLASLt adds a bias in the FP8 GEMM's epilogue for 16-bit outputs only.
-        fused_bias = bias if bias is not None and bias.dtype == x.dtype and x.dtype != torch.float32 else None
-        y = torch._scaled_mm(
-            xq.row, w.fprop, scale_a=xq.row_scale_inv, scale_b=w.fprop_scale,
-            bias=fused_bias, out_dtype=x.dtype, use_fast_accum=False,
-        )
-        if bias is not None and fused_bias is None:
-            y = y + bias.to(x.dtype)
+        y = fprop(xq, module.weight_cache.get(weight, scaling, call.refresh_weight), bias, x.dtype)
 
         if call.need_wgrad:
             # Keep ONLY the columnwise input and its scale(s); the rowwise copy dies here.
@@ -122,13 +135,9 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
         dx = dw = db = None
         if need_dgrad or need_wgrad:
-            dyq = quantize(dy, _GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
+            dyq = quantize(dy, GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
         if need_dgrad:
-            w = module.weight_cache.get(weight, scaling)
-            dx = torch._scaled_mm(
-                dyq.row, w.dgrad, scale_a=dyq.row_scale_inv, scale_b=w.dgrad_scale,
-                out_dtype=ctx.x_dtype, use_fast_accum=False,
-            )
+            dx = dgrad(dyq, module.weight_cache.get(weight, scaling), ctx.x_dtype)
         if need_wgrad:
             assert storage is not None
             storage.restore_from_saved(list(saved[:-1]))
@@ -137,7 +146,7 @@ class _Fp8LinearFunction(torch.autograd.Function):
                 # columnwise (K, M) input; fp8_gemm accepts the engine's restored uint8 views.
                 x_col, x_scale = _saved_columnwise(storage)
                 dw = fp8_gemm(
-                    dyq.col, x_col.t(), dyq.col_scale_inv, _mat2_scale(x_scale, scaling), weight.dtype
+                    dyq.col, x_col.t(), dyq.col_scale_inv, mat2_scale(x_scale, scaling), weight.dtype
                 )
             finally:
                 # Drop our references to the (possibly engine-owned) restored buffers right away;
@@ -194,24 +203,24 @@ class Linear(torch.nn.Linear):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         if scaling not in SCALINGS:
-            raise ValueError(f"fp8.Linear: scaling must be one of {SCALINGS}, got {scaling!r}")
+            raise ValueError(f"fp8.{type(self).__name__}: scaling must be one of {SCALINGS}, got {scaling!r}")
         if fp8_dtype not in FP8_DTYPES:
             raise ValueError(
-                f"fp8.Linear: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
+                f"fp8.{type(self).__name__}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
             )
         if scaling == "rowwise" and fp8_dtype != torch.float8_e4m3fn:
             raise ValueError(
-                "fp8.Linear: scaling='rowwise' supports fp8_dtype=torch.float8_e4m3fn only "
+                f"fp8.{type(self).__name__}: scaling='rowwise' supports fp8_dtype=torch.float8_e4m3fn only "
                 "(rowwise-scaled FP8 GEMM kernels take e4m3 operands); use scaling='tensorwise' for e5m2"
             )
         for name, n in (("in_features", in_features), ("out_features", out_features)):
             if not isinstance(n, int) or n <= 0 or n % GEMM_MULTIPLE:
                 raise ValueError(
-                    f"fp8.Linear: {name}={n} must be a positive multiple of {GEMM_MULTIPLE} "
+                    f"fp8.{type(self).__name__}: {name}={n} must be a positive multiple of {GEMM_MULTIPLE} "
                     "(torch._scaled_mm requires it); pad the layer or use torch.nn.Linear"
                 )
-        if dtype is not None and dtype not in _HIGH_PRECISION:
-            raise ValueError(f"fp8.Linear: dtype must be float32, bfloat16 or float16, got {dtype}")
+        if dtype is not None and dtype not in HIGH_PRECISION:
+            raise ValueError(f"fp8.{type(self).__name__}: dtype must be float32, bfloat16 or float16, got {dtype}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.scaling = scaling
         self.fp8_dtype = fp8_dtype
@@ -221,59 +230,65 @@ class Linear(torch.nn.Linear):
         self._checked_kinds: set[tuple[object, ...]] = set()
 
     def _check_call(self, x: torch.Tensor) -> None:
+        name = f"fp8.{type(self).__name__}"
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"fp8.Linear expects a torch.Tensor input, got {type(x).__name__}")
+            raise ValueError(f"{name} expects a torch.Tensor input, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"fp8.Linear: input of shape {tuple(x.shape)} does not end in in_features={self.in_features}"
+                f"{name}: input of shape {tuple(x.shape)} does not end in in_features={self.in_features}"
             )
         kind = (x.dtype, x.device, self.weight.dtype, self.weight.device)
         if kind in self._checked_kinds:
             return
-        if x.dtype not in _HIGH_PRECISION:
+        if x.dtype not in HIGH_PRECISION:
             raise ValueError(
-                f"fp8.Linear: input dtype must be float32, bfloat16 or float16, got {x.dtype}"
+                f"{name}: input dtype must be float32, bfloat16 or float16, got {x.dtype}"
             )
-        if self.weight.dtype not in _HIGH_PRECISION:
+        if self.weight.dtype not in HIGH_PRECISION:
             raise ValueError(
-                f"fp8.Linear: weight dtype must be float32, bfloat16 or float16, got {self.weight.dtype}"
+                f"{name}: weight dtype must be float32, bfloat16 or float16, got {self.weight.dtype}"
             )
         if x.device != self.weight.device:
             raise ValueError(
-                f"fp8.Linear: input is on {x.device} but the weight is on {self.weight.device}; move one of them"
+                f"{name}: input is on {x.device} but the weight is on {self.weight.device}; move one of them"
             )
         dev = x.device
         reason = unsupported_reason(dev)
         if reason is not None:
-            raise ValueError(f"fp8.Linear cannot run on {dev}: {reason}")
+            raise ValueError(f"{name} cannot run on {dev}: {reason}")
         if self.scaling == "rowwise":
             if not rowwise_supported(dev.type):
                 raise ValueError(
-                    f"fp8.Linear: scaling='rowwise' is not supported by torch._scaled_mm on {dev.type} "
+                    f"{name}: scaling='rowwise' is not supported by torch._scaled_mm on {dev.type} "
                     f"in PyTorch {torch.__version__}; use scaling='tensorwise' or a CUDA GPU"
                 )
             for what, dt in (("input", x.dtype), ("weight", self.weight.dtype)):
                 reason = rowwise_out_dtype_reason(dev, dt)
                 if reason is not None:
-                    raise ValueError(f"fp8.Linear ({what}): {reason}")
+                    raise ValueError(f"{name} ({what}): {reason}")
         self._checked_kinds.add(kind)
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """``x @ W^T + b`` with FP8 GEMMs. ``is_first_microbatch=True`` re-quantizes the weight
         even when its version did not change (TransformerEngine's argument; ``None``/``False``
         rely on the version check)."""
+        x2, call = self._prepare_call(x, is_first_microbatch)
+        y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, call)
+        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _prepare_call(self, x: torch.Tensor, is_first_microbatch: Optional[bool]) -> tuple[torch.Tensor, LinearCall]:
+        """Check the input (once per kind), flatten it to ``(M, in_features)`` and say what the
+        call needs: wgrad contracts over ``M``, so ``M`` must then be a multiple of 16."""
         self._check_call(x)
         x2 = x.reshape(-1, self.in_features)
         need_wgrad = self.weight.requires_grad and torch.is_grad_enabled()
         if need_wgrad and x2.shape[0] % GEMM_MULTIPLE:
             raise ValueError(
-                f"fp8.Linear: the input has M={x2.shape[0]} rows (product of the leading dims "
+                f"fp8.{type(self).__name__}: the input has M={x2.shape[0]} rows (product of the leading dims "
                 f"{tuple(x.shape[:-1])}); the FP8 wgrad GEMM contracts over M, which must be a multiple "
                 f"of {GEMM_MULTIPLE}. Pad the batch/sequence to a multiple of 16 tokens"
             )
-        call = _Call(self, need_wgrad, bool(is_first_microbatch))
-        y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, call)
-        return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+        return x2, LinearCall(self, need_wgrad, bool(is_first_microbatch))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, scaling={self.scaling}, fp8_dtype={self.fp8_dtype}"
