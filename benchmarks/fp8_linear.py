@@ -11,6 +11,7 @@ Forward + backward of ``y.sum()`` per call at (M, K, N) = (16, 1024, 1024), (256
   used), when torchao imports; otherwise the reason is printed and stored.
 
 Per contender: step time (CUDA events, median), process CPU time per call, and the ratio to bf16.
+The contenders take turns in rounds (``--rounds``), so a drift in the host's speed hits them all.
 For bf16 and our FP8 contenders, a ``torch.profiler`` breakdown of GPU time per call into GEMM
 kernels, quantization kernels and the rest, and their sum (GPU-busy ms): a step much longer than
 its GPU-busy time is host-bound. These are the reasons a target is missed.
@@ -109,40 +110,63 @@ def gpu_breakdown(step: Callable[[], None], calls: int = 5) -> dict[str, float]:
 
 
 def run_shape(env: common.Env, shape: tuple[int, int, int], makers: dict[str, Callable[..., torch.nn.Module]], failed: list[str]) -> list[dict[str, Any]]:
-    """Every contender at one shape; rows for the table and the JSON."""
+    """Every contender at one shape; rows for the table and the JSON.
+
+    The host's speed drifts by tens of percent over a run, so the contenders take turns: rounds
+    of a few pipelined calls each (``--rounds``), and each figure is the median over all its
+    rounds' calls. A drift then lands on every contender alike."""
     m, k, n = shape
+    tag = f"{m}x{k}x{n}"
     x = torch.randn(m, k, device=env.device, dtype=torch.bfloat16, requires_grad=True)
-    rows: list[dict[str, Any]] = []
+    rows = {name: {"shape": tag, "contender": name} for name in makers}
+    steps: dict[str, Callable[[], None]] = {}
+
+    def fail(name: str, exc: Exception) -> None:
+        rows[name]["error"] = f"{type(exc).__name__}: {exc}"
+        failed.append(f"{name} {tag}")
+        steps.pop(name, None)
+        print(f"  {name} at {tag} failed: {rows[name]['error']}", file=sys.stderr)
+
     for name, make in makers.items():
-        row: dict[str, Any] = {"shape": f"{m}x{k}x{n}", "contender": name}
         try:
             torch.manual_seed(0)
             module = make(k, n, env.device)
 
-            def step() -> None:
+            def step(module: torch.nn.Module = module) -> None:
                 module(x).sum().backward()
 
-            timing = common.time_steps(step, env)
-            row.update(step_ms=timing.median_ms, cpu_ms=statistics.median(timing.cpu_ms), timing=timing.summary())
-            if env.cuda and (name == "bf16" or name.startswith("fp8")):
-                # GPU-busy time per call next to the step time: where the step is longer than
-                # the GPU work, the host is the bottleneck.
-                split = gpu_breakdown(step)
-                row.update(split, gpu_busy_ms=sum(split.values()))
-            del module
+            common.time_steps(step, env, warmup=env.args.warmup, steps=1)
+            steps[name] = step
         except Exception as exc:  # noqa: BLE001 - one contender failing must not hide the others
-            row["error"] = f"{type(exc).__name__}: {exc}"
-            failed.append(f"{name} {row['shape']}")
-            print(f"  {name} at {row['shape']} failed: {row['error']}", file=sys.stderr)
-        x.grad = None
-        common.free_memory(env)
-        rows.append(row)
-    base = next((r for r in rows if r["contender"] == "bf16" and "step_ms" in r), None)
-    for r in rows:
-        if base is not None and "step_ms" in r:
+            fail(name, exc)
+    per_round = max(1, env.args.steps // env.args.rounds)
+    gpu: dict[str, list[float]] = {name: [] for name in steps}
+    cpu: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(env.args.rounds):
+        for name in list(steps):
+            try:
+                timing = common.time_steps(steps[name], env, warmup=1, steps=per_round)
+            except Exception as exc:  # noqa: BLE001
+                fail(name, exc)
+                continue
+            gpu[name] += timing.gpu_ms
+            cpu[name] += timing.cpu_ms
+    for name, step in steps.items():
+        rows[name].update(step_ms=statistics.median(gpu[name]), cpu_ms=statistics.median(cpu[name]), calls=len(gpu[name]))
+        if env.cuda and (name == "bf16" or name.startswith("fp8")):
+            # GPU-busy time per call next to the step time: where the step is longer than the
+            # GPU work, the host is the bottleneck.
+            split = gpu_breakdown(step)
+            rows[name].update(split, gpu_busy_ms=sum(split.values()))
+    steps.clear()
+    x.grad = None
+    common.free_memory(env)
+    base = rows.get("bf16", {})
+    for r in rows.values():
+        if "step_ms" in base and "step_ms" in r:
             r["speedup_vs_bf16"] = base["step_ms"] / r["step_ms"]
             r["cpu_ratio_vs_bf16"] = r["cpu_ms"] / base["cpu_ms"]
-    return rows
+    return list(rows.values())
 
 
 def verdicts(rows: list[dict[str, Any]], env: common.Env) -> dict[str, Optional[bool]]:
@@ -164,7 +188,8 @@ def verdicts(rows: list[dict[str, Any]], env: common.Env) -> dict[str, Optional[
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = common.make_parser(__doc__ or "", warmup=5, steps=30)
+    parser = common.make_parser(__doc__ or "", warmup=5, steps=40)
+    parser.add_argument("--rounds", type=int, default=8, help="turns each contender takes (the timed calls are split among them)")
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao contenders")
     parser.add_argument("--no-compile", action="store_true", help="skip torchao under torch.compile")
     env = common.setup(parser, argv)
