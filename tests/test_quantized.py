@@ -10,6 +10,7 @@ import torch
 from offload import marks
 from offload import quantized as q
 from offload.layout import plan_layout_py
+from offload.quantized.blockwise import _expand_block_scales
 
 CUDA_OK = torch.cuda.is_available()
 DEVICES = [
@@ -320,7 +321,7 @@ def _elem_scale(s, usage):
         return s.scale_inv.reshape(()).expand(m, k)
     if isinstance(s, q.Float8BlockwiseStorage):
         data = getattr(s, f"{usage}_data")
-        full = q._expand_block_scales(
+        full = _expand_block_scales(
             getattr(s, f"{usage}_scale_inv"), data.shape[0], data.shape[1], s.block
         )
     else:
