@@ -26,6 +26,7 @@ class StepCounters:
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     reloads: int = 0
+    reloads_on_demand: int = 0      # of those, started only when backward needed the group
     # (direction, bytes, start event, end event) per *timed* copy (the transport's ``timing``);
     # (before, after) events around each stall of a timed group.
     copies: list[tuple[str, int, Any, Any]] = field(default_factory=list)
@@ -72,6 +73,9 @@ class StepStats(TypedDict):
     - ``bytes_d2h`` (int, bytes): bytes copied out (the slot spans).
     - ``bytes_h2d`` (int, bytes): bytes copied back (whole regions: slots plus alignment padding).
     - ``reloads`` (int, copies): copies back, one per group reloaded.
+    - ``reloads_on_demand`` (int, copies): of ``reloads``, those started only when backward
+      needed the group (no prefetch had started it), so compute waited for the whole copy. 0
+      when every reload was prefetched, with several micro-batches in flight too.
     - ``d2h_ms`` / ``h2d_ms`` (float, milliseconds): the *timed* copies' summed durations (CUDA
       events on the copy streams; host clock on the ``cpu`` transport). Which copies are timed
       is the ``timing`` option: all, none, or (default) those of 4 MiB or more. 0 when none was
@@ -110,6 +114,7 @@ class StepStats(TypedDict):
     bytes_d2h: int
     bytes_h2d: int
     reloads: int
+    reloads_on_demand: int
     d2h_ms: float
     h2d_ms: float
     d2h_gbps: Optional[float]
@@ -168,6 +173,7 @@ def snapshot(
         bytes_d2h=c.bytes_d2h,
         bytes_h2d=c.bytes_h2d,
         reloads=c.reloads,
+        reloads_on_demand=c.reloads_on_demand,
         d2h_ms=d2h_ms,
         h2d_ms=h2d_ms,
         d2h_gbps=gbps(d2h_timed, d2h_ms),
@@ -228,7 +234,7 @@ def format_report(s: StepStats) -> str:
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         (words["kept_groups"], str(s["groups_kept"])),
         (words["out"], f"{format_bytes(s['bytes_d2h'])}{timed(s['timed_bytes_d2h'], s['bytes_d2h'], s['d2h_ms'])}, {rate(s['d2h_gbps'])}"),
-        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
+        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads, {s['reloads_on_demand']} on demand)"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
         ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
