@@ -222,6 +222,13 @@ class OffloadEngine:
             return True
         return not torch.is_grad_enabled() and not self._forward_open()
 
+    def next_layer(self) -> Optional[int]:
+        """The index :meth:`begin_layer` would give the layer entered now, or None when it
+        would be passive (see the module notes)."""
+        if self._passive_depth or self._passive_layer():
+            return None
+        return self.step.layers_started if self._forward_open() else 0  # type: ignore[union-attr]
+
     def begin_layer(self) -> bool:
         """Forward enters the next layer: schedule decisions, then capture its saved tensors.
 
@@ -231,6 +238,14 @@ class OffloadEngine:
         if self._passive_depth or self._passive_layer():
             self._passive_depth += 1
             return False
+        if self._forward_open() and threading.get_ident() != self._forward_thread:
+            raise RuntimeError(
+                "offload: a layer was entered from another thread while this offload context "
+                "runs a forward in its own thread; one context serves one forward at a time, "
+                "and two concurrent forwards would mix their layers into one step. Give each "
+                "thread (each model or micro-batch stream run concurrently) its own context: "
+                "one get_cpu_offload_context(...) or OffloadActivations(...) per stream"
+            )
         if self.in_layer:
             raise RuntimeError(
                 "offload: a layer context was entered while another is still open; offload "
