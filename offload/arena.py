@@ -47,6 +47,7 @@ import psutil
 import torch
 
 from .layout import align_up
+from .numa import NumaPlacement
 from .pinning import Allocator, BackgroundPinner, allocate_host_block
 
 # Blocks are sized in whole 64 KiB pages, so regions of nearly equal size share blocks.
@@ -134,10 +135,14 @@ class HostArena:
         retain: bool,
         device_index: Optional[int] = None,
         allocate: Optional[Allocator] = None,
+        numa: Optional[NumaPlacement] = None,
     ) -> None:
         self.pinned = pinned
+        # The NUMA node of the blocks (the GPU's, see offload.numa), and why.
+        self.numa = numa if numa is not None else NumaPlacement(None, "not bound")
+        placement = self.numa
         # ``allocate(nbytes) -> (block, bytes held)``; tests replace it to make the host refuse.
-        self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned))
+        self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned, placement=placement))
         # The pinner's thread holds the arena weakly: queued blocks must not keep a dropped
         # context's arena alive, and dropping it cancels them.
         arena_ref = weakref.ref(self)

@@ -800,6 +800,8 @@ class OffloadEngine:
             transport=self.transport.name,
             host_budget_bytes=self.arena.budget_bytes,
             host_budget_source=self.arena.budget_source,
+            host_numa_node=self.arena.numa.node,
+            host_numa_source=self.arena.numa.source,
         )
 
     def report(self) -> str:

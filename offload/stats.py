@@ -92,6 +92,10 @@ class StepStats(TypedDict):
       does not fit stays where it is (``kept["budget"]``).
     - ``host_budget_source`` (str): where the cap came from: ``"host_budget_bytes"`` (given), or
       the default's formula (75% of total RAM divided by ``LOCAL_WORLD_SIZE``, with the figures).
+    - ``host_numa_node`` (int or None): the NUMA node the arena's host blocks are bound to (the
+      GPU's own node, read from sysfs), None when they are not bound.
+    - ``host_numa_source`` (str): why: the GPU and its node, or the reason for no binding (a
+      single-node host, no node in sysfs, the ``cpu`` transport, no native extension).
     - ``pinned_allocations`` (int, allocations): host blocks allocated during the step (0 in a
       steady step: the arena is reused).
     - ``finished`` (bool): the step's backward is done (else the figures are of a step still in
@@ -125,6 +129,8 @@ class StepStats(TypedDict):
     pinned_bytes_held: int
     host_budget_bytes: int
     host_budget_source: str
+    host_numa_node: Optional[int]
+    host_numa_source: str
     pinned_allocations: int
     finished: bool
     captured: bool
@@ -145,6 +151,8 @@ def snapshot(
     transport: str,
     host_budget_bytes: int,
     host_budget_source: str,
+    host_numa_node: Optional[int] = None,
+    host_numa_source: str = "not bound",
 ) -> StepStats:
     """The step's figures as a plain dict, keys as :class:`StepStats` documents them (reads the
     step's CUDA events; may wait for them)."""
@@ -184,6 +192,8 @@ def snapshot(
         pinned_bytes_held=pinned_bytes_held,
         host_budget_bytes=host_budget_bytes,
         host_budget_source=host_budget_source,
+        host_numa_node=host_numa_node,
+        host_numa_source=host_numa_source,
         pinned_allocations=c.pinned_allocations,
         finished=c.finished,
         captured=c.captured,
@@ -238,6 +248,7 @@ def format_report(s: StepStats) -> str:
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
         ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
+        ("host NUMA node", f"{'-' if s['host_numa_node'] is None else s['host_numa_node']} ({s['host_numa_source']})"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["offload report", "-" * (width + 40)]
