@@ -48,6 +48,7 @@ import offload  # noqa: E402
 
 
 def parser() -> Any:
+    """The common benchmark options and this script's own."""
     p = make_parser(__doc__, warmup=2, steps=4, smoke_warmup=1, smoke_steps=1)
     p.add_argument("--nproc", type=int, default=2, help="processes to spawn without torchrun (default 2)")
     p.add_argument("--ks", default=None, help="fixed offload counts (default 2,4,7; 3 with --cpu-smoke)")
@@ -199,6 +200,7 @@ def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
 
 
 def main() -> int:
+    """Under torchrun: this rank. Otherwise spawn ``--nproc`` ranks on this machine."""
     argv = sys.argv[1:]
     if "RANK" in os.environ:  # under torchrun
         return run_rank(argv)

@@ -93,6 +93,7 @@ def copy_rates(env: Env, gpus: list[int], hosts: dict[int, HostBuffer], nbytes: 
 
 
 def main() -> int:
+    """Place, measure, print the table, write the JSON; exit status 1 if a measurement failed."""
     parser = make_parser(__doc__, warmup=2, steps=5, smoke_warmup=0, smoke_steps=2)
     parser.add_argument("--mib", type=int, default=None, help="MiB each GPU copies per measurement (default 1024; 16 with --cpu-smoke)")
     parser.add_argument("--chunks", type=int, default=8, help="copies per measurement (launches of the GPUs overlap)")

@@ -57,6 +57,7 @@ class Setup:
 
     @property
     def cuda(self) -> bool:
+        """Whether this rank computes on a GPU."""
         return self.device.type == "cuda"
 
     def offload_kw(self) -> dict[str, Any]:
