@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run the benchmark suite in sequence from the repository root: gpt_a, small, cpu_overhead,
-# fp8_mlp, v1_vs_v2, graphs (first_step.py is left out: it is slow and wants a fresh process).
+# fp8_mlp, v1_vs_v2, graphs, numa_copy (first_step.py is left out: it is slow and wants a fresh process;
+# distributed.py wants two GPUs under torchrun).
 # A failing benchmark does not stop the others; the ones that failed are listed at the end and the
 # exit status is 1 if any failed. Extra arguments go to every script (e.g. --cpu-smoke).
 #
@@ -12,7 +13,7 @@ cd "$(dirname "$0")/.." || exit 2
 PY="${PYTHON:-python}"
 
 failed=()
-for bench in gpt_a small cpu_overhead fp8_mlp v1_vs_v2 graphs; do
+for bench in gpt_a small cpu_overhead fp8_mlp v1_vs_v2 graphs numa_copy; do
     echo
     echo "=================== benchmarks/${bench}.py $* ==================="
     start=$(date +%s)

@@ -90,6 +90,8 @@ using PFN_cuMemHostRegister = CUresult (*)(void*, size_t, unsigned int);
 using PFN_cuMemHostUnregister = CUresult (*)(void*);
 using PFN_cuCtxPushCurrent = CUresult (*)(CUcontext);
 using PFN_cuCtxPopCurrent = CUresult (*)(CUcontext*);
+using PFN_cuDeviceGet = CUresult (*)(int*, int);  // CUdevice is an int
+using PFN_cuDeviceGetPCIBusId = CUresult (*)(char*, int, int);
 
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr unsigned int CU_EVENT_DEFAULT = 0;
@@ -126,6 +128,9 @@ struct Driver {
   PFN_cuMemHostUnregister mem_host_unregister = nullptr;
   PFN_cuCtxPushCurrent ctx_push = nullptr;
   PFN_cuCtxPopCurrent ctx_pop = nullptr;
+  // Optional (NUMA placement asks them once; torch's device properties usually answer first).
+  PFN_cuDeviceGet device_get = nullptr;
+  PFN_cuDeviceGetPCIBusId device_pci_bus_id = nullptr;
 };
 
 std::string version_str(int v) {
@@ -210,6 +215,9 @@ Driver load_driver() {
     }
   }
   d.loaded = true;
+  if (resolve("cuDeviceGet", abi, &p)) d.device_get = reinterpret_cast<PFN_cuDeviceGet>(p);
+  if (resolve("cuDeviceGetPCIBusId", abi, &p))
+    d.device_pci_bus_id = reinterpret_cast<PFN_cuDeviceGetPCIBusId>(p);
 
   if (d.driver_version < kBatchAbi) {
     d.reason = "driver CUDA " + version_str(d.driver_version) +
@@ -560,6 +568,20 @@ void host_unregister(void* p, uintptr_t ctx) noexcept {
   Driver& d = driver();
   if (!d.loaded) return;
   with_context(d, ctx, [&] { return d.mem_host_unregister(p); });
+}
+
+std::string pci_bus_id(int ordinal) {
+  Driver& d = driver();
+  if (!d.loaded) throw std::runtime_error("offload pci_bus_id: the CUDA driver is unavailable (" + d.reason + ")");
+  if (!d.device_get || !d.device_pci_bus_id)
+    throw std::runtime_error("offload pci_bus_id: cuDeviceGet or cuDeviceGetPCIBusId not found in libcuda.so.1");
+  int device = 0;
+  CUresult r = d.device_get(&device, ordinal);
+  if (r != CUDA_SUCCESS) fail(d, "cuDeviceGet", r, " for device " + std::to_string(ordinal));
+  char buf[64] = {};
+  r = d.device_pci_bus_id(buf, sizeof buf, device);
+  if (r != CUDA_SUCCESS) fail(d, "cuDeviceGetPCIBusId", r, " for device " + std::to_string(ordinal));
+  return buf;
 }
 
 }  // namespace offload

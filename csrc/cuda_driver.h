@@ -61,4 +61,9 @@ void host_free(void* p, uintptr_t ctx) noexcept;
 void host_register(void* p, size_t nbytes, uintptr_t ctx);  // cuMemHostRegister(PORTABLE)
 void host_unregister(void* p, uintptr_t ctx) noexcept;
 
+// ---- Devices -----------------------------------------------------------------------------------
+// "domain:bus:device.function" of CUDA device `ordinal` (cuDeviceGetPCIBusId; CUDA must be
+// initialised, which torch has done by the time a device is in use). Throws std::runtime_error.
+std::string pci_bus_id(int ordinal);
+
 }  // namespace offload

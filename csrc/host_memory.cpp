@@ -1,7 +1,9 @@
-// Pinned host buffers: cuMemHostAlloc, or mmap + parallel first touch + cuMemHostRegister.
+// Pinned host buffers: cuMemHostAlloc, or mmap + NUMA policy + parallel first touch +
+// cuMemHostRegister.
 #include "host_memory.h"
 
 #include <sys/mman.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -20,6 +22,52 @@ constexpr size_t kSmallPage = 4096;
 constexpr size_t kHugePage = size_t(2) << 20;
 
 size_t round_up(size_t n, size_t to) { return (n + to - 1) / to * to; }
+
+// Linux memory-policy constants (linux/mempolicy.h), spelled out: we call the syscalls directly
+// rather than depend on libnuma's headers and library.
+constexpr int kMpolDefault = 0;
+constexpr int kMpolPreferred = 1;
+constexpr unsigned long kMpolFNode = 1, kMpolFAddr = 2;
+constexpr int kMaxNodes = 1024;  // the kernel's largest MAX_NUMNODES (NODES_SHIFT = 10)
+constexpr int kBitsPerWord = 8 * sizeof(unsigned long);
+constexpr int kMaskWords = kMaxNodes / kBitsPerWord;
+// The kernel reads `maxnode - 1` bits of a node mask (a long-standing off-by-one that libnuma
+// pads for too), so every call passes one more than the mask holds.
+constexpr unsigned long kMaskArg = kMaxNodes + 1;
+
+std::string errno_text(const char* call) { return std::string(call) + ": " + std::strerror(errno); }
+
+// The calling thread's memory policy set to "prefer `node`" for one scope, then put back as it
+// was: cuMemHostAlloc allocates (and faults in) its pages in the calling thread, so that is the
+// one way to place them.
+class ThreadPrefersNode {
+ public:
+  explicit ThreadPrefersNode(int node) {
+    if (syscall(SYS_get_mempolicy, &old_mode_, old_mask_, kMaskArg, nullptr, 0) != 0) {
+      error = errno_text("get_mempolicy");
+      return;
+    }
+    unsigned long mask[kMaskWords] = {};
+    mask[node / kBitsPerWord] |= 1UL << (node % kBitsPerWord);
+    if (syscall(SYS_set_mempolicy, kMpolPreferred, mask, kMaskArg) != 0) {
+      error = errno_text("set_mempolicy(MPOL_PREFERRED)");
+      return;
+    }
+    active = true;
+  }
+  ~ThreadPrefersNode() {
+    if (active) syscall(SYS_set_mempolicy, old_mode_, old_mode_ == kMpolDefault ? nullptr : old_mask_, kMaskArg);
+  }
+  ThreadPrefersNode(const ThreadPrefersNode&) = delete;
+  ThreadPrefersNode& operator=(const ThreadPrefersNode&) = delete;
+
+  bool active = false;
+  std::string error;
+
+ private:
+  int old_mode_ = kMpolDefault;
+  unsigned long old_mask_[kMaskWords] = {};
+};
 
 // Faulting the pages in is the slow part of pinning a fresh mapping (the kernel zeroes each page
 // on first touch); cuMemHostRegister would do it on one thread. Writing one byte per page from
@@ -45,11 +93,29 @@ void touch_pages(char* p, size_t n, size_t page, int threads) {
 
 }  // namespace
 
+std::string prefer_node(void* p, size_t n, int node) {
+  if (node < 0 || node >= kMaxNodes)
+    return "NUMA node " + std::to_string(node) + " is out of range 0.." + std::to_string(kMaxNodes - 1);
+  unsigned long mask[kMaskWords] = {};
+  mask[node / kBitsPerWord] |= 1UL << (node % kBitsPerWord);
+  if (syscall(SYS_mbind, p, n, kMpolPreferred, mask, kMaskArg, 0) != 0)
+    return errno_text(("mbind(MPOL_PREFERRED, node " + std::to_string(node) + ")").c_str());
+  return "";
+}
+
+int node_of_address(const void* p) {
+  int node = -1;
+  if (syscall(SYS_get_mempolicy, &node, nullptr, 0, const_cast<void*>(p), kMpolFNode | kMpolFAddr) != 0)
+    return -1;
+  return node;
+}
+
 PinMethod parse_pin_method(const std::string& name) {
   if (name == "host_alloc") return PinMethod::kHostAlloc;
   if (name == "register") return PinMethod::kRegister;
   if (name == "register_huge") return PinMethod::kRegisterHuge;
-  throw std::invalid_argument("pin method must be 'host_alloc', 'register' or 'register_huge', got '" +
+  if (name == "mapped") return PinMethod::kMapped;
+  throw std::invalid_argument("pin method must be 'host_alloc', 'register', 'register_huge' or 'mapped', got '" +
                               name + "'");
 }
 
@@ -58,17 +124,27 @@ const char* pin_method_name(PinMethod m) {
     case PinMethod::kHostAlloc: return "host_alloc";
     case PinMethod::kRegister: return "register";
     case PinMethod::kRegisterHuge: return "register_huge";
+    case PinMethod::kMapped: return "mapped";
   }
   return "?";
 }
 
 PinnedHostBuffer::PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t context,
-                                   int touch_threads)
+                                   int touch_threads, int numa_node)
     : size_(nbytes), method_(method), context_(context) {
   if (nbytes == 0) throw std::invalid_argument("pinned buffer size must be > 0");
   if (method == PinMethod::kHostAlloc) {
     mapped_ = round_up(nbytes, kSmallPage);
+    if (numa_node < 0) {
+      data_ = host_alloc(mapped_, context);
+      return;
+    }
+    ThreadPrefersNode scope(numa_node);
     data_ = host_alloc(mapped_, context);
+    if (scope.active)
+      numa_node_ = numa_node;
+    else
+      numa_error_ = scope.error;
     return;
   }
   const bool huge = method == PinMethod::kRegisterHuge;
@@ -92,10 +168,19 @@ PinnedHostBuffer::PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t co
     madvise(base, mapped_, MADV_HUGEPAGE);
   }
   mapping_ = base;
+  if (numa_node >= 0) {
+    // Before the first touch: that is when each page gets its node, for good once pinned.
+    numa_error_ = prefer_node(base, mapped_, numa_node);
+    if (numa_error_.empty()) numa_node_ = numa_node;
+  }
   if (touch_threads <= 0)
     touch_threads = static_cast<int>(std::min<size_t>(8, std::max<size_t>(1, mapped_ >> 26)));
   touch_threads = std::min<int>(touch_threads, std::max(1u, std::thread::hardware_concurrency()));
   touch_pages(base, mapped_, kSmallPage * (huge ? 512 : 1), touch_threads);
+  if (method == PinMethod::kMapped) {  // plain host memory: nothing to register
+    data_ = base;
+    return;
+  }
   try {
     host_register(base, mapped_, context);
   } catch (...) {

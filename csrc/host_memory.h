@@ -4,6 +4,11 @@
 // up to a power of two behind our back, so the first step of a large model froze for seconds
 // and "bytes held" was not what the arena asked for. Here a buffer is exactly the bytes mapped
 // and pinned (rounded to the page size used), and the fastest method measured is the default.
+//
+// NUMA: on a host with several sockets, a buffer can be placed on a given node (the GPU's own,
+// whose memory controller sits next to its PCIe root): the mapping gets a preferred-node policy
+// with the raw mbind syscall (no libnuma) *before* its pages are first touched, since a page's
+// node is fixed when it is faulted in and pinned pages cannot migrate afterwards.
 #pragma once
 
 #include <cstddef>
@@ -16,18 +21,32 @@ enum class PinMethod {
   kHostAlloc,      // cuMemHostAlloc: the driver allocates and pins (what torch does)
   kRegister,       // anonymous mmap (4 KiB pages), touched in parallel, then cuMemHostRegister
   kRegisterHuge,   // the same with transparent huge pages (2 MiB), so pinning walks 512x fewer pages
+  kMapped,         // anonymous mmap touched like kRegisterHuge's, NOT pinned: plain host memory
+                   // (no CUDA needed), for the host transport and for checking NUMA placement
 };
 
-PinMethod parse_pin_method(const std::string& name);  // "host_alloc" | "register" | "register_huge"
+// "host_alloc" | "register" | "register_huge" | "mapped"
+PinMethod parse_pin_method(const std::string& name);
 const char* pin_method_name(PinMethod m);
+
+// Give [p, p + n) (page-aligned, not touched yet) a preferred-node policy for `node`. Preferred,
+// not bound: a node that runs out of memory then serves from another instead of invoking the
+// OOM killer. Returns "" on success, else why not (the mapping is left as it was).
+std::string prefer_node(void* p, size_t n, int node);
+// The NUMA node holding the page at `p` (faulted in), or -1 when the kernel will not say.
+int node_of_address(const void* p);
 
 // One pinned host buffer. Owns its memory: the destructor unpins and unmaps (or frees) it.
 class PinnedHostBuffer {
  public:
   // Throws std::runtime_error (naming the call and the size) when the host refuses; nothing is
   // left allocated then. `touch_threads` <= 0 picks one per 64 MiB, at most 8 (the
-  // host's other threads still run Python and autograd meanwhile).
-  PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t context, int touch_threads);
+  // host's other threads still run Python and autograd meanwhile). `numa_node` >= 0: place the
+  // pages on that node (see prefer_node; cuMemHostAlloc gets it through the calling thread's
+  // policy for the duration of the call). A node the kernel refuses is not an error: the
+  // buffer is allocated without it, and numa_node() is -1 with numa_error() saying why.
+  PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t context, int touch_threads,
+                   int numa_node = -1);
   ~PinnedHostBuffer();
   PinnedHostBuffer(const PinnedHostBuffer&) = delete;
   PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
@@ -36,6 +55,8 @@ class PinnedHostBuffer {
   size_t size() const { return size_; }          // the bytes asked for (what the buffer exposes)
   size_t pinned_bytes() const { return mapped_; }  // the bytes really locked (page-rounded)
   PinMethod method() const { return method_; }
+  int numa_node() const { return numa_node_; }  // the node asked for and applied, else -1
+  const std::string& numa_error() const { return numa_error_; }
 
  private:
   void* data_ = nullptr;
@@ -45,6 +66,8 @@ class PinnedHostBuffer {
   PinMethod method_;
   uintptr_t context_ = 0;
   bool registered_ = false;
+  int numa_node_ = -1;
+  std::string numa_error_;
 };
 
 }  // namespace offload

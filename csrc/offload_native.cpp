@@ -230,14 +230,22 @@ PYBIND11_MODULE(_C, m) {
                                         "Pinned host memory owned by this object (unpinned and "
                                         "freed when it goes). Exposes the buffer protocol: wrap it "
                                         "with torch.frombuffer(buf, dtype=torch.uint8).")
-      .def(py::init([](size_t nbytes, const std::string& method, uint64_t context, int touch_threads) {
+      .def(py::init([](size_t nbytes, const std::string& method, uint64_t context, int touch_threads,
+                       int numa_node) {
              const offload::PinMethod m = offload::parse_pin_method(method);
              py::gil_scoped_release release;  // pinning takes milliseconds per 100 MB
-             const uintptr_t ctx = context ? context : offload::current_context();
-             return std::make_unique<offload::PinnedHostBuffer>(nbytes, m, ctx, touch_threads);
+             // Plain mapped memory needs no CUDA context (and works on a machine without one).
+             const uintptr_t ctx =
+                 m == offload::PinMethod::kMapped ? 0 : (context ? context : offload::current_context());
+             return std::make_unique<offload::PinnedHostBuffer>(nbytes, m, ctx, touch_threads, numa_node);
            }),
            py::arg("nbytes"), py::arg("method") = "register_huge", py::arg("context") = 0,
-           py::arg("touch_threads") = 0)
+           py::arg("touch_threads") = 0, py::arg("numa_node") = -1,
+           "PinnedBuffer(nbytes, method='register_huge', context=0, touch_threads=0, numa_node=-1)\n\n"
+           "method: 'host_alloc', 'register', 'register_huge' (pinned; need a CUDA context) or\n"
+           "'mapped' (plain host memory, no CUDA). numa_node >= 0 places the pages on that node\n"
+           "(mbind before first touch); if the kernel refuses, the buffer is allocated anyway and\n"
+           "numa_node reads -1, numa_error why.")
       .def_buffer([](offload::PinnedHostBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1});
@@ -247,9 +255,25 @@ PYBIND11_MODULE(_C, m) {
       })
       .def_property_readonly("nbytes", &offload::PinnedHostBuffer::size)
       .def_property_readonly("pinned_bytes", &offload::PinnedHostBuffer::pinned_bytes)
+      .def_property_readonly("numa_node", &offload::PinnedHostBuffer::numa_node)
+      .def_property_readonly("numa_error", &offload::PinnedHostBuffer::numa_error)
       .def_property_readonly("method", [](const offload::PinnedHostBuffer& b) {
         return std::string(offload::pin_method_name(b.method()));
       });
+
+  m.def("node_of_address", [](uint64_t ptr) { return offload::node_of_address(reinterpret_cast<const void*>(ptr)); },
+        py::arg("ptr"),
+        "node_of_address(ptr) -> int: the NUMA node holding the (touched) page at ptr, -1 if\n"
+        "the kernel will not say (get_mempolicy with MPOL_F_NODE | MPOL_F_ADDR).");
+
+  m.def("pci_bus_id",
+        [](int ordinal) {
+          py::gil_scoped_release release;  // first call dlopens the driver
+          return offload::pci_bus_id(ordinal);
+        },
+        py::arg("ordinal"),
+        "pci_bus_id(ordinal) -> str: 'domain:bus:device.function' of CUDA device `ordinal`\n"
+        "(cuDeviceGetPCIBusId). RuntimeError without a driver or an initialised CUDA.");
 
   m.def("cuda_copy_path",
         []() -> std::string {

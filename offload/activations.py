@@ -54,7 +54,7 @@ class _LayerHook:
         if self._after:
             owner._after_layer(output)
         else:
-            owner._before_layer()
+            owner._before_layer(module)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "_LayerHook":
         return _LayerHook(None, self._after)
@@ -300,7 +300,7 @@ class OffloadActivations:
     @run_eagerly
     def __enter__(self) -> "OffloadActivations":
         if self.active:
-            raise RuntimeError("offload: this OffloadActivations is already active; it does not nest")
+            self._refuse_second_entry()
         if self.engine is None:
             return self
         if self.auto:
@@ -328,6 +328,7 @@ class OffloadActivations:
             self._register_hooks()
         self._tracking = self.engine.begin_forward()
         self.active = self._tracking
+        self._thread = threading.get_ident()
         return self
 
     @run_eagerly
@@ -486,9 +487,47 @@ class OffloadActivations:
             if isinstance(module.__dict__.get("forward"), _RecomputeForward):
                 del module.forward
 
+    def _refuse_second_entry(self) -> None:
+        # One engine runs one forward at a time: a second forward inside the first (or beside
+        # it, from another thread) would mix two micro-batches' layers into one step.
+        if threading.get_ident() != self._thread:
+            raise RuntimeError(
+                "offload: this OffloadActivations is running a forward in another thread; one "
+                "OffloadActivations serves one forward at a time. Give each thread (each model or "
+                "micro-batch stream run concurrently) its own OffloadActivations."
+            )
+        raise RuntimeError(
+            "offload: this OffloadActivations is already active (its `with` is open); it does not "
+            "nest. Enter it once per forward: micro-batches one after another, each in its own "
+            "`with` (their backwards may come later, as in a pipeline's 1F1B order), and give "
+            "another model its own OffloadActivations."
+        )
+
     # -- layer boundaries --------------------------------------------------------------------------
-    def _before_layer(self) -> None:
-        self.engine.begin_layer()  # type: ignore[union-attr]
+    def _before_layer(self, module: torch.nn.Module) -> None:
+        engine = self.engine
+        position = engine.next_layer()  # type: ignore[union-attr]
+        if position is not None and (position >= len(self.layers) or module is not self.layers[position]):
+            self._check_order(module, position)
+        engine.begin_layer()  # type: ignore[union-attr]
+
+    def _check_order(self, module: torch.nn.Module, position: int) -> None:
+        # Off the fast path: the module is not the one listed at this position. Skipping ahead
+        # (a layer dropped) is fine; going back to a layer this forward already ran means a
+        # second forward runs inside this one's `with` (another micro-batch or model), whose
+        # layers would be counted as this step's, or a module called more often than listed.
+        earlier = [i for i, m in enumerate(self.layers[:position]) if m is module]
+        if not earlier or any(m is module for m in self.layers[position:]):
+            return
+        raise RuntimeError(
+            f"offload: OffloadActivations saw layers[{earlier[-1]}] called again as layer "
+            f"{position} of this forward: a second forward (another micro-batch, or another "
+            "model sharing these layers) ran inside this `with`, which would mix two forwards' "
+            "layers into one step. Enter the `with` once per forward (micro-batches one after "
+            "another; their backwards may come later, as in a pipeline), or give each stream its "
+            "own OffloadActivations. A module that one forward calls several times (shared "
+            "weights) must be listed once per call, in call order."
+        )
 
     def _after_layer(self, output: Any) -> None:
         layer = self.engine.end_layer()  # type: ignore[union-attr]

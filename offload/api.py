@@ -24,6 +24,7 @@ import torch
 
 from . import native
 from .arena import HostArena
+from .numa import placement_for_gpu
 from .eager import run_eagerly
 from .engine import OffloadEngine
 from .group import GroupState
@@ -271,6 +272,8 @@ def build_engine(
         budget_bytes=host_budget_bytes,
         retain=retain_pinned_cpu_buffers,
         device_index=transport.device_index,
+        # Each rank's pinned blocks on its own GPU's NUMA node (the host transport pins nothing).
+        numa=placement_for_gpu(transport.device_index if transport.pinned else None),
     )
     policy = SelectionPolicy(
         device_index=transport.device_index,

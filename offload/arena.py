@@ -47,6 +47,7 @@ import psutil
 import torch
 
 from .layout import align_up
+from .numa import NumaPlacement
 from .pinning import Allocator, BackgroundPinner, allocate_host_block
 
 # Blocks are sized in whole 64 KiB pages, so regions of nearly equal size share blocks.
@@ -134,10 +135,14 @@ class HostArena:
         retain: bool,
         device_index: Optional[int] = None,
         allocate: Optional[Allocator] = None,
+        numa: Optional[NumaPlacement] = None,
     ) -> None:
         self.pinned = pinned
+        # The NUMA node of the blocks (the GPU's, see offload.numa), and why.
+        self.numa = numa if numa is not None else NumaPlacement(None, "not bound")
+        placement = self.numa
         # ``allocate(nbytes) -> (block, bytes held)``; tests replace it to make the host refuse.
-        self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned))
+        self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned, placement=placement))
         # The pinner's thread holds the arena weakly: queued blocks must not keep a dropped
         # context's arena alive, and dropping it cancels them.
         arena_ref = weakref.ref(self)
@@ -389,18 +394,22 @@ class HostArena:
             self._free_sizes.insert(i, size)
             self._free.insert(i, region)
 
-    def end_step(self, finished_step: int) -> None:
-        """Free idle blocks the finished step did not use, unless buffers are retained.
+    def end_step(self, finished_step: int, first_step: Optional[int] = None) -> None:
+        """Free idle blocks that no step from ``first_step`` (default ``finished_step``) on used,
+        unless buffers are retained.
 
-        Only a step that asked for regions says anything about the blocks needed: an evaluation
-        forward (no_grad) saves nothing, and trimming after it would make the next training step
+        ``first_step``: the first of the micro-batches that were in flight together with the
+        finished one (a pipeline's wave), whose blocks the next wave wants again. Only a wave
+        that asked for regions says anything about the blocks needed: an evaluation forward
+        (no_grad) saves nothing, and trimming after it would make the next training step
         allocate (and, on a GPU, pin) every block again.
         """
-        if self.retain or self._last_acquiring_step != finished_step:
+        first = finished_step if first_step is None else first_step
+        if self.retain or self._last_acquiring_step < first:
             return
         with self._lock:
             for i in range(len(self._free) - 1, -1, -1):
-                if self._free[i].used_in_step < finished_step:
+                if self._free[i].used_in_step < first:
                     self._drop_free(i)
 
     def _drop_free(self, i: int) -> None:

@@ -29,6 +29,18 @@ which marks the step abandoned, so the next layer starts a fresh step instead of
 Backward reaching a step whose forward is still open (fewer layer contexts than ``model_layers``)
 ends that forward, with a warning that says what was seen.
 
+Several micro-batches in flight (a pipeline stage's 1F1B order: forward mb0, forward mb1,
+backward mb0, ...). Each forward is a step, so a group is keyed by (step, layer), i.e. by
+(micro-batch, layer). A step whose backward is still to come when the next forward begins is
+kept in ``in_flight`` (``step.InFlight``) rather than finished: its backward markers reach the
+schedule (``Schedule.on_earlier_backward_reach``), which prefetches that micro-batch's groups,
+and the schedule's budgets count what every micro-batch in flight holds. A step is finished
+(its figures final) when its backward has handed every group back.
+
+One engine serves one forward at a time: a layer entered from another thread while a step's
+forward is open raises (two concurrent forwards would mix their layers into one step), and so
+does ``OffloadActivations`` going back to an earlier layer inside one ``with``.
+
 Autograd keeps the handles, not the engine: ``backward(retain_graph=True)`` a second time simply
 reloads again from the host region, which lives as long as the graph does.
 
@@ -57,6 +69,7 @@ CUDA graphs (see ``offload.graphs``):
 
 from __future__ import annotations
 
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -70,7 +83,7 @@ from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
 from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
-from .step import BackwardReach, StepState
+from .step import BackwardReach, InFlight, StepState
 from .transport import CudaTransport, HostTransport
 
 if TYPE_CHECKING:
@@ -133,6 +146,8 @@ class OffloadEngine:
         # Run eagerly even under a compiled frame (see offload.eager).
         self._hooks = saved_tensors_hooks(self.pack, self.unpack)
         self._step_index = 0
+        self.in_flight = InFlight()  # earlier micro-batches, backward still to come
+        self._forward_thread = 0  # the thread running the open step's forward
         # The graphed layer being captured or warmed up (offload.graphs), with its own hooks.
         self.local_group: Optional[Group] = None
         self._local_hooks = saved_tensors_hooks(self._pack_local, self.unpack)
@@ -148,19 +163,38 @@ class OffloadEngine:
             captured = self.transport.capturing()
         previous = self.step
         if previous is not None:
-            # Trimming idle blocks waits on their events on the host: not under capture.
-            self._finish(previous, trim=not captured)
+            if captured or not self.in_flight.admit(previous):
+                # Trimming idle blocks waits on their events on the host: not under capture.
+                self._finish(previous, trim=not captured)
             # Let go of its groups now: freed, they hand their host regions back to the arena,
             # where a capture starting with this step looks for them.
             self.step = None
             del previous
+        for stale in self.in_flight.stale():
+            self._finish(stale, trim=False)
         if captured:
             self._check_capture_ready("a step")
+        self.in_flight.start(self._step_index + 1)
+        self._forward_thread = threading.get_ident()
         self._step_index += 1
         counters = StepCounters(step=self._step_index, mode=self.mode, captured=captured)
         counters.pinned_allocations = -self.arena.counters.pinned_allocations
         self.step = StepState(index=self._step_index, counters=counters, captured=captured)
         self.schedule.on_step_start(self)
+
+    def step_state(self, index: int) -> Optional[StepState]:
+        """The step (micro-batch) of that index: the current one or one still in flight."""
+        step = self.step
+        if step is not None and step.index == index:
+            return step
+        return self.in_flight.get(index)
+
+    def micro_batches(self) -> list[StepState]:
+        """Every step in flight: the earlier ones waiting for their backward, then the current."""
+        steps = self.in_flight.values()
+        if self.step is not None and not self.step.counters.finished:
+            steps.append(self.step)
+        return steps
 
     def _check_capture_ready(self, what: str) -> None:
         # Pinned memory cannot be allocated under capture, so the regions must exist already.
@@ -188,6 +222,13 @@ class OffloadEngine:
             return True
         return not torch.is_grad_enabled() and not self._forward_open()
 
+    def next_layer(self) -> Optional[int]:
+        """The index :meth:`begin_layer` would give the layer entered now, or None when it
+        would be passive (see the module notes)."""
+        if self._passive_depth or self._passive_layer():
+            return None
+        return self.step.layers_started if self._forward_open() else 0  # type: ignore[union-attr]
+
     def begin_layer(self) -> bool:
         """Forward enters the next layer: schedule decisions, then capture its saved tensors.
 
@@ -197,6 +238,14 @@ class OffloadEngine:
         if self._passive_depth or self._passive_layer():
             self._passive_depth += 1
             return False
+        if self._forward_open() and threading.get_ident() != self._forward_thread:
+            raise RuntimeError(
+                "offload: a layer was entered from another thread while this offload context "
+                "runs a forward in its own thread; one context serves one forward at a time, "
+                "and two concurrent forwards would mix their layers into one step. Give each "
+                "thread (each model or micro-batch stream run concurrently) its own context: "
+                "one get_cpu_offload_context(...) or OffloadActivations(...) per stream"
+            )
         if self.in_layer:
             raise RuntimeError(
                 "offload: a layer context was entered while another is still open; offload "
@@ -396,8 +445,14 @@ class OffloadEngine:
             step.counters.pinned_allocations += self.arena.counters.pinned_allocations
             self._diagnose(step.counters)
         self.last_finished = step.counters
-        if trim and not step.captured:
-            self.arena.end_step(step.index)
+        if self.in_flight:
+            self.in_flight.pop(step.index)
+        # Trim only when the whole wave of micro-batches is done, keeping the blocks any of
+        # them used: the next wave (the pipeline's next iteration) asks for them again.
+        current = self.step
+        wave_done = not self.in_flight and (current is None or current is step or current.counters.finished)
+        if trim and wave_done and not step.captured:
+            self.arena.end_step(step.index, first_step=self.in_flight.wave_first)
 
     def _diagnose(self, counters: StepCounters) -> None:
         # Once per step, from its counters: a step that was meant to offload and moved nothing
@@ -557,6 +612,8 @@ class OffloadEngine:
             group.check_version(index, caller)
         group.unpacks += 1
         if group.state is GroupState.OFFLOADED:
+            # No prefetch started this reload: compute will wait for all of it.
+            group.counters.reloads_on_demand += 1
             if not group.local:  # a graphed layer's group is outside the schedule's steps
                 self.schedule.on_unpack_miss(self, group)
             if group.state is GroupState.OFFLOADED:
@@ -586,7 +643,9 @@ class OffloadEngine:
             group.consumed = True
             self.schedule.on_consumed(self, group)
             step = self.step
-            if step is not None and step.index == group.step:
+            if step is None or step.index != group.step:
+                step = self.in_flight.get(group.step)  # an earlier micro-batch's group
+            if step is not None:
                 step.unconsumed -= 1
                 self._check_finished(step)
         else:
@@ -670,7 +729,13 @@ class OffloadEngine:
         if current is not None and current.index == step:
             if not current.forward_done:
                 self._backward_started(current)
+            current.reached = layer
             self.schedule.on_backward_reach(self, layer)
+            return
+        earlier = self.in_flight.get(step)
+        if earlier is not None:
+            earlier.reached = layer
+            self.schedule.on_earlier_backward_reach(self, earlier, layer)
 
     def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
         """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""
@@ -684,16 +749,15 @@ class OffloadEngine:
             self.arena.release(group.host, self.transport.last_host_use(group))
             group.host = None
         step = self.step
-        if step is not None and group.step == step.index and group.entries and not group.consumed \
-                and group.state is not GroupState.OPEN:
+        if step is None or group.step != step.index:
+            earlier = self.in_flight.get(group.step)
+            if earlier is not None and group.entries and not group.consumed:
+                earlier.unconsumed -= 1  # settled (finished) at the next step's start
+            return
+        if group.entries and not group.consumed and group.state is not GroupState.OPEN:
             step.unconsumed -= 1  # dropped with its graph before backward handed it all back
-        if (
-            self.layer_contexts  # OffloadActivations knows where each forward starts
-            and group.entries
-            and step is not None
-            and group.step == step.index
-            and not step.forward_done
-        ):
+        if self.layer_contexts and group.entries and not step.forward_done:
+            # (OffloadActivations knows where each forward starts.)
             step.abandoned = True
 
     def reserve(self, nbytes: int, *, background: bool = False) -> int:
@@ -736,6 +800,8 @@ class OffloadEngine:
             transport=self.transport.name,
             host_budget_bytes=self.arena.budget_bytes,
             host_budget_source=self.arena.budget_source,
+            host_numa_node=self.arena.numa.node,
+            host_numa_source=self.arena.numa.source,
         )
 
     def report(self) -> str:

@@ -43,6 +43,7 @@ from typing import Callable, Optional
 import torch
 
 from . import native
+from .numa import NumaPlacement
 
 HUGE_PAGE_MIN_BYTES = 8 << 20
 
@@ -54,12 +55,16 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def allocate_host_block(nbytes: int, *, pinned: bool) -> tuple[torch.Tensor, int]:
+def allocate_host_block(
+    nbytes: int, *, pinned: bool, placement: Optional[NumaPlacement] = None
+) -> tuple[torch.Tensor, int]:
     """A uint8 host tensor of ``nbytes`` and the bytes it really holds.
 
     ``pinned``: page-locked (for a CUDA transport), through the native extension when it is live,
     else torch's pinned allocator. Raises ``RuntimeError`` when the host refuses (out of memory,
-    or the locked-memory limit).
+    or the locked-memory limit). ``placement``: the NUMA node to put the pages on (pinned native
+    blocks only; see ``offload.numa``); a node the kernel refuses is noted there, and the block
+    is allocated without it.
     """
     if not pinned:
         return torch.empty(nbytes, dtype=torch.uint8), nbytes
@@ -67,7 +72,10 @@ def allocate_host_block(nbytes: int, *, pinned: bool) -> tuple[torch.Tensor, int
     if ext is None:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), _power_of_two_at_least(nbytes)
     method = "register_huge" if nbytes >= HUGE_PAGE_MIN_BYTES else "host_alloc"
-    buffer = ext.PinnedBuffer(nbytes, method)
+    node = placement.node if placement is not None else None
+    buffer = ext.PinnedBuffer(nbytes, method, numa_node=-1 if node is None else node)
+    if node is not None and buffer.numa_node != node:
+        placement.refused(buffer.numa_error)  # type: ignore[union-attr]
     # frombuffer keeps ``buffer`` alive as long as the tensor (and its views) live; when the last
     # goes, the buffer's destructor unregisters and unmaps the memory.
     return torch.frombuffer(buffer, dtype=torch.uint8), buffer.pinned_bytes

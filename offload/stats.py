@@ -26,6 +26,7 @@ class StepCounters:
     bytes_d2h: int = 0
     bytes_h2d: int = 0
     reloads: int = 0
+    reloads_on_demand: int = 0      # of those, started only when backward needed the group
     # (direction, bytes, start event, end event) per *timed* copy (the transport's ``timing``);
     # (before, after) events around each stall of a timed group.
     copies: list[tuple[str, int, Any, Any]] = field(default_factory=list)
@@ -72,6 +73,9 @@ class StepStats(TypedDict):
     - ``bytes_d2h`` (int, bytes): bytes copied out (the slot spans).
     - ``bytes_h2d`` (int, bytes): bytes copied back (whole regions: slots plus alignment padding).
     - ``reloads`` (int, copies): copies back, one per group reloaded.
+    - ``reloads_on_demand`` (int, copies): of ``reloads``, those started only when backward
+      needed the group (no prefetch had started it), so compute waited for the whole copy. 0
+      when every reload was prefetched, with several micro-batches in flight too.
     - ``d2h_ms`` / ``h2d_ms`` (float, milliseconds): the *timed* copies' summed durations (CUDA
       events on the copy streams; host clock on the ``cpu`` transport). Which copies are timed
       is the ``timing`` option: all, none, or (default) those of 4 MiB or more. 0 when none was
@@ -88,6 +92,10 @@ class StepStats(TypedDict):
       does not fit stays where it is (``kept["budget"]``).
     - ``host_budget_source`` (str): where the cap came from: ``"host_budget_bytes"`` (given), or
       the default's formula (75% of total RAM divided by ``LOCAL_WORLD_SIZE``, with the figures).
+    - ``host_numa_node`` (int or None): the NUMA node the arena's host blocks are bound to (the
+      GPU's own node, read from sysfs), None when they are not bound.
+    - ``host_numa_source`` (str): why: the GPU and its node, or the reason for no binding (a
+      single-node host, no node in sysfs, the ``cpu`` transport, no native extension).
     - ``pinned_allocations`` (int, allocations): host blocks allocated during the step (0 in a
       steady step: the arena is reused).
     - ``finished`` (bool): the step's backward is done (else the figures are of a step still in
@@ -110,6 +118,7 @@ class StepStats(TypedDict):
     bytes_d2h: int
     bytes_h2d: int
     reloads: int
+    reloads_on_demand: int
     d2h_ms: float
     h2d_ms: float
     d2h_gbps: Optional[float]
@@ -120,6 +129,8 @@ class StepStats(TypedDict):
     pinned_bytes_held: int
     host_budget_bytes: int
     host_budget_source: str
+    host_numa_node: Optional[int]
+    host_numa_source: str
     pinned_allocations: int
     finished: bool
     captured: bool
@@ -140,6 +151,8 @@ def snapshot(
     transport: str,
     host_budget_bytes: int,
     host_budget_source: str,
+    host_numa_node: Optional[int] = None,
+    host_numa_source: str = "not bound",
 ) -> StepStats:
     """The step's figures as a plain dict, keys as :class:`StepStats` documents them (reads the
     step's CUDA events; may wait for them)."""
@@ -168,6 +181,7 @@ def snapshot(
         bytes_d2h=c.bytes_d2h,
         bytes_h2d=c.bytes_h2d,
         reloads=c.reloads,
+        reloads_on_demand=c.reloads_on_demand,
         d2h_ms=d2h_ms,
         h2d_ms=h2d_ms,
         d2h_gbps=gbps(d2h_timed, d2h_ms),
@@ -178,6 +192,8 @@ def snapshot(
         pinned_bytes_held=pinned_bytes_held,
         host_budget_bytes=host_budget_bytes,
         host_budget_source=host_budget_source,
+        host_numa_node=host_numa_node,
+        host_numa_source=host_numa_source,
         pinned_allocations=c.pinned_allocations,
         finished=c.finished,
         captured=c.captured,
@@ -228,10 +244,11 @@ def format_report(s: StepStats) -> str:
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         (words["kept_groups"], str(s["groups_kept"])),
         (words["out"], f"{format_bytes(s['bytes_d2h'])}{timed(s['timed_bytes_d2h'], s['bytes_d2h'], s['d2h_ms'])}, {rate(s['d2h_gbps'])}"),
-        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads)"),
+        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads, {s['reloads_on_demand']} on demand)"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
         ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
+        ("host NUMA node", f"{'-' if s['host_numa_node'] is None else s['host_numa_node']} ({s['host_numa_source']})"),
     ]
     width = max(len(k) for k, _ in rows)
     lines = ["offload report", "-" * (width + 40)]

@@ -62,7 +62,12 @@ class StepGroups:
 
 @dataclass
 class StepState:
-    """The engine's view of the step in progress."""
+    """The engine's view of one step: one micro-batch's forward and its backward.
+
+    Several can be in flight at once (a pipeline stage's 1F1B order runs forward mb0, forward
+    mb1, backward mb0, ...): the engine then holds the earlier ones in ``OffloadEngine.in_flight``
+    by step index, so a group is found by (micro-batch, layer).
+    """
 
     index: int
     counters: StepCounters
@@ -73,6 +78,71 @@ class StepState:
     captured: bool = False  # the step runs under CUDA-graph capture
     abandoned: bool = False  # a group died before the forward ended: its graph was dropped
     unconsumed: int = 0  # closed groups not yet handed back in full (nor dead)
+    # The layer backward is about to run (the last marker fired), None before its backward.
+    reached: Optional[int] = None
+
+
+# Earlier micro-batches kept in flight at most (a pipeline stage holds about as many as there are
+# stages); beyond it the oldest is finished and no longer counted in the schedule's budgets.
+MAX_IN_FLIGHT = 16
+
+
+class InFlight:
+    """The earlier micro-batches: steps whose forward ended, and whose backward had not handed
+    every group back, when the next forward began (a pipeline stage's 1F1B order).
+
+    Held by step index, so that a group is found by (micro-batch, layer): backward reaching one
+    of them still reaches the schedule, and the schedule's budgets count what each holds. A step
+    leaves when its backward has handed every group back (the engine finishes it then), when its
+    groups all died without a backward (its graph was dropped), or, past ``MAX_IN_FLIGHT``, the
+    oldest first: forwards whose outputs are kept without a backward would otherwise be counted
+    for good. ``wave_first`` is the first step of the current *wave* (steps in flight together):
+    host blocks are trimmed only when a wave ends, keeping those any of its steps used.
+    """
+
+    __slots__ = ("steps", "wave_first")
+
+    def __init__(self) -> None:
+        self.steps: dict[int, StepState] = {}
+        self.wave_first = 1
+
+    def __bool__(self) -> bool:
+        return bool(self.steps)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def get(self, index: int) -> Optional[StepState]:
+        """The earlier step of that index, or None."""
+        return self.steps.get(index)
+
+    def values(self) -> list[StepState]:
+        """The earlier steps, oldest first."""
+        return list(self.steps.values())
+
+    def pop(self, index: int) -> None:
+        """Forget the step of that index (finished)."""
+        self.steps.pop(index, None)
+
+    def admit(self, step: StepState) -> bool:
+        """Keep ``step`` if its backward is still to come; True if kept. Captured steps never
+        interleave (their backward is in the same graph)."""
+        if step.forward_done and step.unconsumed > 0 and not step.abandoned and not step.captured \
+                and not step.counters.finished:
+            self.steps[step.index] = step
+            return True
+        return False
+
+    def stale(self) -> list[StepState]:
+        """The steps to finish now: those whose groups all died, and the oldest past the cap."""
+        out = [step for step in self.steps.values() if step.unconsumed <= 0]
+        live = [step for step in self.steps.values() if step.unconsumed > 0]
+        return out + live[: max(0, len(live) - MAX_IN_FLIGHT)]
+
+    def start(self, index: int) -> None:
+        """Step ``index`` begins: with nothing in flight, it begins a new wave."""
+        if not self.steps:
+            self.wave_first = index
 
 
 def first_grad_tensor(value: Any) -> Optional[torch.Tensor]:

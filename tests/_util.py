@@ -48,6 +48,11 @@ def plain_reference(layers: torch.nn.ModuleList, x: torch.Tensor, **kw: Any) -> 
     return expected
 
 
+def hooks_installed() -> bool:
+    """Whether any saved-tensor hooks are pushed on this thread (none may be left behind)."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+
+
 def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> None:
     """Every gradient equal bit for bit."""
     assert len(expected) == len(got)

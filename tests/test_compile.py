@@ -22,14 +22,10 @@ import torch
 import offload
 from offload.models import MLPBlock, run_layers
 
-from _util import assert_bitwise, make_gpt_layers, make_mlp_layers
+from _util import assert_bitwise, hooks_installed, make_gpt_layers, make_mlp_layers
 
 SHAPES = ("te", "te_step", "oa", "oa_outside")
 NOTHING = 1 << 62  # a size floor no tensor reaches: the hooks run, nothing is offloaded
-
-
-def hooks_installed() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
 
 
 @pytest.fixture(autouse=True)

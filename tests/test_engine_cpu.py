@@ -14,11 +14,7 @@ import offload
 from offload.group import GroupState
 from offload.models import GPT
 
-from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, plain_reference, train_step
-
-
-def hooks_installed() -> bool:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+from _util import assert_bitwise, cpu_context, hooks_installed, make_gpt_layers, make_mlp_layers, plain_reference, train_step
 
 
 @pytest.fixture

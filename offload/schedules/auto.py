@@ -31,6 +31,7 @@ from .base import Schedule
 
 if TYPE_CHECKING:
     from ..engine import OffloadEngine
+    from ..step import StepState
 
 
 class ScheduleAuto(Schedule):
@@ -92,16 +93,24 @@ class ScheduleAuto(Schedule):
                 counters.keep(KEEP_LAYER, len(kept.entries))
 
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        groups = engine.step.groups
+        self._reach(engine, engine.step, layer)
+
+    def on_earlier_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        # An earlier micro-batch (several forwards in flight): prefetch in its own groups.
+        self._reach(engine, step, layer)
+
+    def _reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        groups = step.groups
         for target in range(layer, layer - 1 - self.prefetch_depth, -1):
             group = groups.get(target)
             if group is not None and group.state is GroupState.OFFLOADED:
                 engine.start_reload(group)
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        # As if the marker had fired late; a group of an older step (a retained graph) has no
-        # siblings left to prefetch.
-        if engine.step is not None and engine.step.index == group.step:
-            self.on_backward_reach(engine, group.layer)
+        # As if the marker had fired late, in the group's own micro-batch; a group of a step no
+        # longer in flight (a retained graph) has no siblings left to prefetch.
+        step = engine.step_state(group.step)
+        if step is not None:
+            self._reach(engine, step, group.layer)
         else:
             engine.start_reload(group)

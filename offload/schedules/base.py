@@ -14,6 +14,7 @@ from ..group import Group
 
 if TYPE_CHECKING:
     from ..engine import OffloadEngine
+    from ..step import StepState
 
 
 class Schedule:
@@ -60,6 +61,14 @@ class Schedule:
 
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
         """Backward is about to run ``layer`` (the gradient of its output is ready)."""
+
+    def on_earlier_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        """Backward is about to run ``layer`` of ``step``, an earlier micro-batch still in flight
+        (its forward ended before the current step's began, as in a pipeline's 1F1B order).
+
+        The base does nothing: that micro-batch's groups are reloaded when backward needs them
+        (``on_unpack_miss``). Pipeline-aware schedules prefetch them here.
+        """
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
         """Backward needs ``group`` and it is not on the GPU: reload it now."""

@@ -19,6 +19,17 @@ v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``)
   non-offloaded layers still to run and the groups already back). Two layers of backward cover
   one group's H2D on our H100 (a layer's copy takes ~1.6x its backward); prefetching further
   would only raise the backward peak, where parameter gradients are accumulating too.
+
+Several micro-batches in flight (a pipeline stage's 1F1B order, see ``engine.py``): each
+micro-batch is a step with its own groups, keyed by (micro-batch, layer).
+- Backward reaching a layer of an earlier micro-batch reloads and prefetches *that*
+  micro-batch's groups, as for the current one.
+- The budget counts every micro-batch in flight: the others' layers that hold GPU memory (the
+  layers they keep, until their backward passes them, and their groups not released or
+  reloaded) count against it, and it grows by what each other micro-batch keeps anyway (its
+  ``N - k`` layers). A micro-batch waiting for its backward with its groups on the host leaves
+  the budget as it was alone; one holding prefetched or unreleased groups takes them from it.
+  With one micro-batch at a time none of this is looked at.
 """
 
 from __future__ import annotations
@@ -30,6 +41,7 @@ from .base import Schedule
 
 if TYPE_CHECKING:
     from ..engine import OffloadEngine
+    from ..step import StepState
 
 
 class ScheduleV2(Schedule):
@@ -46,10 +58,33 @@ class ScheduleV2(Schedule):
         # Layers k..layer are not offloaded; their activations are on the GPU until backward.
         return max(0, layer - self.num_layers + 1)
 
+    def _kept_layers(self, step: "StepState") -> int:
+        # The non-offloaded layers of ``step`` whose activations are still on the GPU: those
+        # its forward ran, less those its backward is done with.
+        if step.reached is None:
+            return max(0, min(step.layers_started, self.model_layers) - self.num_layers)
+        return self._non_offloaded_through(step.reached)
+
+    def _others(self, engine: "OffloadEngine", this: "StepState") -> tuple[int, int]:
+        """(layers the other micro-batches in flight hold on the GPU, what they keep anyway)."""
+        held = share = 0
+        for step in engine.micro_batches():
+            if step is this:
+                continue
+            held += self._kept_layers(step) + sum(1 for g in step.groups.values() if g.holds_gpu_memory)
+            share += self.model_layers - self.num_layers
+        return held, share
+
     def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
-        pending = [g for g in engine.step.groups.values() if g.state is GroupState.OFFLOADING]
+        step = engine.step
+        pending = [g for g in step.groups.values() if g.state is GroupState.OFFLOADING]
         resident = len(pending) + self._non_offloaded_through(layer) + (1 if self.offloads(layer) else 0)
-        for group in pending[: max(0, resident - self.budget)]:
+        limit = self.budget
+        if engine.in_flight:
+            held, share = self._others(engine, step)
+            resident += held
+            limit += share
+        for group in pending[: max(0, resident - limit)]:
             engine.release(group)
 
     def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
@@ -62,7 +97,15 @@ class ScheduleV2(Schedule):
                 engine.release(group)
 
     def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        groups = engine.step.groups
+        self._reach(engine, engine.step, layer)
+
+    def on_earlier_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        self._reach(engine, step, layer)
+
+    def _reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        # Backward is about to run ``layer`` of ``step``: its group must come back now, and the
+        # ones below it are prefetched while the budget allows.
+        groups = step.groups
         needed = groups.get(layer)
         if needed is not None and needed.state is GroupState.OFFLOADED:
             engine.start_reload(needed)
@@ -71,19 +114,26 @@ class ScheduleV2(Schedule):
         resident = self._non_offloaded_through(layer) + len(
             [g for g in groups.values() if g.layer <= top and g.holds_gpu_memory]
         )
+        limit = self.budget
+        if engine.in_flight:
+            held, share = self._others(engine, step)
+            resident += held
+            limit += share
         for target in range(min(layer, self.num_layers) - 1, max(-1, layer - 1 - self.prefetch_depth), -1):
             group = groups.get(target)
             if group is None or group.state is not GroupState.OFFLOADED:
                 continue
-            if resident >= self.budget:
+            if resident >= limit:
                 break
             engine.start_reload(group)
             resident += 1
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        # Same as the marker firing late: reload the group, prefetch below it. A group of an
-        # older step (a retained graph) has no siblings to prefetch.
-        if engine.step is not None and engine.step.index == group.step:
-            self.on_backward_reach(engine, group.layer)
+        # Same as the marker firing late: reload the group, prefetch below it, in its own
+        # micro-batch. A group of a step no longer in flight (a retained graph) has no siblings
+        # to prefetch.
+        step = engine.step_state(group.step)
+        if step is not None:
+            self._reach(engine, step, group.layer)
         else:
             engine.start_reload(group)
