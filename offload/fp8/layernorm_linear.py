@@ -45,8 +45,7 @@ from torch import nn
 
 from ..marks import mark_activation_offload
 from .cast import quantize
-from .gemm import fp8_gemm
-from .linear import GRAD_FP8, Linear, LinearCall, dgrad, fprop, mat2_scale
+from .linear import GRAD_FP8, Linear, LinearCall, dgrad, fprop, wgrad
 
 __all__ = ["LayerNormLinear"]
 
@@ -97,8 +96,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             ln_out = torch.native_layer_norm(x, module.normalized_shape, ln_weight, ln_bias, module.eps)[0]
             lnq = quantize(ln_out, module.fp8_dtype, scaling, rowwise=False, columnwise=True)
             del ln_out
-            # dY^T (N, M) row-major against ln_out (M, K) column-major: the .t() of (K, M).
-            dw = fp8_gemm(dyq.col, lnq.col.t(), dyq.col_scale_inv, mat2_scale(lnq.col_scale_inv, scaling), weight.dtype)
+            dw = wgrad(dyq, lnq.col, lnq.col_scale_inv, scaling, weight.dtype)
             del lnq
         if need_dgrad:
             d_ln_out = dgrad(dyq, module.weight_cache.get(weight, scaling), x.dtype)

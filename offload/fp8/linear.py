@@ -49,7 +49,7 @@ from .cast import Operand, quantize, to_saved_storage
 from .gemm import GEMM_MULTIPLE, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
 from .weights import GemmWeight, WeightCache
 
-__all__ = ["Linear", "SCALINGS", "GRAD_FP8", "LinearCall", "mat2_scale", "fprop", "dgrad"]
+__all__ = ["Linear", "SCALINGS", "GRAD_FP8", "LinearCall", "mat2_scale", "fprop", "dgrad", "wgrad"]
 
 SCALINGS = ("tensorwise", "rowwise")
 # Gradients are always e4m3fn: cuBLASLt has no e5m2 x e5m2 FP8 GEMM, and the rowwise kernels take
@@ -91,6 +91,13 @@ def dgrad(dyq: Operand, w: GemmWeight, out_dtype: torch.dtype) -> torch.Tensor:
         dyq.row, w.dgrad, scale_a=dyq.row_scale_inv, scale_b=w.dgrad_scale,
         out_dtype=out_dtype, use_fast_accum=False,
     )
+
+
+def wgrad(dyq: Operand, x_col: torch.Tensor, x_scale: torch.Tensor, scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
+    """``dY^T @ X``: the gradient's columnwise ``(N, M)`` data, row-major, against the input's
+    columnwise ``(K, M)`` data, whose ``.t()`` is the column-major ``mat2``. ``fp8_gemm`` also
+    takes the engine's restored views."""
+    return fp8_gemm(dyq.col, x_col.t(), dyq.col_scale_inv, mat2_scale(x_scale, scaling), out_dtype)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -142,12 +149,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             assert storage is not None
             storage.restore_from_saved(list(saved[:-1]))
             try:
-                # dY^T (N, M) row-major against X (M, K) column-major, the .t() of the saved
-                # columnwise (K, M) input; fp8_gemm accepts the engine's restored uint8 views.
                 x_col, x_scale = _saved_columnwise(storage)
-                dw = fp8_gemm(
-                    dyq.col, x_col.t(), dyq.col_scale_inv, mat2_scale(x_scale, scaling), weight.dtype
-                )
+                dw = wgrad(dyq, x_col, x_scale, scaling, weight.dtype)
             finally:
                 # Drop our references to the (possibly engine-owned) restored buffers right away;
                 # a second backward (retain_graph=True) restores again from ctx.saved_tensors.
