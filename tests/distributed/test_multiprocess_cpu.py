@@ -7,15 +7,13 @@ GPUs with NCCL through ``test_torchrun_gpu.py`` (or ``torchrun`` directly)."""
 from __future__ import annotations
 
 import json
-import socket
-from pathlib import Path
 from typing import Any
 
 import pytest
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dist_scenarios import SCENARIOS, gloo_worker, problems
+from spawn import free_port, run_ranks
 
 WORLD = 2
 DEADLINE_S = 240.0
@@ -25,25 +23,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every scenario, run once by two spawned gloo processes; one dict per rank."""
     out = tmp_path_factory.mktemp("gloo")
-    workers = mp.start_processes(gloo_worker, args=(WORLD, _free_port(), str(out), list(SCENARIOS)),
-                                 nprocs=WORLD, join=False, start_method="spawn")
-    waited = 0.0
-    while not workers.join(timeout=5):
-        waited += 5
-        if waited >= DEADLINE_S:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"the {WORLD} gloo ranks did not finish within {DEADLINE_S:.0f} s (killed)")
+    run_ranks(gloo_worker, (WORLD, free_port(), str(out), list(SCENARIOS)), WORLD, DEADLINE_S)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(WORLD)]
 
 

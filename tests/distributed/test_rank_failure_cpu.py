@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from spawn import free_port, run_ranks
 
 WORLD = 2
 GROUP_TIMEOUT_S = 8.0
@@ -110,21 +109,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_a_rank_raising_mid_step_leaves_no_hooks_and_the_peer_fails_through_torch_distributed(tmp_path: Path) -> None:
-    workers = mp.start_processes(_worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn")
-    waited = 0.0
-    while not workers.join(timeout=2):
-        waited += 2
-        if waited >= DEADLINE_S:
-            for process in workers.processes:
-                process.kill()
-            pytest.fail(f"the ranks did not finish within {DEADLINE_S:.0f} s: something hung (killed)")
+    run_ranks(_worker, (free_port(), str(tmp_path)), WORLD, DEADLINE_S)
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD))
 
     assert rank1["outcome"] == "own_error", rank1
