@@ -57,7 +57,13 @@ def assert_bitwise(expected: list[torch.Tensor], got: list[torch.Tensor]) -> Non
     """Every gradient equal bit for bit."""
     assert len(expected) == len(got)
     for i, (a, b) in enumerate(zip(expected, got)):
-        assert torch.equal(a, b), f"gradient {i} differs (max abs diff {(a.float() - b.float()).abs().max().item()})"
+        if not torch.equal(a, b):
+            diff = (a.float() - b.float()).abs()
+            raise AssertionError(
+                f"gradient {i} of {len(expected)} (shape {tuple(a.shape)}) differs in "
+                f"{int((diff != 0).sum())} of {diff.numel()} elements (max abs diff {diff.max().item()}, "
+                f"max abs value {a.float().abs().max().item()})"
+            )
 
 
 class Delayed(torch.nn.Module):
