@@ -32,10 +32,11 @@ ends that forward, with a warning that says what was seen.
 Several micro-batches in flight (a pipeline stage's 1F1B order: forward mb0, forward mb1,
 backward mb0, ...). Each forward is a step, so a group is keyed by (step, layer), i.e. by
 (micro-batch, layer). A step whose backward is still to come when the next forward begins is
-kept in ``in_flight`` (``step.InFlight``) rather than finished: its backward markers reach the
-schedule (``Schedule.on_earlier_backward_reach``), which prefetches that micro-batch's groups,
-and the schedule's budgets count what every micro-batch in flight holds. A step is finished
-(its figures final) when its backward has handed every group back.
+kept in ``in_flight`` (``step.InFlight``) rather than finished. Its backward markers reach the
+schedule with that step (``Schedule.on_backward_reach(engine, step, layer)``, the one hook for
+the current step and earlier ones alike), so the schedules prefetch that micro-batch's own
+groups, and their budgets count what every micro-batch in flight holds (each schedule's module
+says how). A step is finished (its figures final) when its backward has handed every group back.
 
 One engine serves one forward at a time: a layer entered from another thread while a step's
 forward is open raises (two concurrent forwards would mix their layers into one step), and so
@@ -724,18 +725,15 @@ class OffloadEngine:
         group.counters.reloads += 1
 
     def on_backward_reach(self, step: int, layer: int) -> None:
-        """Called by the backward markers: backward is about to run ``layer`` of ``step``."""
-        current = self.step
-        if current is not None and current.index == step:
-            if not current.forward_done:
-                self._backward_started(current)
-            current.reached = layer
-            self.schedule.on_backward_reach(self, layer)
+        """Called by the backward markers: backward is about to run ``layer`` of ``step`` (the
+        current step or an earlier micro-batch still in flight; any other is done with)."""
+        state = self.step_state(step)
+        if state is None:
             return
-        earlier = self.in_flight.get(step)
-        if earlier is not None:
-            earlier.reached = layer
-            self.schedule.on_earlier_backward_reach(self, earlier, layer)
+        if state is self.step and not state.forward_done:
+            self._backward_started(state)
+        state.reached = layer
+        self.schedule.on_backward_reach(self, state, layer)
 
     def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
         """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""

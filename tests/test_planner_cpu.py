@@ -200,9 +200,9 @@ def test_planned_schedule_counts_the_gradients_backward_has_made() -> None:
     profile = StepProfile(layers, LinkProfile(1.0, 1.0, 2.0), 0, 0, 0.0, 0.0, 0.0, 10.0, 5000, "cuda",
                           head_residual_bytes=50000)
     schedule = PlannedSchedule(plan_for(profile, [LayerPlan(Action.KEEP)] * 4), profile)
-    engine = SimpleNamespace(step=SimpleNamespace(groups=StepGroups()), transport=None)
+    engine = SimpleNamespace(step=SimpleNamespace(index=1, groups=StepGroups()), in_flight=(), transport=None)
     seen = []
     for layer in (3, 2, 1, 0):
-        schedule.on_backward_reach(engine, layer)
+        schedule.on_backward_reach(engine, engine.step, layer)
         seen.append(schedule.grads)
     assert seen == [50000, 54000, 54300, 54320]

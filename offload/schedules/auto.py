@@ -92,25 +92,11 @@ class ScheduleAuto(Schedule):
             if kept is not None and kept.state is GroupState.RESIDENT:
                 counters.keep(KEEP_LAYER, len(kept.entries))
 
-    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        self._reach(engine, engine.step, layer)
-
-    def on_earlier_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
-        # An earlier micro-batch (several forwards in flight): prefetch in its own groups.
-        self._reach(engine, step, layer)
-
-    def _reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        """Reload ``step``'s group ``layer`` and prefetch the ``prefetch_depth`` below it (in its
+        own micro-batch when several forwards are in flight)."""
         groups = step.groups
         for target in range(layer, layer - 1 - self.prefetch_depth, -1):
             group = groups.get(target)
             if group is not None and group.state is GroupState.OFFLOADED:
                 engine.start_reload(group)
-
-    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        # As if the marker had fired late, in the group's own micro-batch; a group of a step no
-        # longer in flight (a retained graph) has no siblings left to prefetch.
-        step = engine.step_state(group.step)
-        if step is not None:
-            self._reach(engine, step, group.layer)
-        else:
-            engine.start_reload(group)

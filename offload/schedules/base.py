@@ -1,7 +1,8 @@
 """The schedule interface: *when* each layer's group is offloaded, released and reloaded.
 
 The engine does the work (``start_offload``, ``release``, ``start_reload``) and calls the
-schedule at each event of a step. Schedules see the engine's current step through ``engine.step``
+schedule at each event of a step. Schedules see the forward's step through ``engine.step`` and
+the step a backward reaches as an argument (it may be an earlier micro-batch still in flight),
 and keep no tensors of their own. They know the engine only through these calls, so this module
 imports nothing from the engine at run time (no import cycle).
 """
@@ -59,20 +60,24 @@ class Schedule:
     def on_forward_end(self, engine: "OffloadEngine") -> None:
         """The last layer of the forward finished."""
 
-    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        """Backward is about to run ``layer`` (the gradient of its output is ready)."""
+    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        """Backward is about to run ``layer`` of ``step`` (the gradient of its output is ready).
 
-    def on_earlier_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
-        """Backward is about to run ``layer`` of ``step``, an earlier micro-batch still in flight
-        (its forward ended before the current step's began, as in a pipeline's 1F1B order).
-
-        The base does nothing: that micro-batch's groups are reloaded when backward needs them
-        (``on_unpack_miss``). Pipeline-aware schedules prefetch them here.
+        ``step`` is ``engine.step``, or an earlier micro-batch still in flight (its forward ended
+        before the current step's began, as in a pipeline's 1F1B order): a schedule reloads and
+        prefetches in ``step.groups``, and counts what the other micro-batches in flight
+        (``engine.micro_batches()``) hold against its budget. The base does nothing: groups are
+        reloaded when backward needs them (``on_unpack_miss``).
         """
 
     def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        """Backward needs ``group`` and it is not on the GPU: reload it now."""
-        engine.start_reload(group)
+        """Backward needs ``group`` and it is not on the GPU: as if backward had just reached its
+        layer (the marker fired late, or there is none), in the group's own micro-batch. The
+        engine then reloads the group itself if that did not, as it does for a group of a step
+        no longer in flight (a retained graph), which has no step to reach."""
+        step = engine.step_state(group.step)
+        if step is not None:
+            self.on_backward_reach(engine, step, group.layer)
 
     def on_consumed(self, engine: "OffloadEngine", group: Group) -> None:
         """Every saved tensor of ``group`` has been handed back once since its reload."""

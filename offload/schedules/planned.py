@@ -16,10 +16,24 @@ step, with the byte figures of the probe):
 
 Recomputed layers are wrapped in non-reentrant checkpointing by ``OffloadActivations``; their
 group holds only the checkpoint's inputs.
+
+Several micro-batches in flight (a pipeline stage's 1F1B order, see ``engine.py``): each is a step
+with its own groups and its own ``held`` figures (a :class:`Holding`, by step index).
+- Backward reaching a layer of an earlier micro-batch reloads, releases and prefetches in *that*
+  micro-batch's groups, as for the current one.
+- ``held`` in the rules above is the sum over every micro-batch in flight, and "the oldest
+  in-flight group" is the oldest copy of any of them (earlier micro-batches first). The plan's
+  budget was made for one micro-batch, so it grows by what the plan keeps of each other one
+  anyway (its bytes with every copy released): a micro-batch waiting for its backward with its
+  copies released leaves the budget as it was alone; one holding unreleased copies or
+  prefetched groups takes them from it. With one micro-batch at a time none of this is looked at.
+- ``grads`` stays the figure of the backward running now (micro-batches accumulate into the same
+  gradients; the plan's model knows one backward).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -34,6 +48,19 @@ from .base import Schedule
 
 if TYPE_CHECKING:
     from ..engine import OffloadEngine
+    from ..step import StepState
+
+
+@dataclass
+class Holding:
+    """One micro-batch's (step's) GPU bytes by the plan's figures, updated as the step goes.
+
+    ``copying`` holds layer indices, not groups: the step's groups stay weakly held (see
+    ``step.py``), so a micro-batch whose graph is dropped still frees its GPU originals.
+    """
+
+    held: list[int]  # the model's GPU bytes per layer
+    copying: list[int] = field(default_factory=list)  # D2H submitted, not released: oldest first
 
 
 class PlannedSchedule(Schedule):
@@ -60,9 +87,11 @@ class PlannedSchedule(Schedule):
         self._grads_at = [profile.head_residual_bytes] * (n + 1)
         for i in range(n - 1, -1, -1):
             self._grads_at[i] = self._grads_at[i + 1] + (profile.layers[i + 1].grad_bytes if i + 1 < n else 0)
-        self.held = [0] * n  # the model's GPU bytes per layer, updated as the step goes
+        # What the plan keeps of a micro-batch anyway (every copy released): the budget grows by
+        # it for each other micro-batch in flight, since the plan was made for one.
+        self._kept = sum(self._held_after_release)
+        self._steps: dict[int, Holding] = {}  # step index -> what it holds (those in flight)
         self.grads = 0  # the model's gradient bytes backward has left allocated so far
-        self._in_flight: list[Group] = []  # D2H submitted, not released: oldest first
         # Set to a list to record (event, layer, model's bytes, allocated bytes) at every
         # decision point: where a measured peak departs from the prediction, this shows where.
         self.trace: Optional[list[tuple[str, int, int, int]]] = None
@@ -97,60 +126,95 @@ class PlannedSchedule(Schedule):
         return layer < len(self.actions) and self.actions[layer] is Action.RECOMPUTE
 
     # -- accounting ------------------------------------------------------------------------------
-    def _record(self, engine: "OffloadEngine", event: str, layer: int) -> None:
+    def _holding(self, step: "StepState") -> Holding:
+        # Made when the step starts; made here for a step that began under another schedule
+        # (OffloadActivations switches to its plan after its probe steps).
+        holding = self._steps.get(step.index)
+        if holding is None:
+            holding = self._steps[step.index] = Holding([0] * len(self.actions))
+        return holding
+
+    def _micro_batches(self, engine: "OffloadEngine", step: "StepState") -> list["StepState"]:
+        """``step`` and the other micro-batches in flight, oldest first."""
+        if not engine.in_flight:
+            return [step]
+        others = [s for s in engine.micro_batches() if s is not step]
+        return sorted([*others, step], key=lambda s: s.index)
+
+    def _held(self, engine: "OffloadEngine", step: "StepState") -> tuple[int, int]:
+        """(the model's GPU bytes: base, gradients and every micro-batch in flight, how many
+        micro-batches besides ``step`` that counts)."""
+        steps = self._micro_batches(engine, step)
+        held = sum(sum(self._holding(s).held) for s in steps)
+        return self.profile.base_bytes + held + self.grads, len(steps) - 1
+
+    def _record(self, engine: "OffloadEngine", step: "StepState", event: str, layer: int) -> None:
         if self.trace is not None:
             device = engine.transport.device
             actual = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-            self.trace.append((event, layer, self.profile.base_bytes + sum(self.held) + self.grads, actual))
+            self.trace.append((event, layer, self._held(engine, step)[0], actual))
 
-    def _over(self, extra: int) -> bool:
+    def _over(self, engine: "OffloadEngine", step: "StepState", extra: int) -> bool:
         if self.budget is None:
             return False
-        return self.profile.base_bytes + sum(self.held) + self.grads + extra > self.budget
+        held, others = self._held(engine, step)
+        # The budget is for one micro-batch: each other one brings what the plan keeps anyway.
+        return held + extra > self.budget + others * self._kept
 
-    def _release(self, engine: "OffloadEngine", group: Group) -> None:
-        engine.release(group)
-        self._in_flight.remove(group)
-        self.held[group.layer] = self._held_after_release[group.layer]
+    def _release(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        holding = self._holding(step)
+        holding.copying.remove(layer)
+        group = step.groups.get(layer)
+        if group is not None:  # else dropped with its graph: nothing left to release
+            engine.release(group)
+            holding.held[layer] = self._held_after_release[layer]
 
-    def _release_finished(self, engine: "OffloadEngine", below: int) -> None:
-        for group in list(self._in_flight):
-            if group.layer < below and engine.transport.offload_finished(group):
-                self._release(engine, group)
+    def _release_finished(self, engine: "OffloadEngine", step: "StepState") -> None:
+        for owner in self._micro_batches(engine, step):
+            for layer in list(self._holding(owner).copying):
+                group = owner.groups.get(layer)
+                if group is None or engine.transport.offload_finished(group):
+                    self._release(engine, owner, layer)
 
-    def _force(self, engine: "OffloadEngine", extra: int, below: int) -> None:
-        while self._in_flight and self._over(extra):
-            oldest = self._in_flight[0]
-            if oldest.layer >= below:
-                break
-            self._release(engine, oldest)
+    def _force(self, engine: "OffloadEngine", step: "StepState", extra: int) -> None:
+        # Oldest copy first: earlier micro-batches', then in layer order. Every layer listed is
+        # below the one its backward reached (on_backward_reach drops the others).
+        for owner in self._micro_batches(engine, step):
+            copying = self._holding(owner).copying
+            while copying and self._over(engine, step, extra):
+                self._release(engine, owner, copying[0])
 
     # -- forward ---------------------------------------------------------------------------------
     def on_step_start(self, engine: "OffloadEngine") -> None:
-        self.held = [0] * len(self.actions)
+        # Forget the micro-batches that are done; keep those in flight (their backward is to come).
+        live = {step.index for step in engine.in_flight.values()}
+        self._steps = {index: holding for index, holding in self._steps.items() if index in live}
+        self._holding(engine.step)
         self.grads = 0
-        self._in_flight = []
 
     def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
         n = len(self.actions)
-        self._release_finished(engine, n)
-        self._force(engine, self._need[layer] if layer < n else 0, n)
-        self._record(engine, "forward", layer)
+        step = engine.step
+        self._release_finished(engine, step)
+        self._force(engine, step, self._need[layer] if layer < n else 0)
+        self._record(engine, step, "forward", layer)
 
     def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
         n = len(self.actions)
         if layer >= n:
             return
-        self.held[layer] = self._held_full[layer]
+        step = engine.step
+        holding = self._holding(step)
+        holding.held[layer] = self._held_full[layer]
         if group is not None:
             self._check_bytes(engine, layer, group)
             engine.start_offload(group)
             if group.state is GroupState.OFFLOADING:
-                self._in_flight.append(group)
+                holding.copying.append(layer)
         if layer == n - 1:  # the head comes next: the forward's peak
-            self._release_finished(engine, n)
-            self._force(engine, self.profile.head_bytes, n)
-            self._record(engine, "head", layer)
+            self._release_finished(engine, step)
+            self._force(engine, step, self.profile.head_bytes)
+            self._record(engine, step, "head", layer)
 
     def _check_bytes(self, engine: "OffloadEngine", layer: int, group: Group) -> None:
         # A plan made for another model (or another batch or sequence length) saves other
@@ -169,18 +233,22 @@ class PlannedSchedule(Schedule):
             )
 
     # -- backward --------------------------------------------------------------------------------
-    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        groups = engine.step.groups
-        for done in range(layer + 1, len(self.held)):
-            self.held[done] = 0  # their backward is over: autograd freed their tensors
+    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        """Backward is about to run ``layer`` of ``step``: reload its group, release by force
+        while over the budget, prefetch below it while the budget allows (the module's rules)."""
+        holding = self._holding(step)
+        held = holding.held
+        for done in range(layer + 1, len(held)):
+            held[done] = 0  # their backward is over: autograd freed their tensors
         self.grads = self._grads_at[min(layer, len(self.actions))]
-        self._in_flight = [g for g in self._in_flight if g.layer < layer]
+        holding.copying = [c for c in holding.copying if c < layer]
+        groups = step.groups
         needed = groups.get(layer)
         if needed is not None and needed.state is GroupState.OFFLOADED:
             engine.start_reload(needed)
-            self.held[layer] = self._held_full[layer]
+            held[layer] = self._held_full[layer]
         transient = self._transient[layer] if layer < len(self._transient) else 0
-        self._force(engine, transient, layer)
+        self._force(engine, step, transient)
         depth = 0
         for below in range(layer - 1, -1, -1):
             if depth >= PREFETCH_DEPTH:
@@ -191,15 +259,9 @@ class PlannedSchedule(Schedule):
             group = groups.get(below)
             if group is None or group.state is not GroupState.OFFLOADED:
                 continue
-            extra = self._held_full[below] - self.held[below] + transient
-            if self._over(extra):
+            extra = self._held_full[below] - held[below] + transient
+            if self._over(engine, step, extra):
                 break
             engine.start_reload(group)
-            self.held[below] = self._held_full[below]
-        self._record(engine, "backward", layer)
-
-    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        if engine.step is not None and engine.step.index == group.step:
-            self.on_backward_reach(engine, group.layer)
-        else:
-            engine.start_reload(group)
+            held[below] = self._held_full[below]
+        self._record(engine, step, "backward", layer)

@@ -23,6 +23,13 @@ consuming node's kernels were queued.
 A backward with ``create_graph=True`` may keep the views it read (saved for the double backward),
 so a reload under grad mode goes into a fresh buffer instead, which those views keep alive.
 
+Several micro-batches in flight (a pipeline stage's 1F1B order, see ``engine.py``): backward
+reaching a window layer of an earlier micro-batch reloads *that* micro-batch's groups. There is
+no budget that other micro-batches could count against: each forward releases its copies by its
+own end (so "one group in flight" holds across micro-batches), and the two double-buffering
+buffers are tied to the group they serve, not to a step, so every micro-batch's groups take them
+in turn (one backward runs at a time; a new step's start frees them).
+
 v1 shares the engine, groups, transport, arena and selection policy with v2; only the timing
 differs. Its default selection is opt-in (``mark_activation_offload``), set by the API.
 """
@@ -39,6 +46,7 @@ from .base import Schedule
 
 if TYPE_CHECKING:
     from ..engine import OffloadEngine
+    from ..step import StepState
 
 
 def window_layers(num_groups: int, model_layers: int) -> list[int]:
@@ -108,12 +116,14 @@ class ScheduleV1(Schedule):
                 )
 
     # -- backward --------------------------------------------------------------------------------
-    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
+    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        """Reload the groups of ``step`` whose window is ``layer`` (that micro-batch's own, when
+        several are in flight)."""
         if self.double_buffering:
             self._settle(engine)
         for index, window in enumerate(self.windows):
             if window == layer:
-                group = engine.step.groups.get(index)
+                group = step.groups.get(index)
                 if group is not None and group.state is GroupState.OFFLOADED:
                     self._reload(engine, group, defer=True)
 

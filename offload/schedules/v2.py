@@ -1,8 +1,8 @@
 """The v2 schedule (default) and the manual schedule.
 
 A schedule decides *when* each layer's group is offloaded, released and reloaded; the engine does
-the work (``start_offload``, ``release``, ``start_reload``). Schedules see the engine's current
-step through ``engine.step`` and keep no tensors of their own.
+the work (``start_offload``, ``release``, ``start_reload``); see ``base.py`` for what a schedule
+sees.
 
 v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``).
 - The budget: at most ``B = max(N - k, 2)`` layers hold activations on the GPU at once. ``N - k``
@@ -96,15 +96,9 @@ class ScheduleV2(Schedule):
             if group.state is GroupState.OFFLOADING:
                 engine.release(group)
 
-    def on_backward_reach(self, engine: "OffloadEngine", layer: int) -> None:
-        self._reach(engine, engine.step, layer)
-
-    def on_earlier_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
-        self._reach(engine, step, layer)
-
-    def _reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
-        # Backward is about to run ``layer`` of ``step``: its group must come back now, and the
-        # ones below it are prefetched while the budget allows.
+    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+        """Backward is about to run ``layer`` of ``step``: its group must come back now, and the
+        ones below it are prefetched while the budget (of every micro-batch in flight) allows."""
         groups = step.groups
         needed = groups.get(layer)
         if needed is not None and needed.state is GroupState.OFFLOADED:
@@ -127,13 +121,3 @@ class ScheduleV2(Schedule):
                 break
             engine.start_reload(group)
             resident += 1
-
-    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
-        # Same as the marker firing late: reload the group, prefetch below it, in its own
-        # micro-batch. A group of a step no longer in flight (a retained graph) has no siblings
-        # to prefetch.
-        step = engine.step_state(group.step)
-        if step is not None:
-            self._reach(engine, step, group.layer)
-        else:
-            engine.start_reload(group)

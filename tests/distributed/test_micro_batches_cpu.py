@@ -15,28 +15,37 @@ import torch
 
 import offload
 from offload.models import run_layers
+from offload.planner import Action, plan_for
 
-from _util import assert_bitwise, cpu_context, make_mlp_layers
+from _util import assert_bitwise, cpu_context, make_mlp_layers, train_step
 
 ONE_F_ONE_B = [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
 
 
 class Stage:
     """Four MLP layers run in a given order of forwards and backwards of micro-batches, plainly
-    or offloaded in either call shape; records which groups each backward reloaded."""
+    or offloaded; records which groups each backward reloaded.
 
-    def __init__(self, form: Optional[str], micro_batches: int = 3) -> None:
+    ``form``: "te" (TransformerEngine's call shape, v2), "v1" (that call shape under
+    ``NVTE_CPU_OFFLOAD_V1=1``, which the test sets), "oa" (``OffloadActivations``, v2) or
+    "planned" (``OffloadActivations`` following a plan, with ``budget`` if given). Each offloads
+    layers 0-2 and keeps layer 3.
+    """
+
+    def __init__(self, form: Optional[str], micro_batches: int = 3, budget: Optional[int] = None) -> None:
         self.layers = make_mlp_layers(4, width=64)
         torch.manual_seed(7)
         self.batches = [torch.randn(16, 64) for _ in range(micro_batches)]
         self.engine: Any = None
-        if form == "te":
-            ctx, sync = cpu_context(3, 4)
+        if form in ("te", "v1"):
+            # v1 offloads only opted-in tensors by default; these layers mark none.
+            ctx, sync = cpu_context(3, 4, **({"selection": "auto"} if form == "v1" else {}))
             self.engine = ctx.engine
             self.forward: Callable[[torch.Tensor], torch.Tensor] = lambda x: run_layers(self.layers, x, ctx, sync)
             self.stats = lambda: ctx.stats
-        elif form == "oa":
-            oa = offload.OffloadActivations(self.layers, device="cpu", min_offload_bytes=0)
+        elif form in ("oa", "planned"):
+            plan = self.plan(budget) if form == "planned" else None
+            oa = offload.OffloadActivations(self.layers, plan=plan, device="cpu", min_offload_bytes=0)
             self.engine = oa.engine
 
             def forward(x: torch.Tensor) -> torch.Tensor:
@@ -47,6 +56,8 @@ class Stage:
             self.stats = lambda: oa.stats
         else:
             self.forward = lambda x: run_layers(self.layers, x)
+        if self.engine is not None:
+            assert self.engine.schedule.name == {"te": "v2", "oa": "v2"}.get(form, form)
         self.reloads: list[tuple[int, int, int]] = []  # (running backward's micro-batch, group's step, layer)
         self.step_of: dict[int, int] = {}  # micro-batch -> its step index
         self.after_backward: dict[int, dict[str, Any]] = {}  # micro-batch -> stats right after
@@ -60,6 +71,14 @@ class Stage:
                 start_reload(group, *args, **kwargs)
 
             self.engine.start_reload = recording
+
+    def plan(self, budget: Optional[int]) -> offload.planner.Plan:
+        """Offload layers 0-2 and keep layer 3, from a probe of one plain step."""
+        x = self.batches[0]
+        profile = offload.planner.profile_step(
+            self.layers, lambda: train_step(self.layers, x), device="cpu", min_offload_bytes=0
+        )
+        return plan_for(profile, [Action.OFFLOAD] * 3 + [Action.KEEP], budget)
 
     def run(self, order: list[tuple[str, int]]) -> list[torch.Tensor]:
         """The order's gradients: every parameter's, then every micro-batch input's."""
@@ -98,10 +117,9 @@ def test_hand_written_1f1b_order_is_bitwise(form: str) -> None:
     assert stage.stats()["offloaded_tensors"] > 0
 
 
-@pytest.mark.parametrize("form", ["te", "oa"])
-def test_backward_of_each_micro_batch_prefetches_its_own_groups(form: str) -> None:
-    stage = Stage(form)
-    stage.run(ONE_F_ONE_B)
+def assert_each_backward_prefetched_its_own_groups(stage: Stage) -> None:
+    """Every reload of a micro-batch's backward was of its own groups, all three offloaded ones,
+    and each was started ahead of use (none reloaded on demand)."""
     for mb in range(3):
         mine = [(step, layer) for running, step, layer in stage.reloads if running == mb]
         assert mine, f"backward of micro-batch {mb} reloaded nothing"
@@ -120,6 +138,26 @@ def test_backward_of_each_micro_batch_prefetches_its_own_groups(form: str) -> No
             f"micro-batch {mb}: {stats['reloads_on_demand']} of its groups were reloaded only when "
             "backward needed them: the prefetch did not follow it"
         )
+
+
+@pytest.mark.parametrize("form", ["te", "oa"])
+def test_backward_of_each_micro_batch_prefetches_its_own_groups(form: str) -> None:
+    stage = Stage(form)
+    stage.run(ONE_F_ONE_B)
+    assert_each_backward_prefetched_its_own_groups(stage)
+
+
+@pytest.mark.parametrize("form", ["v1", "planned"])
+def test_v1_and_planned_schedules_prefetch_each_micro_batch_in_1f1b(form: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The v1 schedule (``NVTE_CPU_OFFLOAD_V1=1``, TE's call shape) and a planned schedule in
+    the 1F1B order: bitwise gradients, and each backward prefetches its own micro-batch."""
+    monkeypatch.setenv("NVTE_CPU_OFFLOAD_V1", "1" if form == "v1" else "0")
+    expected = plain_1f1b()
+    stage = Stage(form)
+    for _ in range(2):
+        stage.reloads.clear()
+        assert_bitwise(expected, stage.run(ONE_F_ONE_B))
+        assert_each_backward_prefetched_its_own_groups(stage)
 
 
 def test_the_layer_budget_counts_the_other_micro_batches_in_flight() -> None:
@@ -172,6 +210,41 @@ def test_the_layer_budget_counts_the_other_micro_batches_in_flight() -> None:
     alone_ctx, alone_sync = cpu_context(3, 4)
     _, alone = run(alone_ctx, alone_sync, [("F", 0), ("B", 0)])
     assert alone[0] == (3, 1), f"alone, reaching layer 3 prefetches group 2: {alone}"
+
+
+def test_the_planned_budget_counts_the_copies_of_every_micro_batch_in_flight() -> None:
+    """A budget that one micro-batch's whole forward fits, and D2H copies never seen to finish
+    (a slow link): alone, nothing is released and backward uses the originals. In 1F1B the next
+    forward holds the earlier micro-batch's copies too, so it releases them by force, oldest
+    first (the budget grows only by what the plan keeps of the other micro-batch: its layer 3),
+    and that micro-batch's backward prefetches them back."""
+    expected = plain_1f1b()
+    one = 4096 + 3 * 8192  # layer 0 saves one 4 KiB tensor, layers 1-3 two (CPU: no workspace)
+
+    def stage() -> Stage:
+        staged = Stage("planned", budget=one)
+        staged.engine.transport.offload_finished = lambda group: False
+        staged.engine.schedule.trace = []
+        return staged
+
+    alone = stage()
+    alone.run([("F", 0), ("B", 0)])
+    assert alone.after_backward[0]["reloads"] == 0, "alone, the budget should fit the whole forward"
+    assert max(held for _, _, held, _ in alone.engine.schedule.trace) == one
+    pipelined = stage()
+    assert_bitwise(expected, pipelined.run(ONE_F_ONE_B))
+    for mb in (0, 1):  # a later forward ran while each was in flight; not after micro-batch 2
+        stats = pipelined.after_backward[mb]
+        mine = sorted(layer for running, step, layer in pipelined.reloads
+                      if running == mb and step == pipelined.step_of[mb])
+        assert mine == [0, 1, 2] and stats["reloads"] == 3, (
+            f"micro-batch {mb}: reloads {pipelined.reloads}, stats {stats}: the next forward did not "
+            "release its copies, although both micro-batches' activations were over the budget"
+        )
+        assert stats["reloads_on_demand"] == 0, stats
+    kept = 8192  # layer 3 of the other micro-batch in flight
+    seen = max(held for _, _, held, _ in pipelined.engine.schedule.trace)
+    assert one < seen <= one + kept, f"the schedule's figure of both micro-batches' bytes: {seen}"
 
 
 @pytest.mark.parametrize("form", ["te", "oa"])
