@@ -90,6 +90,7 @@ ENGINE_OPTIONS = (
     "num_layers", "model_layers", "offload_activations", "offload_weights", "double_buffering",
     "manual_synchronization", "retain_pinned_cpu_buffers", "offload_stream", "mode", "device",
     "min_offload_bytes", "host_budget_bytes", "selection", "params_from", "timing",
+    "wait_for_pinning",
 )
 # torchtune's OffloadActivations options, accepted with their meanings (see activations.py).
 TORCHTUNE_OPTIONS = ("use_pin_memory", "use_streams", "max_fwd_stash_size", "min_offload_size")
@@ -204,6 +205,7 @@ def build_engine(
     selection: Optional[str] = None,
     params_from: Any = None,
     timing: Optional[bool] = None,
+    wait_for_pinning: bool = True,
     layer_contexts: bool = True,
     schedule: Optional[Schedule] = None,
     _api: Optional[str] = None,
@@ -230,6 +232,7 @@ def build_engine(
         ("double_buffering", double_buffering),
         ("manual_synchronization", manual_synchronization),
         ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
+        ("wait_for_pinning", wait_for_pinning),
     ):
         _check_bool(api, name, value)
     _check_int(api, "min_offload_bytes", min_offload_bytes, 0, "an integer number of bytes")
@@ -274,6 +277,11 @@ def build_engine(
         device_index=transport.device_index,
         # Each rank's pinned blocks on its own GPU's NUMA node (the host transport pins nothing).
         numa=placement_for_gpu(transport.device_index if transport.pinned else None),
+        # Opt-in: a group whose block is still being pinned stays on the GPU while it has room,
+        # rather than the step stalling on pinning (the first step, or growth). Not the default:
+        # the 10% headroom cannot know what the head and backward will still allocate, and a
+        # slow first step is better than an out-of-memory error that offloading was to prevent.
+        keep_while_pinning=None if wait_for_pinning else transport.can_keep,
     )
     policy = SelectionPolicy(
         device_index=transport.device_index,
@@ -427,6 +435,7 @@ def get_cpu_offload_context(
     selection: Optional[str] = None,
     params_from: Any = None,
     timing: Optional[bool] = None,
+    wait_for_pinning: bool = True,
     **unknown: Any,
 ) -> tuple[Any, ...]:
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
@@ -451,6 +460,14 @@ def get_cpu_offload_context(
     ``timing``: record CUDA timing events around copies and stalls for the stats: ``True`` for
     every copy, ``False`` for none, ``None`` (default) for copies of 4 MiB or more, where the two
     events cost nothing measurable next to the transfer.
+    ``wait_for_pinning``: what a group does when its pinned host block is not ready yet (the
+    first step, or a step whose groups grew; pinning runs at about 10-20 GB/s). ``True``
+    (default): the step waits for the block, so its peak is the offloaded one from the first
+    step on. ``False``: the group stays on the GPU for this step if the GPU keeps 10% of its
+    memory free after it (``stats["kept"]["pinning"]``), and the block is pinned in the
+    background for a later step, so the first steps run at about a plain step's speed with a
+    higher peak; only for a model whose plain peak (or the head and backward on top of the
+    kept groups) fits the GPU. ``reserve`` before the first step avoids both.
 
     Options are checked here, with errors that name this function and the option: wrong types
     raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range
@@ -478,6 +495,7 @@ def get_cpu_offload_context(
         selection=selection,
         params_from=params_from,
         timing=timing,
+        wait_for_pinning=wait_for_pinning,
         _api=api,
     )
     result: tuple[Any, ...] = (OffloadContext(engine), SyncFunction(engine))

@@ -17,6 +17,13 @@ A block's bytes may still be read by an H2D copy (or written by a D2H copy) of t
 it last. Instead of synchronising the host, a released block remembers the event of its last copy
 and the next user's copy stream waits on it (``Region.ready``).
 
+A step need not wait for pinning at all: the arena's ``keep_while_pinning(size)`` is asked
+only when the sole way to a block is to wait for one being pinned or to pin one now. When it says
+yes (the engine says so while the GPU has room to keep the group), the block is left to (or
+queued on) the background pinner, ``acquire`` returns None, and the group stays on the GPU for
+this step (``kept["pinning"]``); a later step finds the block pinned. The first step of a large
+model then runs at about the speed of a plain one instead of stalling for seconds.
+
 The budget caps the bytes the arena holds (in use + idle + being pinned), counted as the bytes
 really locked. Tensors are also counted against it at pack time (``claim``), so that a step that
 would overrun it keeps the excess tensors on the GPU instead of failing later. A block the host
@@ -119,6 +126,7 @@ class ArenaCounters:
     bytes_in_use: int = 0
     bytes_pending: int = 0        # bytes of blocks queued or being pinned in the background
     waited_for_pinning: int = 0   # acquires that waited for a background block
+    kept_while_pinning: int = 0   # acquires answered None so as not to wait (keep_while_pinning)
     failures: int = 0             # requests refused (budget or allocation failure)
     freed_blocks: int = 0
     graph_owned_blocks: int = 0   # blocks kept for captured CUDA graphs (never reused eagerly)
@@ -136,8 +144,12 @@ class HostArena:
         device_index: Optional[int] = None,
         allocate: Optional[Allocator] = None,
         numa: Optional[NumaPlacement] = None,
+        keep_while_pinning: Optional[Callable[[int], bool]] = None,
     ) -> None:
         self.pinned = pinned
+        # Asked on a miss that would wait for pinning: may the group stay on the device instead?
+        # (None: always wait.) Only pinned arenas ask: unpinned host memory allocates at once.
+        self.keep_while_pinning = keep_while_pinning if pinned else None
         # The NUMA node of the blocks (the GPU's, see offload.numa), and why.
         self.numa = numa if numa is not None else NumaPlacement(None, "not bound")
         placement = self.numa
@@ -174,6 +186,10 @@ class HostArena:
         self._lock = threading.Lock()
         self._graph_owned: list[Region] = []
         self._last_acquiring_step = -1  # the latest step that asked for a region
+        # Blocks being pinned that a group of the latest acquiring step, kept on the device
+        # meanwhile, counts on (ids of their futures): no other group of that step may count on
+        # the same one, or the next step would find one block for two groups.
+        self._promised: set[int] = set()
 
     # -- pack-time budget ------------------------------------------------------------------------
     def claim(self, nbytes: int) -> bool:
@@ -229,12 +245,13 @@ class HostArena:
             total += size
         return sizes
 
-    def _queue(self, size: int) -> None:
+    def _queue(self, size: int) -> concurrent.futures.Future:
         future = self._pinner.submit(size)
         with self._lock:
             self.counters.bytes_pending += size
             i = bisect.bisect_right([s for s, _ in self._pending], size)
             self._pending.insert(i, (size, future))
+        return future
 
     def _count_pinned(self, pinned_bytes: int, in_use: int) -> None:
         # Called with the lock held: one more pinned block, ``in_use`` of it handed out now.
@@ -264,9 +281,10 @@ class HostArena:
         self.counters.graph_owned_blocks += captured
         return region
 
-    def _from_pinner(self, size: int, step: int) -> Optional[Region]:
+    def _from_pinner(self, size: int, step: int, keep_while_pinning: Optional[Callable[[int], bool]]) -> Optional[Region]:
         """Move finished background blocks to the idle list and take one that fits; else wait
-        for one still being pinned that fits. None when none does (or its pinning failed)."""
+        for one still being pinned that fits, unless ``keep_while_pinning(size)`` says not to.
+        None when none does (or its pinning failed, or the caller keeps its group instead)."""
         waited: Optional[tuple[int, concurrent.futures.Future]] = None
         with self._lock:
             keep = []
@@ -274,7 +292,7 @@ class HostArena:
                 pending_size, future = entry
                 if future.done():
                     self._settle(pending_size, future)
-                elif waited is None and size <= pending_size <= size * REUSE_SLACK:
+                elif waited is None and size <= pending_size <= size * REUSE_SLACK and id(future) not in self._promised:
                     waited = entry
                 else:
                     keep.append(entry)
@@ -284,6 +302,13 @@ class HostArena:
             self._pending = keep
         if region is not None or waited is None:
             return region
+        if keep_while_pinning is not None and keep_while_pinning(size):
+            with self._lock:
+                self._pending.append(waited)  # still wanted: it joins the idle list when done
+                self._pending.sort(key=lambda entry: entry[0])
+                self._promised.add(id(waited[1]))
+                self.counters.kept_while_pinning += 1
+            return None
         pending_size, future = waited
         try:
             block, pinned_bytes = future.result()
@@ -305,7 +330,26 @@ class HostArena:
             self.counters.failures += 1
             return
         block, pinned_bytes = future.result()
-        self._add_idle(Region(block=block, pinned_bytes=pinned_bytes))
+        # Counted as the latest acquiring step's: it was queued for that step's groups (a
+        # forecast, or a group kept on the device while it pinned), and may finish only after
+        # that step has ended; the trim at the step's end must not take it back unused.
+        self._add_idle(Region(block=block, pinned_bytes=pinned_bytes, used_in_step=self._last_acquiring_step))
+
+    def settle(self, wait: bool = False) -> None:
+        """Move the blocks the background pinner has finished to the idle list (``acquire``
+        does this itself on a miss); ``wait=True`` first waits for every queued block."""
+        with self._lock:
+            pending = list(self._pending)
+        if wait:
+            concurrent.futures.wait([future for _, future in pending])
+        with self._lock:
+            keep = []
+            for size, future in self._pending:
+                if future.done():
+                    self._settle(size, future)
+                else:
+                    keep.append((size, future))
+            self._pending = keep
 
     # -- regions ---------------------------------------------------------------------------------
     def has_idle_blocks(self) -> bool:
@@ -327,11 +371,17 @@ class HostArena:
         ``expected_more()``: how many more regions of about this size the step will ask for (its
         offloaded layers still to come), asked only on a miss. With nothing being pinned, that
         many blocks are queued on the background pinner, so the next layers find them ready.
+        ``self.keep_while_pinning(size)`` is asked only when the block would have to be waited
+        for (being pinned in the background) or pinned now. True: no wait; the block is pinned
+        in the background, None is returned and ``counters.kept_while_pinning`` counts it, so
+        the caller can tell this miss from a budget refusal (``counters.failures``).
         """
+        keep_while_pinning = self.keep_while_pinning
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
         with self._lock:
             if step != self._last_acquiring_step:
                 self._step_sizes = []
+                self._promised.clear()
             self._step_sizes.append(size)
             self._last_acquiring_step = max(self._last_acquiring_step, step)
             region = self._take_idle(size, step, captured)
@@ -347,8 +397,9 @@ class HostArena:
                 "retain_pinned_cpu_buffers=True so its blocks are kept for the capture."
             )
         if self._pending:
-            region = self._from_pinner(size, step)
-            if region is not None:
+            kept = self.counters.kept_while_pinning
+            region = self._from_pinner(size, step, keep_while_pinning)
+            if region is not None or self.counters.kept_while_pinning != kept:
                 return region
         with self._lock:
             # Make room from idle blocks, largest first, before giving up on the budget.
@@ -364,6 +415,14 @@ class HostArena:
             forecast = max(0, min(more, room))
         for _ in range(forecast):
             self._queue(guess)
+        if keep_while_pinning is not None and keep_while_pinning(size):
+            # Pin this one in the background too (it fits the budget: checked above), for the
+            # next step; this step keeps its group on the GPU.
+            future = self._queue(size)
+            with self._lock:
+                self._promised.add(id(future))
+                self.counters.kept_while_pinning += 1
+            return None
         try:
             block, pinned_bytes = self.allocate(size)
         except RuntimeError:

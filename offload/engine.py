@@ -82,7 +82,7 @@ from .diagnose import nothing_offloaded
 from .eager import saved_tensors_hooks
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
-from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
+from .policy import KEEP_BUDGET, KEEP_MARKED, KEEP_PARAMETER, KEEP_PINNING, KEEP_UNSUPPORTED, SelectionPolicy
 from .stats import StepCounters, format_report, snapshot
 from .step import BackwardReach, InFlight, StepState
 from .transport import CudaTransport, HostTransport
@@ -664,6 +664,7 @@ class OffloadEngine:
 
     def _start_offload(self, group: Group) -> None:
         counters = group.counters
+        kept_while_pinning = self.arena.counters.kept_while_pinning
         try:
             region = self.arena.acquire(
                 group.nbytes, group.step, captured=group.captured,
@@ -676,7 +677,8 @@ class OffloadEngine:
         if region is None:
             group.mark_kept()
             counters.groups_kept += 1
-            counters.keep("budget", len(group.entries))
+            pinning = self.arena.counters.kept_while_pinning != kept_while_pinning
+            counters.keep(KEEP_PINNING if pinning else KEEP_BUDGET, len(group.entries))
             return
         group.mark_offloading(region, self.transport.offload(group, region, counters))
         counters.groups_offloaded += 1

@@ -25,6 +25,7 @@ KEEP_SMALL = "small"            # fewer bytes than min_offload_bytes (empty tens
 KEEP_OTHER_DEVICE = "other_device"  # not on the engine's device
 KEEP_UNSUPPORTED = "unsupported"    # meta/fake tensors, tensor subclasses, sparse and nested layouts
 KEEP_BUDGET = "budget"          # host budget or pinned allocation exhausted
+KEEP_PINNING = "pinning"        # its host block was still being pinned, and the GPU had room
 KEEP_REGION = "keep_on_gpu"     # saved inside an ``offload.keep_on_gpu()`` region
 
 SELECTIONS = ("auto", "marked")

@@ -69,7 +69,9 @@ class StepStats(TypedDict):
     - ``kept_tensors`` (int, tensors): the sum of ``kept``.
     - ``groups_offloaded`` (int, groups): layer groups copied out (one group per offloaded layer).
     - ``groups_kept`` (int, groups): groups left in place because no host region could be had
-      (the host budget or a pinned allocation failed): nothing is lost, memory is not saved.
+      (the host budget or a pinned allocation failed: ``kept["budget"]``; or the region was still
+      being pinned and the GPU had room, ``kept["pinning"]``, see ``wait_for_pinning``): nothing
+      is lost, memory is not saved.
     - ``bytes_d2h`` (int, bytes): bytes copied out (the slot spans).
     - ``bytes_h2d`` (int, bytes): bytes copied back (whole regions: slots plus alignment padding).
     - ``reloads`` (int, copies): copies back, one per group reloaded.

@@ -56,6 +56,10 @@ from .stats import StepCounters
 
 # Copies of at least this many bytes are timed when ``timing`` is None (automatic).
 AUTO_TIMING_MIN_BYTES = 4 << 20
+# A group kept on the GPU while its host block is being pinned (``can_keep``) must leave room for
+# what the step still allocates besides the groups (later layers, the head, backward's gradients
+# and workspaces): this fraction of the device's memory stays free.
+KEEP_HEADROOM_FRACTION = 0.10
 
 
 def slot_copy_lists(group: Group, region: Region) -> tuple[list[int], list[int], list[int]]:
@@ -152,6 +156,10 @@ class HostTransport:
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""
         return None
+
+    def can_keep(self, nbytes: int) -> bool:
+        """Host memory is never pinned here, so no group waits for pinning: never asked."""
+        return False
 
 
 class CudaTransport:
@@ -311,3 +319,14 @@ class CudaTransport:
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""
         return group.h2d_done if group.h2d_done is not None else group.d2h_done
+
+    def can_keep(self, nbytes: int) -> bool:
+        """Whether the device can keep ``nbytes`` more (a group whose host block is still being
+        pinned) and still have ``KEEP_HEADROOM_FRACTION`` of its memory free.
+
+        Free means what the driver has free plus what torch's caching allocator holds unused.
+        Two driver queries (microseconds): asked only on a pinning miss, never per tensor.
+        """
+        free, total = torch.cuda.mem_get_info(self.device)
+        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
+        return free + cached - nbytes >= KEEP_HEADROOM_FRACTION * total

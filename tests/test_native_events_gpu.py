@@ -129,3 +129,29 @@ def test_reserve_before_the_first_step(repeatable_attention) -> None:
     ctx.reserve(need)
     assert_bitwise(expected, train_step(layers, x, ctx, sync))
     assert ctx.stats["pinned_allocations"] == 0
+
+
+def test_no_wait_first_step_keeps_groups_while_they_pin_then_offloads_exactly(repeatable_attention) -> None:
+    layers = make_gpt_layers(6, hidden=512, heads=8, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(8, 512, 512, device="cuda", dtype=torch.bfloat16)
+    expected = plain_reference(layers, x)
+    waits, waits_sync = offload.get_cpu_offload_context(True, num_layers=5, model_layers=6)
+    assert_bitwise(expected, train_step(layers, x, waits, waits_sync))
+    assert waits.stats["groups_offloaded"] == 5 and "pinning" not in waits.stats["kept"]
+    ctx, sync = offload.get_cpu_offload_context(True, num_layers=5, model_layers=6, wait_for_pinning=False)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))  # step 1: nothing waits for pinning
+    kept_peak = torch.cuda.max_memory_allocated() - base
+    first = ctx.stats
+    assert first["kept"].get("pinning", 0) > 0 and first["groups_kept"] > 0
+    assert first["pinned_allocations"] == 0  # nothing was pinned on the step's own thread
+    ctx.engine.arena.settle(wait=True)  # the blocks finish pinning in the background
+    torch.cuda.reset_peak_memory_stats()
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    offloaded_peak = torch.cuda.max_memory_allocated() - base
+    second = ctx.stats
+    assert "pinning" not in second["kept"] and second["groups_offloaded"] == 5
+    # The kept groups really stayed on the GPU in step 1, and step 2 freed them.
+    assert kept_peak >= offloaded_peak + second["released_bytes"] // 2

@@ -216,3 +216,78 @@ def test_an_idle_block_is_taken_before_waiting_for_one_being_pinned() -> None:
     assert region is not None and time.perf_counter() - start < 1.0
     assert arena.counters.waited_for_pinning == 0
     gate.wait(5)
+
+
+# -- keep_while_pinning: a group does not wait for its block (wait_for_pinning=False) -----------
+def test_a_miss_that_would_pin_now_keeps_the_group_and_pins_in_the_background() -> None:
+    gate = threading.Event()
+    alloc = FakePinned(gate=gate)
+    arena = pinned_arena(alloc)
+    asked: list[int] = []
+    arena.keep_while_pinning = lambda n: asked.append(n) is None
+    start = time.perf_counter()
+    assert arena.acquire(3 * BLOCK_GRANULE, step=1) is None  # kept: nothing pinned on this thread
+    assert time.perf_counter() - start < 1.0
+    assert asked == [3 * BLOCK_GRANULE]
+    assert arena.counters.kept_while_pinning == 1 and arena.counters.failures == 0
+    assert arena.counters.bytes_pending == 3 * BLOCK_GRANULE
+    gate.set()
+    arena.settle(wait=True)
+    assert arena.counters.bytes_pending == 0 and arena.has_idle_blocks()
+    region = arena.acquire(3 * BLOCK_GRANULE, step=2)  # the next step finds it pinned
+    assert region is not None and region.block.numel() == 3 * BLOCK_GRANULE
+    assert all(name.startswith("offload-pinner") for _, name in alloc.calls)
+
+
+def test_a_block_still_being_pinned_is_not_waited_for_when_the_group_can_stay() -> None:
+    gate = threading.Event()
+    alloc = FakePinned(gate=gate)
+    arena = pinned_arena(alloc)
+    arena.preallocate([4 * BLOCK_GRANULE], background=True)
+    arena.keep_while_pinning = lambda n: True
+    start = time.perf_counter()
+    assert arena.acquire(3 * BLOCK_GRANULE, step=1) is None
+    assert time.perf_counter() - start < 1.0 and arena.counters.waited_for_pinning == 0
+    assert arena.counters.kept_while_pinning == 1
+    assert len(alloc.calls) == 1  # no second block queued: the pending one will serve
+    gate.set()
+    arena.keep_while_pinning = lambda n: False  # no room now: wait for it
+    region = arena.acquire(3 * BLOCK_GRANULE, step=2)
+    assert region is not None and region.block.numel() == 4 * BLOCK_GRANULE
+
+
+def test_no_room_to_keep_pins_now_as_before_and_budget_refusals_are_not_pinning_misses() -> None:
+    alloc = FakePinned(round_to=1)
+    arena = pinned_arena(alloc, budget=2 * BLOCK_GRANULE)
+    arena.keep_while_pinning = lambda n: False
+    assert arena.acquire(BLOCK_GRANULE, step=1) is not None  # pinned on this thread
+    assert [name for _, name in alloc.calls] == [threading.current_thread().name]
+    arena.keep_while_pinning = lambda n: True
+    assert arena.acquire(4 * BLOCK_GRANULE, step=1) is None  # over the budget: a refusal
+    assert arena.counters.failures == 1 and arena.counters.kept_while_pinning == 0
+
+
+def test_groups_stay_on_the_device_while_their_blocks_pin_then_offload_exactly() -> None:
+    layers, x = make_mlp_layers(4, width=64), torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    ctx, sync = cpu_context(3, 4)
+    gate = threading.Event()
+    arena = ctx.engine.arena
+    arena.pinned, arena.allocate, arena.keep_while_pinning = True, FakePinned(gate=gate), lambda n: True
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    first = ctx.stats
+    assert first["groups_kept"] == 3 and first["kept"].get("pinning", 0) > 0 and "budget" not in first["kept"]
+    assert first["offloaded_tensors"] == 0
+    gate.set()
+    arena.settle(wait=True)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    second = ctx.stats
+    assert "pinning" not in second["kept"] and second["groups_offloaded"] == 3
+    assert second["pinned_allocations"] == 0  # every block came from the background
+
+
+def test_wait_for_pinning_is_a_checked_bool_option() -> None:
+    with pytest.raises(TypeError, match="wait_for_pinning"):
+        offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, device="cpu", wait_for_pinning="no")
+    ctx, _ = offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, device="cpu", wait_for_pinning=False)
+    assert ctx.engine.arena.keep_while_pinning is None  # host memory is never pinned: nothing to keep for
