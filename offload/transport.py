@@ -45,7 +45,7 @@ transport runs (and is tested) on CPU-only torch with real copies.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -311,3 +311,7 @@ class CudaTransport:
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""
         return group.h2d_done if group.h2d_done is not None else group.d2h_done
+
+
+# The engine's transport: copies between CUDA streams, or host copies on CPU-only machines.
+Transport = Union[CudaTransport, HostTransport]
