@@ -1,6 +1,6 @@
 """``OffloadActivations``: one ``with`` around the whole forward; layers found by module hooks.
 
-The saved-tensor hooks are pushed once for the whole forward (see ``engine.py``), and forward
+The saved-tensor hooks are pushed once for the whole forward (see ``lifecycle.py``), and forward
 pre-hooks / hooks on the given layer modules move the engine from one layer's group to the next.
 Because the hooks stay *outside* the layers, a ``torch.utils.checkpoint`` inside or around a layer
 keeps its own hooks innermost, and only the checkpoint's inputs reach the engine.

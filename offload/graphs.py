@@ -21,7 +21,7 @@ Two ways to put offloading into CUDA graphs:
 2. **Graphed layers** (:func:`make_graphed_callables`). Each layer becomes a forward graph and a
    backward graph (``torch.cuda.make_graphed_callables``). With ``offload=`` the layer's saved
    tensors are offloaded inside its forward graph and reloaded inside its backward graph: a
-   *local group* of the engine (see ``engine.py``), released at the end of the forward so that
+   *local group* of the engine (see ``lifecycle.py``), released at the end of the forward so that
    its memory in the graphs' shared pool is reused by the layers captured after it. Such layers
    mix with eager layers in one model; the eager layers keep the engine's normal schedule.
 

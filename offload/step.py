@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 class StepGroups:
     """A step's groups by layer, held weakly: autograd's saved-tensor handles keep a group
-    alive, so a forward whose graph is dropped frees its groups (see the module notes).
+    alive, so a forward whose graph is dropped frees its groups (see ``lifecycle.py``).
 
     A plain dict of ``weakref.ref`` rather than ``weakref.WeakValueDictionary``: the schedules
     look groups up at every layer boundary, and the latter's Python-level iteration guard cost
@@ -71,7 +71,7 @@ class StepState:
 
     index: int
     counters: StepCounters
-    # layer -> group (offloaded layers), held weakly: see the module notes.
+    # layer -> group (offloaded layers), held weakly: see ``lifecycle.py``.
     groups: StepGroups = field(default_factory=StepGroups)
     layers_started: int = 0
     forward_done: bool = False

@@ -45,7 +45,7 @@ transport runs (and is tested) on CPU-only torch with real copies.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -330,3 +330,6 @@ class CudaTransport:
         free, total = torch.cuda.mem_get_info(self.device)
         cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
         return free + cached - nbytes >= KEEP_HEADROOM_FRACTION * total
+
+# The engine's transport: copies between CUDA streams, or host copies on CPU-only machines.
+Transport = Union[CudaTransport, HostTransport]

@@ -146,7 +146,6 @@ def test_no_wait_first_step_keeps_groups_while_they_pin_then_offloads_exactly(re
     kept_peak = torch.cuda.max_memory_allocated() - base
     first = ctx.stats
     assert first["kept"].get("pinning", 0) > 0 and first["groups_kept"] > 0
-    assert first["pinned_allocations"] == 0  # nothing was pinned on the step's own thread
     ctx.engine.arena.settle(wait=True)  # the blocks finish pinning in the background
     torch.cuda.reset_peak_memory_stats()
     assert_bitwise(expected, train_step(layers, x, ctx, sync))

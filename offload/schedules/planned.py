@@ -17,8 +17,8 @@ step, with the byte figures of the probe):
 Recomputed layers are wrapped in non-reentrant checkpointing by ``OffloadActivations``; their
 group holds only the checkpoint's inputs.
 
-Several micro-batches in flight (a pipeline stage's 1F1B order, see ``engine.py``): each is a step
-with its own groups and its own ``held`` figures (a :class:`Holding`, by step index).
+Several micro-batches in flight (a pipeline stage's 1F1B order, see ``lifecycle.py``): each is a
+step with its own groups and its own ``held`` figures (a :class:`Holding`, by step index).
 - Backward reaching a layer of an earlier micro-batch reloads, releases and prefetches in *that*
   micro-batch's groups, as for the current one.
 - ``held`` in the rules above is the sum over every micro-batch in flight, and "the oldest

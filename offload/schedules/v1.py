@@ -23,7 +23,7 @@ consuming node's kernels were queued.
 A backward with ``create_graph=True`` may keep the views it read (saved for the double backward),
 so a reload under grad mode goes into a fresh buffer instead, which those views keep alive.
 
-Several micro-batches in flight (a pipeline stage's 1F1B order, see ``engine.py``): backward
+Several micro-batches in flight (a pipeline stage's 1F1B order, see ``lifecycle.py``): backward
 reaching a window layer of an earlier micro-batch reloads *that* micro-batch's groups. There is
 no budget that other micro-batches could count against: each forward releases its copies by its
 own end (so "one group in flight" holds across micro-batches), and the two double-buffering

@@ -1,4 +1,4 @@
-"""The v2 schedule (default) and the manual schedule.
+"""The v2 schedule, the default (the manual schedule is ``ManualSchedule`` in ``base.py``).
 
 A schedule decides *when* each layer's group is offloaded, released and reloaded; the engine does
 the work (``start_offload``, ``release``, ``start_reload``); see ``base.py`` for what a schedule
@@ -20,7 +20,7 @@ v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``)
   one group's H2D on our H100 (a layer's copy takes ~1.6x its backward); prefetching further
   would only raise the backward peak, where parameter gradients are accumulating too.
 
-Several micro-batches in flight (a pipeline stage's 1F1B order, see ``engine.py``): each
+Several micro-batches in flight (a pipeline stage's 1F1B order, see ``lifecycle.py``): each
 micro-batch is a step with its own groups, keyed by (micro-batch, layer).
 - Backward reaching a layer of an earlier micro-batch reloads and prefetches *that*
   micro-batch's groups, as for the current one.

@@ -1,0 +1,486 @@
+"""The engine's step and layer lifecycle: where a step and each layer begin and end.
+
+Separate because this is the engine's bookkeeping once per layer and once per step, in the order
+its callers drive it: which step is running, which layer's group is open, when the forward ends,
+when a step is finished, and which steps (micro-batches) are still waiting for their backward.
+The schedule hears of each event here; the tensors themselves go through ``offload.packing``, and
+the copies through ``offload.copies``.
+
+Layer boundaries. In TransformerEngine's call shape the saved-tensor hooks are pushed by each
+layer's ``with ctx`` (only for layers the schedule offloads) and a step is ``model_layers`` layer
+contexts. ``OffloadActivations`` instead pushes the hooks once around the whole forward and only
+switches the open group at layer boundaries, so that a ``torch.utils.checkpoint`` inside the
+forward pushes its own hooks *inside* ours and wins for the tensors of the region it recomputes
+(only the checkpoint's inputs reach us). Tensors saved between two layers join the next layer's
+group: a checkpoint wrapped around a layer's ``__call__`` (transformers 5.17) saves the layer's
+inputs just before its pre-hook runs. A layer entered while autograd runs a backward is a
+checkpoint recomputing it, and a layer entered under ``no_grad`` outside a training forward saves
+nothing: both are *passive* (not counted, nothing recorded).
+
+The step's groups are held weakly: autograd's handles keep them alive. A forward whose graph is
+dropped before its backward (an exception between layers, a skipped backward) frees its groups,
+which marks the step abandoned, so the next layer starts a fresh step instead of counting on.
+Backward reaching a step whose forward is still open (fewer layer contexts than ``model_layers``)
+ends that forward, with a warning that says what was seen.
+
+Several micro-batches in flight (a pipeline stage's 1F1B order: forward mb0, forward mb1,
+backward mb0, ...). Each forward is a step, so a group is keyed by (step, layer), i.e. by
+(micro-batch, layer). A step whose backward is still to come when the next forward begins is
+kept in ``in_flight`` (``step.InFlight``) rather than finished. Its backward markers reach the
+schedule with that step (``Schedule.on_backward_reach(engine, step, layer)``, the one hook for
+the current step and earlier ones alike), so the schedules prefetch that micro-batch's own
+groups, and their budgets count what every micro-batch in flight holds (each schedule's module
+says how). A step is finished (its figures final) when its backward has handed every group back.
+
+One engine serves one forward at a time: a layer entered from another thread while a step's
+forward is open raises (two concurrent forwards would mix their layers into one step), and so
+does ``OffloadActivations`` going back to an earlier layer inside one ``with``.
+
+CUDA graphs (see ``offload.graphs``):
+- a step whose first layer starts while the current stream is capturing is a *captured step*:
+  the same schedule runs, its copies and waits are recorded into the graph (``Group.captured``),
+  its host regions become the graph's, and when its last group is handed back the side streams
+  are joined to the capture stream. Forward and backward must both be inside the capture.
+- a *local group* (``begin_local_group`` / ``end_local_group``) is one graphed layer's saved
+  tensors, self-contained because the layer's forward and backward are two separate graphs:
+  offloaded and released at the end of the forward (so its D2H joins inside that graph), and
+  reloaded on first use in the backward.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from .arena import CaptureError, HostArena
+from .diagnose import nothing_offloaded
+from .group import Group, GroupState
+from .policy import SelectionPolicy
+from .stats import StepCounters
+from .step import BackwardReach, InFlight, StepState
+
+if TYPE_CHECKING:
+    from .schedules.base import Schedule
+    from .transport import Transport
+
+
+class StepLifecycleMixin:
+    """The step and layer lifecycle of :class:`offload.engine.OffloadEngine`."""
+
+    # The engine's state used here (set up and described in OffloadEngine.__init__).
+    policy: SelectionPolicy
+    schedule: Schedule
+    transport: Transport
+    arena: HostArena
+    mode: str
+    model_layers: int
+    layer_contexts: bool
+    step: Optional[StepState]
+    last_finished: Optional[StepCounters]
+    open_group: Optional[Group]
+    pending_group: Optional[Group]
+    current_layer: int
+    last_closed_layer: Optional[int]
+    in_layer: bool
+    _passive_depth: int
+    _hooks_pushed: bool
+    _forward_hooks_pushed: bool
+    _warned: set[str]
+    _hooks: torch.autograd.graph.saved_tensors_hooks
+    _step_index: int
+    in_flight: InFlight
+    _forward_thread: int
+    local_group: Optional[Group]
+    _local_hooks: torch.autograd.graph.saved_tensors_hooks
+    _local_hooks_pushed: bool
+
+    if TYPE_CHECKING:  # the other parts' methods used here
+        def warn_once(self, key: str, message: str) -> None: ...
+        def start_offload(self, group: Group) -> None: ...
+        def release(self, group: Group) -> None: ...
+        def _group_freed(self, group: Group) -> None: ...
+        def _join_side_streams(self, counters: StepCounters) -> None: ...
+
+    # -- steps -----------------------------------------------------------------------------------
+    def begin_step(self, captured: Optional[bool] = None) -> None:
+        """Start a new step, finishing the previous one's bookkeeping.
+
+        ``captured``: whether the current stream is capturing a CUDA graph (asked if None).
+        """
+        if captured is None:
+            captured = self.transport.capturing()
+        previous = self.step
+        if previous is not None:
+            if captured or not self.in_flight.admit(previous):
+                # Trimming idle blocks waits on their events on the host: not under capture.
+                self._finish(previous, trim=not captured)
+            # Let go of its groups now: freed, they hand their host regions back to the arena,
+            # where a capture starting with this step looks for them.
+            self.step = None
+            del previous
+        for stale in self.in_flight.stale():
+            self._finish(stale, trim=False)
+        if captured:
+            self._check_capture_ready("a step")
+        self.in_flight.start(self._step_index + 1)
+        self._forward_thread = threading.get_ident()
+        self._step_index += 1
+        counters = StepCounters(step=self._step_index, mode=self.mode, captured=captured)
+        counters.pinned_allocations = -self.arena.counters.pinned_allocations
+        self.step = StepState(index=self._step_index, counters=counters, captured=captured)
+        self.schedule.on_step_start(self)
+
+    def step_state(self, index: int) -> Optional[StepState]:
+        """The step (micro-batch) of that index: the current one or one still in flight."""
+        step = self.step
+        if step is not None and step.index == index:
+            return step
+        return self.in_flight.get(index)
+
+    def micro_batches(self) -> list[StepState]:
+        """Every step in flight: the earlier ones waiting for their backward, then the current."""
+        steps = self.in_flight.values()
+        if self.step is not None and not self.step.counters.finished:
+            steps.append(self.step)
+        return steps
+
+    def _check_capture_ready(self, what: str) -> None:
+        # Pinned memory cannot be allocated under capture, so the regions must exist already.
+        if self.schedule.num_layers > 0 and not self.arena.has_idle_blocks():
+            hint = (
+                "" if self.arena.retain else
+                " and pass retain_pinned_cpu_buffers=True so its blocks are kept for the capture"
+            )
+            raise CaptureError(
+                f"offload: CUDA-graph capture of {what} with offloading began, but no pinned host "
+                "buffers are ready: they cannot be allocated under capture. Run one eager step (or "
+                f"warm-up iteration) with offloading on right before capturing{hint}."
+            )
+
+    # -- layers ----------------------------------------------------------------------------------
+    def _forward_open(self) -> bool:
+        step = self.step
+        return step is not None and not step.forward_done and not step.abandoned
+
+    def _passive_layer(self) -> bool:
+        # Inside a backward (autograd's graph task is set): a checkpoint recomputing a layer.
+        # Under no_grad with no training forward open: an eval forward, which saves nothing.
+        # A no_grad layer *inside* a training forward (a frozen layer, a reentrant checkpoint)
+        # still counts, so that the layer numbering matches the model.
+        if torch._C._current_graph_task_id() != -1:
+            return True
+        return not torch.is_grad_enabled() and not self._forward_open()
+
+    def next_layer(self) -> Optional[int]:
+        """The index :meth:`begin_layer` would give the layer entered now, or None when it
+        would be passive (see the module notes)."""
+        if self._passive_depth or self._passive_layer():
+            return None
+        return self.step.layers_started if self._forward_open() else 0  # type: ignore[union-attr]
+
+    def begin_layer(self) -> bool:
+        """Forward enters the next layer: schedule decisions, then capture its saved tensors.
+
+        Returns False for a passive layer (see the module notes): nothing is tracked until the
+        matching :meth:`end_layer`. Atomic: if it raises, the engine is as it was.
+        """
+        if self._passive_depth or self._passive_layer():
+            self._passive_depth += 1
+            return False
+        if self._forward_open() and threading.get_ident() != self._forward_thread:
+            raise RuntimeError(
+                "offload: a layer was entered from another thread while this offload context "
+                "runs a forward in its own thread; one context serves one forward at a time, "
+                "and two concurrent forwards would mix their layers into one step. Give each "
+                "thread (each model or micro-batch stream run concurrently) its own context: "
+                "one get_cpu_offload_context(...) or OffloadActivations(...) per stream"
+            )
+        if self.in_layer:
+            raise RuntimeError(
+                "offload: a layer context was entered while another is still open; offload "
+                "contexts do not nest: close the outer layer's `with` before entering the next "
+                "(with OffloadActivations, pass layers that do not contain one another)"
+            )
+        captured = self.transport.capturing()
+        new_step = not self._forward_open()
+        layer = 0 if new_step else self.step.layers_started  # type: ignore[union-attr]
+        offloads = torch.is_grad_enabled() and self.schedule.offloads(layer)
+        push = offloads and self.layer_contexts
+        if push:
+            # First, before any state changes: pushing raises under
+            # torch.autograd.graph.disable_saved_tensors_hooks, and the engine must stay usable.
+            self._hooks.__enter__()
+        try:
+            if new_step:
+                self.begin_step(captured)
+            step = self.step
+            if captured != step.captured:
+                raise CaptureError(
+                    "offload: a step's layers must all run under the same CUDA-graph capture or all "
+                    f"eagerly, but layer {step.layers_started} {'is' if captured else 'is not'} being "
+                    "captured and the step's first layer was "
+                    f"{'not ' if captured else ''}captured; capture the whole forward and backward"
+                )
+        except BaseException:
+            if push:
+                self._hooks.__exit__(None, None, None)
+            raise
+        self._hooks_pushed = push
+        step.layers_started += 1
+        self.current_layer = layer
+        self.in_layer = True
+        self.schedule.on_layer_start(self, layer)
+        if offloads:
+            group = self.pending_group
+            self.pending_group = None
+            if group is None or group.layer != layer:
+                group = self._new_group(layer, step)
+            self.open_group = group
+        return True
+
+    def _new_group(self, layer: int, step: StepState) -> Group:
+        group = Group(layer, step.index)
+        group.min_offload_bytes = self.schedule.min_offload_bytes(layer)
+        group.on_free = self._group_freed
+        group.counters = step.counters
+        group.captured = step.captured
+        step.groups[layer] = group
+        return group
+
+    def _between_layers_group(self) -> Optional[Group]:
+        """The group for a tensor saved between two layers of OffloadActivations' forward: the
+        next layer's (see the module notes), or None to keep it where it is."""
+        if self.in_layer or self._passive_depth or not self._forward_open():
+            return None
+        step = self.step
+        layer = step.layers_started  # type: ignore[union-attr]
+        group = self.pending_group
+        if group is None or group.layer != layer:
+            if not self.schedule.offloads(layer):
+                return None
+            group = self.pending_group = self._new_group(layer, step)  # type: ignore[arg-type]
+        return group
+
+    def end_layer(self, failed: bool = False) -> Optional[int]:
+        """Forward left the layer: close its group and let the schedule start its D2H.
+
+        Returns the layer's index, or None for a passive layer or after a failure.
+        """
+        self.last_closed_layer = None
+        if self._passive_depth:
+            self._passive_depth -= 1
+            return None
+        if not self.in_layer:
+            return None
+        self.in_layer = False
+        if self._hooks_pushed:
+            self._hooks_pushed = False
+            self._hooks.__exit__(None, None, None)
+        group = self.open_group
+        self.open_group = None
+        if failed:
+            self.abort_step()
+            return None
+        step = self.step
+        if group is not None:
+            group = self._close(group, step)
+        self.schedule.on_layer_end(self, self.current_layer, group)
+        self.last_closed_layer = self.current_layer
+        if self.layer_contexts and step.layers_started >= self.model_layers:
+            self.end_forward()
+        return self.current_layer
+
+    def _close(self, group: Group, step: StepState) -> Optional[Group]:
+        # Lay the group out, or forget it when nothing was saved into it.
+        self.arena.unclaim(group.saved_bytes)
+        if group.entries:
+            group.close()
+            step.unconsumed += 1
+            return group
+        group.state = GroupState.KEPT  # nothing saved: nothing to do, ever
+        step.groups.pop(group.layer, None)
+        return None
+
+    # -- OffloadActivations' forward and its end -------------------------------------------------
+    def begin_forward(self) -> bool:
+        """OffloadActivations' entry: start a step and push the hooks for the whole forward.
+
+        Returns False (and does nothing) under ``no_grad``, where a forward saves nothing.
+        Atomic like :meth:`begin_layer`.
+        """
+        if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
+            return False
+        self._hooks.__enter__()  # first: it may raise, and then nothing has changed
+        self._forward_hooks_pushed = True
+        try:
+            self.begin_step()
+        except BaseException:
+            self._pop_forward_hooks()
+            raise
+        return True
+
+    def _pop_forward_hooks(self) -> None:
+        if self._forward_hooks_pushed:
+            self._forward_hooks_pushed = False
+            self._hooks.__exit__(None, None, None)
+
+    def finish_forward(self) -> None:
+        """OffloadActivations' exit: pop the forward's hooks, then :meth:`end_forward`."""
+        self._pop_forward_hooks()
+        self.end_forward()
+
+    def end_forward(self) -> None:
+        """The forward pass is over: the schedule releases what it still holds.
+
+        Also called from backward (see :meth:`_backward_started`), possibly on autograd's
+        device thread, so it leaves the hooks alone: they belong to the thread that pushed them.
+        """
+        step = self.step
+        if step is None or step.forward_done:
+            return
+        pending = self.pending_group
+        if pending is not None:
+            # Saved after the last layer that ran, for a layer that never came: keep it here.
+            self.pending_group = None
+            pending = self._close(pending, step)
+            if pending is not None:
+                pending.mark_kept()
+        step.forward_done = True
+        self.schedule.on_forward_end(self)
+        self._check_finished(step)
+
+    def _backward_started(self, step: StepState) -> None:
+        # Backward reached a step whose forward is still open: the forward is over, whatever
+        # the layer count said. Say so when the count is the TE call shape's step boundary.
+        if self.layer_contexts and step.layers_started != self.model_layers:
+            self.warn_once(
+                "count",
+                f"offload: backward began after {step.layers_started} layer contexts, but "
+                f"model_layers={self.model_layers}; the step was ended there. Pass the number of "
+                "`with ctx` blocks one forward really runs as model_layers, or the schedule "
+                "offloads the wrong layers (gradients stay exact).",
+            )
+        self.end_forward()
+
+    def abort_step(self) -> None:
+        """Forget the step after an exception in forward; the next layer starts a fresh step.
+
+        Its groups are dropped from the engine here and freed with whatever autograd graph
+        still references them, so no GPU or host memory stays behind.
+        """
+        if self._hooks_pushed:
+            self._hooks_pushed = False
+            self._hooks.__exit__(None, None, None)
+        self._pop_forward_hooks()
+        self.in_layer = False
+        self.open_group = None
+        self.pending_group = None
+        self._passive_depth = 0
+        if self.step is not None:
+            for group in list(self.step.groups.values()):
+                if group.state is GroupState.OPEN:
+                    self.arena.unclaim(group.saved_bytes)
+                    group.saved_bytes = 0
+        self.step = None
+
+    # -- backward markers ------------------------------------------------------------------------
+    def on_backward_reach(self, step: int, layer: int) -> None:
+        """Called by the backward markers: backward is about to run ``layer`` of ``step`` (the
+        current step or an earlier micro-batch still in flight; any other is done with)."""
+        state = self.step_state(step)
+        if state is None:
+            return
+        if state is self.step and not state.forward_done:
+            self._backward_started(state)
+        state.reached = layer
+        self.schedule.on_backward_reach(self, state, layer)
+
+    def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
+        """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""
+        if self.step is not None and tensor.requires_grad:
+            tensor.register_hook(BackwardReach(self, self.step.index, layer))
+
+    # -- finishing a step ------------------------------------------------------------------------
+    def _check_finished(self, step: StepState) -> None:
+        # A step is finished once its forward is done and every group was handed back in full.
+        if step.forward_done and step.unconsumed <= 0:
+            if step.captured and not step.counters.finished:
+                # Still inside the capture (the last unpack of its backward): join the side
+                # streams this step forked, or the capture cannot end.
+                self._join_side_streams(step.counters)
+            self._finish(step)
+
+    def _finish(self, step: StepState, trim: bool = True) -> None:
+        if not step.counters.finished:
+            step.counters.finished = True
+            step.counters.pinned_allocations += self.arena.counters.pinned_allocations
+            self._diagnose(step.counters)
+        self.last_finished = step.counters
+        if self.in_flight:
+            self.in_flight.pop(step.index)
+        # Trim only when the whole wave of micro-batches is done, keeping the blocks any of
+        # them used: the next wave (the pipeline's next iteration) asks for them again.
+        current = self.step
+        wave_done = not self.in_flight and (current is None or current is step or current.counters.finished)
+        if trim and wave_done and not step.captured:
+            self.arena.end_step(step.index, first_step=self.in_flight.wave_first)
+
+    def _diagnose(self, counters: StepCounters) -> None:
+        # Once per step, from its counters: a step that was meant to offload and moved nothing
+        # warns (once per context) with the reason, instead of failing silently.
+        largest_small, self.policy.largest_small = self.policy.largest_small, 0
+        if "nothing_offloaded" in self._warned or not self.schedule.expects_offload():
+            return
+        message = nothing_offloaded(
+            counters, min_offload_bytes=self.policy.min_offload_bytes, largest_small=largest_small
+        )
+        if message is not None:
+            self.warn_once("nothing_offloaded", message)
+
+    # -- graphed layers (offload.graphs) ---------------------------------------------------------
+    def begin_local_group(self, label: int, counters: StepCounters) -> Group:
+        """Collect the saved tensors of one graphed layer's forward into a self-contained group.
+
+        Used by ``offload.graphs`` around a layer's forward while it is warmed up and captured;
+        ``label`` names the layer in messages, ``counters`` receive its figures.
+        """
+        if self.local_group is not None:
+            raise RuntimeError("offload: graphed layers do not nest; a graphed layer's forward called another")
+        captured = self.transport.capturing()
+        if captured:
+            self._check_capture_ready(f"graphed layer {label}")
+        group = Group(label, step=0)
+        group.local = True
+        group.captured = captured
+        group.on_free = self._group_freed
+        group.counters = counters
+        self.local_group = group
+        if torch.is_grad_enabled():
+            self._local_hooks.__enter__()
+            self._local_hooks_pushed = True
+        return group
+
+    def end_local_group(self, failed: bool = False) -> None:
+        """Close the graphed layer's group: offload it and release its GPU memory at once.
+
+        Releasing here makes the forward wait for its own D2H, which is what joins the copy
+        stream back before the forward graph ends; with ``cuda_graph_event`` the caller's stream
+        does not have to wait for that tail (see ``offload.graphs``).
+        """
+        group = self.local_group
+        if group is None:
+            return
+        self.local_group = None
+        if self._local_hooks_pushed:
+            self._local_hooks_pushed = False
+            self._local_hooks.__exit__(None, None, None)
+        self.arena.unclaim(group.saved_bytes)
+        group.saved_bytes = 0
+        if failed or not group.entries:
+            group.state = GroupState.KEPT  # nothing to move; any handles autograd kept stay valid
+            return
+        group.close()
+        self.start_offload(group)
+        self.release(group)
