@@ -4,7 +4,10 @@ Contenders, side by side in one process per model:
   plain; HF checkpointing (``gradient_checkpointing_enable(use_reentrant=False)``);
   ``torch.autograd.graph.save_on_cpu(pin_memory=True)``; ``OffloadActivations`` with a fixed
   number of offloaded layers (``--ks``); the planner (``offload.planner``) at the budgets
-  75% of plain's peak, checkpointing's peak, and the lowest reachable peak.
+  75% of plain's peak, checkpointing's peak, and the lowest reachable peak; selective recompute
+  (``offload.selective_recompute``) of every layer's MLP, alone and with ``--selective-ks``
+  layers offloaded; and the same policy around whole layers (torch's selective activation
+  checkpointing as a user would apply it to each decoder layer).
 
 Targets (docs/benchmarks.md): T8 budget = checkpointing's peak -> step <= 1.20x plain; T9 lowest plan ->
 peak <= 0.97x checkpointing's at <= 1.03x its step; T10 budget = 75% of plain -> step <= 1.05x
@@ -58,7 +61,7 @@ def fmt_gib(v: Optional[float]) -> str:
     return "-" if v is None else f"{v:.2f} GiB"
 
 
-def run_model(env: Env, spec: LlamaSpec, ks: list[int]) -> dict[str, Any]:
+def run_model(env: Env, spec: LlamaSpec, ks: list[int], selective_ks: list[int]) -> dict[str, Any]:
     print(f"\n{spec.describe()}", flush=True)
     model, ids = spec.build(env.device)
     layers = model.model.layers
@@ -78,37 +81,35 @@ def run_model(env: Env, spec: LlamaSpec, ks: list[int]) -> dict[str, Any]:
         rows.append(timed_row(env, f"offload k={k}", llama_step(model, ids, lambda oa=oa: oa), k=k))
         oa.close()
         del oa
+    with offload.selective_recompute(list(layers)):
+        rows.append(timed_row(env, "torch SAC, whole layers", llama_step(model, ids)))
+    with offload.selective_recompute([layer.mlp for layer in layers]):
+        for k in selective_ks:
+            if k == 0:
+                rows.append(timed_row(env, "MLP selective", llama_step(model, ids)))
+                continue
+            oa = offload.OffloadActivations(layers, num_offload_layers=k, device=dev)
+            rows.append(timed_row(env, f"MLP selective + offload k={k}", llama_step(model, ids, lambda oa=oa: oa), k=k))
+            oa.close()
+            del oa
 
-    # The planner: one probe, then a plan per budget.
-    profile = offload.planner.profile_step(layers, llama_step(model, ids), device=dev)
-    free_memory(env)
+    # The planner: one probe, then a plan per budget; then the same with every MLP under
+    # selective recompute (the probe measures its caches, the plans count them).
     budgets: list[tuple[str, Any]] = []
     if plain.get("peak_bytes"):
         budgets.append(("75% of plain", int(0.75 * plain["peak_bytes"])))
     if ckpt.get("peak_bytes"):
         budgets.append(("checkpointing's peak", int(ckpt["peak_bytes"])))
     budgets.append(("lowest", "lowest"))
+    profile = offload.planner.profile_step(layers, llama_step(model, ids), device=dev)
+    free_memory(env)
     if env.smoke:  # no peak on the host: plan at fractions of the activations instead
         budgets = [("half", profile.plain_peak_bytes // 2), ("lowest", "lowest")]
-    plans = []
-    for label, budget in budgets:
-        try:
-            plan = offload.planner.choose(profile, budget)
-        except ValueError as exc:
-            rows.append({"variant": f"plan @ {label}", "error": str(exc)})
-            print(f"  plan @ {label}: {exc}")
-            continue
-        oa = offload.OffloadActivations(layers, plan=plan, device=dev, measure_peak=True)
-        row = timed_row(env, f"plan @ {label}", llama_step(model, ids, lambda oa=oa: oa), budget=budget,
-                        plan=plan.describe(), predicted_step_ms=plan.prediction.step_ms,
-                        predicted_peak_bytes=plan.prediction.peak_bytes)
-        if "error" not in row:
-            row["table"] = plan.table(measured={"step_ms": row["step_ms"], "peak_bytes": row["peak_bytes"]})
-            print(row["table"])
-        rows.append(row)
-        plans.append((label, row))
-        oa.close()
-        del oa
+    plans = plan_rows(env, model, ids, layers, profile, budgets, rows, "")
+    with offload.selective_recompute([layer.mlp for layer in layers]):
+        sel_profile = offload.planner.profile_step(layers, llama_step(model, ids), device=dev)
+        free_memory(env)
+        sel_plans = plan_rows(env, model, ids, layers, sel_profile, budgets, rows, " (MLP selective)")
 
     base = plain.get("step_ms")
     for r in rows:
@@ -119,9 +120,38 @@ def run_model(env: Env, spec: LlamaSpec, ks: list[int]) -> dict[str, Any]:
         ("peak_gib", "peak GiB", ".2f"), ("plan", "plan", ""),
     ])
     targets = check_targets(plain, ckpt, plans)
+    print("  with every MLP under selective recompute:")
+    sel_targets = check_targets(plain, ckpt, sel_plans)
     del model
     free_memory(env)
-    return {"workload": spec.describe(), "rows": rows, "profile": profile_summary(profile), "targets": targets}
+    return {"workload": spec.describe(), "rows": rows, "profile": profile_summary(profile), "targets": targets,
+            "selective_profile": profile_summary(sel_profile), "selective_targets": sel_targets}
+
+
+def plan_rows(env: Env, model: Any, ids: Any, layers: Any, profile: Any, budgets: list[tuple[str, Any]],
+              rows: list[dict[str, Any]], suffix: str) -> list[tuple[str, dict[str, Any]]]:
+    """A plan per budget from ``profile``, each run and timed; rows appended to ``rows``."""
+    plans = []
+    for label, budget in budgets:
+        name = f"plan @ {label}{suffix}"
+        try:
+            plan = offload.planner.choose(profile, budget)
+        except ValueError as exc:
+            rows.append({"variant": name, "error": str(exc)})
+            print(f"  {name}: {exc}")
+            continue
+        oa = offload.OffloadActivations(layers, plan=plan, device=env.offload_device, measure_peak=True)
+        row = timed_row(env, name, llama_step(model, ids, lambda oa=oa: oa), budget=budget,
+                        plan=plan.describe(), predicted_step_ms=plan.prediction.step_ms,
+                        predicted_peak_bytes=plan.prediction.peak_bytes)
+        if "error" not in row:
+            row["table"] = plan.table(measured={"step_ms": row["step_ms"], "peak_bytes": row["peak_bytes"]})
+            print(row["table"])
+        rows.append(row)
+        plans.append((label, row))
+        oa.close()
+        del oa
+    return plans
 
 
 def profile_summary(profile: Any) -> dict[str, Any]:
@@ -203,6 +233,15 @@ def check_gradients(env: Env) -> dict[str, Any]:
             oa = offload.OffloadActivations(layers, plan=made, **kw)
             result[name] = all(same(expected, grads(oa)) for _ in range(2))
             oa.close()
+        with offload.selective_recompute([layer.mlp for layer in layers]):
+            result["MLP selective"] = same(expected, grads())
+            oa = offload.OffloadActivations(layers, num_offload_layers=3, **kw)
+            result["MLP sel. + k=3"] = all(same(expected, grads(oa)) for _ in range(2))
+            oa.close()
+            sel = offload.planner.profile_step(layers, lambda: grads(), device=env.offload_device, min_offload_bytes=0)
+            oa = offload.OffloadActivations(layers, plan=offload.planner.choose(sel, "lowest"), **kw)
+            result["MLP sel. + plan"] = all(same(expected, grads(oa)) for _ in range(2))
+            oa.close()
     print("\nGradients bit for bit against plain (small Llama, repeatable SDPA):")
     for k, v in result.items():
         print(f"  {k:<16} {'equal' if v else 'DIFFERENT'}")
@@ -234,6 +273,9 @@ def main() -> None:
     parser = make_parser(__doc__, warmup=2, steps=3, smoke_warmup=1, smoke_steps=1)
     parser.add_argument("--models", default="llama_1b,llama_2b")
     parser.add_argument("--ks", default=None, help="fixed offload counts (default: 4,8,12,15 for 1B; 2,4,6,7 for 2B)")
+    parser.add_argument("--selective-ks", default=None,
+                        help="offload counts run with every MLP under selective recompute (0: none offloaded; "
+                             "default: 0,4,8,12 for 1B; 0,2,4,6 for 2B)")
     parser.add_argument("--skip-save-on-cpu", action="store_true", help="leave out save_on_cpu (slow: 5-7x)")
     parser.add_argument("--no-grad-check", action="store_true")
     env = setup(parser)
@@ -241,11 +283,15 @@ def main() -> None:
     if not env.args.no_grad_check:
         results["gradients"] = check_gradients(env)
     defaults = {"llama_1b": [4, 8, 12, 15], "llama_2b": [2, 4, 6, 7]}
+    selective_defaults = {"llama_1b": [0, 4, 8, 12], "llama_2b": [0, 2, 4, 6]}
     for name in env.args.models.split(","):
         spec = WORKLOADS[name](scale_for(env.smoke))
         ks = [int(k) for k in env.args.ks.split(",")] if env.args.ks else defaults.get(name, [spec.layers - 1])
         ks = [k for k in ks if 0 < k < spec.layers]
-        results[name] = run_model(env, spec, ks)
+        sel = ([int(k) for k in env.args.selective_ks.split(",")] if env.args.selective_ks
+               else selective_defaults.get(name, [0, spec.layers // 2]))
+        sel = [k for k in sel if 0 <= k < spec.layers]
+        results[name] = run_model(env, spec, ks, sel)
     write_json(env.args.name or "pareto", env, {"results": results})
     if not env.args.no_json:
         plot(results, (RESULTS_DIR / "smoke" if env.smoke else RESULTS_DIR) / f"{env.args.name or 'pareto'}.png")

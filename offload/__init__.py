@@ -25,6 +25,7 @@ from .arena import CaptureError
 from .marks import mark_activation_offload, mark_not_offload, start_offload
 from .native import native_available
 from .scope import is_cpu_offload_enabled, is_cpu_offload_layer, keep_on_gpu
+from .selective import selective_recompute
 from .stats import StepStats
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "plan",
     "planner",
     "resolve_mode",
+    "selective_recompute",
     "start_offload",
 ]
 

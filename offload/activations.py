@@ -484,8 +484,12 @@ class OffloadActivations:
             handle.remove()
         self._handles.clear()
         for module in dict.fromkeys(self.layers):
-            if isinstance(module.__dict__.get("forward"), _RecomputeForward):
-                del module.forward
+            wrapper = module.__dict__.get("forward")
+            if isinstance(wrapper, _RecomputeForward):
+                if getattr(wrapper.fn, "__self__", None) is module:
+                    del module.forward  # it wrapped the class's forward (a bound method)
+                else:
+                    module.forward = wrapper.fn  # an instance attribute set before (selective)
 
     def _refuse_second_entry(self) -> None:
         # One engine runs one forward at a time: a second forward inside the first (or beside

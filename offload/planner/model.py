@@ -17,6 +17,8 @@ Per layer, by action (sizes from :func:`offloaded_bytes`, :func:`held_bytes`,
   RECOMPUTE  holds input_bytes until released, then nothing; copies its inputs out and back;
              its backward costs forward_ms + backward_ms and holds saved_bytes transiently.
   A layer whose copy would be 0 bytes copies nothing and is never "in flight".
+  KEEP and OFFLOAD layers also hold their ``cached_bytes`` (selective recompute's caches, never
+  offloaded) until their backward; a RECOMPUTE layer holds none (they run plainly inside it).
 
 Forward. ``pre_ms``; then for each layer i in order:
   1. every group whose D2H has finished is released (free);
@@ -80,8 +82,9 @@ def offloaded_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
 
 
 def held_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
-    """GPU bytes the layer holds from the end of its forward until its group is released."""
-    return layer.input_bytes if lp.action is Action.RECOMPUTE else layer.saved_bytes
+    """GPU bytes the layer holds from the end of its forward until its group is released (its
+    selective-recompute caches, which are never offloaded, included)."""
+    return layer.input_bytes if lp.action is Action.RECOMPUTE else layer.saved_bytes + layer.cached_bytes
 
 
 def resident_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
@@ -94,14 +97,14 @@ def transient_bytes(layer: LayerProfile, lp: LayerPlan, recompute_factor: float 
     recompute the activations it rebuilds, scaled by the profile's measured
     ``recompute_factor``."""
     if lp.action is Action.RECOMPUTE:
-        return int(recompute_factor * (layer.saved_bytes + layer.backward_peak_bytes))
+        return int(recompute_factor * (layer.saved_bytes + layer.cached_bytes + layer.backward_peak_bytes))
     return layer.backward_peak_bytes
 
 
 def forward_need_bytes(layer: LayerProfile) -> int:
     """Bytes the layer's forward needs on top of what is held: its measured peak, at least
     what it saves."""
-    return max(layer.saved_bytes, layer.forward_peak_bytes)
+    return max(layer.saved_bytes + layer.cached_bytes, layer.forward_peak_bytes)
 
 
 def backward_cost_ms(layer: LayerProfile, lp: LayerPlan, recompute_time_factor: float = 1.0) -> float:

@@ -5,6 +5,8 @@ Nothing is offloaded during the probe. It records, per layer:
   aligns spans, and the engine's ``SelectionPolicy`` picks the tensors, so the bytes are exactly
   what an offloading step would move);
 - the bytes a checkpoint of the layer would save (its positional tensor inputs);
+- the bytes its selectively recomputed modules keep in their caches (``offload.selective``),
+  which never reach the hooks;
 - its forward time (events at the module's pre-hook and hook) and its backward time (from the
   moment the gradient of its output is ready to the moment the gradient of its input is).
 
@@ -30,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ..step import first_grad_tensor
 from ..group import Group
 from ..policy import SelectionPolicy
+from ..selective import cached_bytes
 from .types import LayerProfile, LinkProfile, StepProfile
 
 
@@ -92,7 +95,7 @@ class _LayerRecord:
     __slots__ = (
         "group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
         "mem_start", "mem_end", "forward_peak", "mem_bwd_start", "backward_peak", "module",
-        "new_grads",
+        "new_grads", "cached",
     )
 
     def __init__(self, index: int) -> None:
@@ -102,6 +105,7 @@ class _LayerRecord:
         self.slots: tuple[int, ...] = ()
         self.module: Optional[torch.nn.Module] = None
         self.new_grads = 0  # bytes of its weights that require grad and have none yet
+        self.cached = 0     # bytes its selectively recomputed modules cached (offload.selective)
         # Allocated bytes at the layer's start and end, and its peak above the start (forward);
         # at the start of its backward, and its peak above that (backward). 0 on CPU.
         self.mem_start = self.mem_end = self.forward_peak = 0
@@ -138,6 +142,7 @@ class ProbeStep:
             if self.layers.count(self.layers[middle]) == 1:
                 self.recompute_index = middle
         self._restore_forward: Optional[Any] = None
+        self._previous_forward: Optional[Any] = None
         self.policy = policy
         self.device = device
         self.clock = _Clock(device)
@@ -166,6 +171,9 @@ class ProbeStep:
             # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
             module = self.layers[self.recompute_index]
             plain_forward = module.forward
+            # An instance attribute the caller set (a selective-recompute wrapper) comes back
+            # after the step; otherwise the class's forward does.
+            self._previous_forward = module.__dict__.get("forward")
             module.forward = lambda *a, **kw: checkpoint(plain_forward, *a, use_reentrant=False, **kw)
             self._restore_forward = module
         self.step_start = self.clock.mark()
@@ -186,8 +194,12 @@ class ProbeStep:
             handle.remove()
         self._handles.clear()
         if self._restore_forward is not None:
-            del self._restore_forward.forward  # the class's forward again
+            if self._previous_forward is not None:
+                self._restore_forward.forward = self._previous_forward
+            else:
+                del self._restore_forward.forward  # the class's forward again
             self._restore_forward = None
+            self._previous_forward = None
         self.forward_end = self.clock.mark()
         for record in self.records + ([self._pending] if self._pending is not None else []):
             if record.group is not None:
@@ -236,6 +248,7 @@ class ProbeStep:
         record.fwd_end = self.clock.mark()
         record.module = module
         record.new_grads = sum(p.nbytes for p in module.parameters() if p.requires_grad and p.grad is None)
+        record.cached = cached_bytes(module)
         record.forward_peak = max(0, self.meter.segment() - record.mem_start)
         record.mem_end = self.meter.now()
         grad_output = first_grad_tensor(output)
@@ -294,7 +307,7 @@ class ProbeStep:
         held = 0
         g = []
         for r, layer in zip(records, layers):
-            held += layer.saved_bytes
+            held += layer.saved_bytes + layer.cached_bytes
             g.append(max(0, r.mem_bwd_start - self.base_bytes - held))
         growth = [max(0, g[i - 1] - g[i]) for i in range(1, len(g))]
         return g[-1], [layers[0].grad_bytes] + growth
@@ -332,6 +345,7 @@ class ProbeStep:
                 forward_peak_bytes=r.forward_peak,
                 backward_peak_bytes=r.backward_peak,
                 grad_bytes=grads[len(layers)],
+                cached_bytes=r.cached,
             ))
         first, last = records[0], records[-1]
         step_ms = ms(self.step_start, self.step_end)
@@ -350,12 +364,12 @@ class ProbeStep:
             # Bounded: one calibration layer speaks for all, and a noisy reading must not make
             # recompute look free or ruinous.
             ref = layers[recompute_peak[0]]
-            additive = ref.saved_bytes + ref.backward_peak_bytes
+            additive = ref.saved_bytes + ref.cached_bytes + ref.backward_peak_bytes
             if additive > 0:
                 factor = min(1.5, max(0.5, recompute_peak[1] / additive))
             if ref.forward_ms > 0 and recompute_peak[2] > 0:
                 time_factor = min(1.5, max(0.3, (recompute_peak[2] - ref.backward_ms) / ref.forward_ms))
-        saved = sum(l.saved_bytes for l in layers)
+        saved = sum(l.saved_bytes + l.cached_bytes for l in layers)
         if self.clock.cuda:
             base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak
         else:

@@ -81,6 +81,10 @@ class LayerProfile:
     backward_peak_bytes: int = 0  # peak above the start of its backward (its weight gradients,
                                   # the activation gradients, workspace) without recompute
     grad_bytes: int = 0           # weight gradients its backward allocates that stay to step end
+    # Held from its forward to its backward outside the saved-tensor hooks, so never offloaded:
+    # the caches of its selectively recomputed modules (offload.selective). A recomputed layer
+    # holds none (inside a whole-layer checkpoint they run plainly).
+    cached_bytes: int = 0
 
     def __post_init__(self) -> None:
         slots = tuple(self.slot_bytes) if isinstance(self.slot_bytes, (list, tuple)) else None
@@ -92,7 +96,7 @@ class LayerProfile:
         _check_int("LayerProfile", "input_bytes", self.input_bytes)
         _check_ms("LayerProfile", "forward_ms", self.forward_ms)
         _check_ms("LayerProfile", "backward_ms", self.backward_ms)
-        for name in ("forward_peak_bytes", "backward_peak_bytes", "grad_bytes"):
+        for name in ("forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cached_bytes"):
             _check_int("LayerProfile", name, getattr(self, name))
         if not isinstance(self.signature, str):
             raise ValueError(f"LayerProfile.signature must be a str, got {self.signature!r}")
