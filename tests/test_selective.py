@@ -15,7 +15,9 @@ import offload
 from offload.models import MLPBlock, run_layers
 from offload.selective import SelectiveForward
 
-from _util import assert_bitwise, cpu_context, hooks_installed, plain_reference, train_step
+from _util import (
+    assert_bitwise, cpu_context, hooks_installed, llama_grads, oa_step, plain_reference, tiny_llama, train_step,
+)
 
 
 def mlp_stack(n: int, hidden: int, device: str = "cpu", dtype: torch.dtype = torch.float32) -> torch.nn.ModuleList:
@@ -63,13 +65,7 @@ def test_composes_with_offloading_bitwise(shape: str) -> None:
             stats = ctx.stats
         else:
             oa = offload.OffloadActivations(layers, 3, device="cpu", min_offload_bytes=0)
-            for p in layers.parameters():
-                p.grad = None
-            z = x.detach().requires_grad_(True)
-            with oa:
-                out = run_layers(layers, z)
-            (out.float() ** 2).mean().backward()
-            got = [p.grad.clone() for p in layers.parameters()] + [z.grad.clone()]
+            got = oa_step(layers, x, oa)
             stats = oa.stats
     assert_bitwise(expected, got)
     # The block inputs that checkpoint saves are what gets offloaded (layer 0's is the leaf
@@ -127,31 +123,13 @@ def test_bad_input_says_what_was_wrong() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_hf_llama_mlps_bitwise_on_cpu() -> None:
-    import transformers
-
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=100, use_cache=False)
-    cfg._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).train()
-    ids = torch.randint(0, 100, (2, 32))
-
-    def grads() -> list[torch.Tensor]:
-        model(input_ids=ids, labels=ids).loss.backward()
-        out = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
-
-    expected = grads()
-    assert_bitwise(expected, grads())
+    model, ids = tiny_llama(2)
+    expected = llama_grads(model, ids)
+    assert_bitwise(expected, llama_grads(model, ids))
     with offload.selective_recompute([layer.mlp for layer in model.model.layers]):
-        assert_bitwise(expected, grads())
-        with offload.OffloadActivations(model.model.layers, 1, device="cpu", min_offload_bytes=0) as oa:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        got = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        assert_bitwise(expected, got)
+        assert_bitwise(expected, llama_grads(model, ids))
+        oa = offload.OffloadActivations(model.model.layers, 1, device="cpu", min_offload_bytes=0)
+        assert_bitwise(expected, llama_grads(model, ids, oa))
         assert oa.stats["offloaded_tensors"] > 0
 
 
@@ -186,13 +164,7 @@ def test_plans_with_selective_modules_are_bitwise_exact() -> None:
         actions = [LayerPlan(Action.OFFLOAD), LayerPlan(Action.RECOMPUTE), LayerPlan(Action.OFFLOAD), LayerPlan(Action.KEEP)]
         oa = offload.OffloadActivations(layers, plan=plan_for(profile, actions), device="cpu", min_offload_bytes=0)
         for _ in range(2):
-            for p in layers.parameters():
-                p.grad = None
-            z = x.detach().requires_grad_(True)
-            with oa:
-                out = run_layers(layers, z)
-            (out.float() ** 2).mean().backward()
-            assert_bitwise(expected, [p.grad.clone() for p in layers.parameters()] + [z.grad.clone()])
+            assert_bitwise(expected, oa_step(layers, x, oa))
         assert oa.stats["offloaded_tensors"] > 0
         oa.close()  # its recompute wrapper goes, the selective one under it stays
         assert all(isinstance(m.__dict__.get("forward"), SelectiveForward) for m in layers)
