@@ -14,7 +14,7 @@ peak <= 0.97x checkpointing's at <= 1.03x its step; T10 budget = 75% of plain ->
 plain; T11 predicted step and peak within 10% of measured. Gradients are checked bit for bit
 against plain on a small Llama with a repeatable SDPA backend (efficient / math).
 
-Writes benchmarks/results/pareto.json and, with matplotlib, benchmarks/results/pareto.png.
+Writes benchmarks/results/pareto.json (or ``--name``'s) and, with matplotlib, the .png beside it.
 
     python benchmarks/pareto.py                       # both models on the GPU
     python benchmarks/pareto.py --models llama_2b --ks 2,4,7
