@@ -256,6 +256,23 @@ def test_a_block_still_being_pinned_is_not_waited_for_when_the_group_can_stay() 
     assert region is not None and region.block.numel() == 4 * BLOCK_GRANULE
 
 
+def test_each_kept_group_gets_its_own_block_for_the_next_step() -> None:
+    gate = threading.Event()
+    alloc = FakePinned(gate=gate)
+    arena = pinned_arena(alloc)
+    arena.keep_while_pinning = lambda n: True
+    # Two groups of one step miss while nothing is pinned: the first queues a block; the second
+    # must not count on that same block (it is promised to the first), so it queues its own.
+    assert arena.acquire(BLOCK_GRANULE, step=1) is None
+    assert arena.acquire(BLOCK_GRANULE, step=1) is None
+    assert arena.counters.bytes_pending == 2 * BLOCK_GRANULE
+    gate.set()
+    arena.settle(wait=True)
+    assert arena.acquire(BLOCK_GRANULE, step=2) is not None
+    assert arena.acquire(BLOCK_GRANULE, step=2) is not None  # no group of step 2 is kept
+    assert arena.counters.kept_while_pinning == 2
+
+
 def test_no_room_to_keep_pins_now_as_before_and_budget_refusals_are_not_pinning_misses() -> None:
     alloc = FakePinned(round_to=1)
     arena = pinned_arena(alloc, budget=2 * BLOCK_GRANULE)
