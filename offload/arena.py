@@ -285,30 +285,26 @@ class HostArena:
         """Move finished background blocks to the idle list and take one that fits; else wait
         for one still being pinned that fits, unless ``keep_while_pinning(size)`` says not to.
         None when none does (or its pinning failed, or the caller keeps its group instead)."""
-        waited: Optional[tuple[int, concurrent.futures.Future]] = None
         with self._lock:
-            keep = []
-            for entry in self._pending:
-                pending_size, future = entry
-                if future.done():
-                    self._settle(pending_size, future)
-                elif waited is None and size <= pending_size <= size * REUSE_SLACK and id(future) not in self._promised:
-                    waited = entry
-                else:
-                    keep.append(entry)
+            self._settle_finished()
             region = self._take_idle(size, step, captured=False)
-            if region is not None and waited is not None:
-                keep.append(waited)  # not needed after all: it joins the idle list when done
-            self._pending = keep
-        if region is not None or waited is None:
-            return region
-        if keep_while_pinning is not None and keep_while_pinning(size):
-            with self._lock:
-                self._pending.append(waited)  # still wanted: it joins the idle list when done
-                self._pending.sort(key=lambda entry: entry[0])
-                self._promised.add(id(waited[1]))
-                self.counters.kept_while_pinning += 1
+            if region is not None:
+                return region
+            waited = next((entry for entry in self._pending
+                           if size <= entry[0] <= size * REUSE_SLACK and id(entry[1]) not in self._promised), None)
+        if waited is None:
             return None
+        # (Pending blocks change only on the thread that acquires; the question may call the
+        # driver, so it is asked outside the lock that Group.__del__ also takes.)
+        keep = keep_while_pinning is not None and keep_while_pinning(size)
+        with self._lock:
+            if keep:
+                self._promised.add(id(waited[1]))  # it joins the idle list when done
+                self.counters.kept_while_pinning += 1
+                return None
+            if waited not in self._pending:  # finished and settled meanwhile (settle())
+                return self._take_idle(size, step, captured=False)
+            self._pending.remove(waited)
         pending_size, future = waited
         try:
             block, pinned_bytes = future.result()
@@ -335,21 +331,25 @@ class HostArena:
         # that step has ended; the trim at the step's end must not take it back unused.
         self._add_idle(Region(block=block, pinned_bytes=pinned_bytes, used_in_step=self._last_acquiring_step))
 
+    def _settle_finished(self) -> None:
+        # Called with the lock held: every finished background block joins the idle list.
+        keep = []
+        for size, future in self._pending:
+            if future.done():
+                self._settle(size, future)
+            else:
+                keep.append((size, future))
+        self._pending = keep
+
     def settle(self, wait: bool = False) -> None:
         """Move the blocks the background pinner has finished to the idle list (``acquire``
         does this itself on a miss); ``wait=True`` first waits for every queued block."""
-        with self._lock:
-            pending = list(self._pending)
         if wait:
-            concurrent.futures.wait([future for _, future in pending])
+            with self._lock:
+                pending = [future for _, future in self._pending]
+            concurrent.futures.wait(pending)
         with self._lock:
-            keep = []
-            for size, future in self._pending:
-                if future.done():
-                    self._settle(size, future)
-                else:
-                    keep.append((size, future))
-            self._pending = keep
+            self._settle_finished()
 
     # -- regions ---------------------------------------------------------------------------------
     def has_idle_blocks(self) -> bool:
