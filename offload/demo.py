@@ -30,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.models import GPTBlock
+from offload.repeatable import repeatable_attention
 from offload.stats import format_bytes
 
 Forward = Callable[[torch.nn.ModuleList, torch.Tensor], torch.Tensor]
@@ -131,24 +132,6 @@ class Bench:
         return Row(name, ms, peak, same, stats)
 
 
-@contextlib.contextmanager
-def _repeatable_attention() -> Any:
-    # The FLASH backward is not bit-for-bit repeatable; the memory-efficient one is when
-    # deterministic algorithms are on (without them, at seq 4096, plain did not repeat itself on
-    # our H100), and it keeps the 4096-token attention small, unlike the math backend.
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
-    # warn_only=False: with warn_only the efficient attention backward keeps its default,
-    # non-deterministic algorithm (torch says so in a warning), and plain does not repeat itself.
-    torch.use_deterministic_algorithms(True)
-    try:
-        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-            yield
-    finally:
-        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
-
-
 def _gpu_table(rows: list[Row]) -> str:
     base = rows[0].step_ms
     lines = [f"{'contender':<40} {'step ms':>9} {'x plain':>8} {'peak GiB':>9}  gradients"]
@@ -191,7 +174,7 @@ def run_gpu(args: argparse.Namespace, device: torch.device) -> bool:
     n = spec.layers
     hidden_k = min(args.offload_layers, n - 1)
     print(f"offload demo on {torch.cuda.get_device_name(device)}: {spec.describe()}; native copies: {offload.native_available()}")
-    with _repeatable_attention():
+    with repeatable_attention():
         # Held on the host, so that they do not add to every contender's GPU peak.
         expected = [g.cpu() for g in bench.step()]
         if not all(torch.equal(a, b.cpu()) for a, b in zip(expected, bench.step())):
