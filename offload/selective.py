@@ -30,6 +30,10 @@ Inside a whole-layer checkpoint (HF ``gradient_checkpointing_enable``, an offloa
 ``RECOMPUTE`` layers) a wrapped module runs plainly: the outer checkpoint already drops
 everything and recomputes it, and the selective cache would only hold memory the outer one frees.
 
+Under ``torch.compile`` the checkpoint becomes a graph region whose policy AOTAutograd applies:
+gradients are bitwise those of the same compiled model without it (aot_eager and inductor,
+tested on CPU); the cache is not counted there.
+
 Plans (``OffloadActivations(memory_budget_bytes=...)``, ``offload.plan``) count the cache: each
 wrapped module records the bytes its last forward left in it (:func:`cached_bytes`), the probe
 step adds them to each layer's profile (``LayerProfile.cached_bytes``), and the cost model holds
@@ -40,6 +44,7 @@ Wrap the modules before the plan's probe steps run (before the first step, or be
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable, Union
 
 import torch
@@ -66,6 +71,10 @@ EXPENSIVE_OPS = _expensive_ops()
 def keep_expensive(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """The selective policy: keep the outputs of :data:`EXPENSIVE_OPS`, recompute the rest."""
     return CheckpointPolicy.MUST_SAVE if func in EXPENSIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# The policy's contexts as a plain partial: what torch.compile accepts as ``context_fn``.
+_policy_contexts = functools.partial(create_selective_checkpoint_contexts, keep_expensive)
 
 
 def _cache_bytes(cache: Any, seen: set[int]) -> int:
@@ -121,6 +130,11 @@ class SelectiveForward:
         return forward_mode, recompute_mode
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():
+            # Dynamo turns the checkpoint into a graph region whose policy AOTAutograd applies
+            # when it partitions the graph: it wants a plain context function, and there is no
+            # cache to count at run time.
+            return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_policy_contexts, **kwargs)
         self.cached_bytes = 0
         if not torch.is_grad_enabled() or _inside_checkpoint():
             return self.fn(*args, **kwargs)

@@ -103,14 +103,15 @@ def sleepy(ctx: Any, cycles: int) -> None:
     transport.offload, transport.reload = slow_offload, slow_reload
 
 
-def oa_step(layers: torch.nn.Module, x: torch.Tensor, wrapper: Any) -> list[torch.Tensor]:
+def oa_step(layers: torch.nn.Module, x: torch.Tensor, wrapper: Any, *, run: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> list[torch.Tensor]:
     """One training step with ``wrapper`` (an ``OffloadActivations``) around the forward; the
-    gradients as :func:`train_step` returns them."""
+    gradients as :func:`train_step` returns them. ``run``: the forward (default: the layers in
+    order), e.g. a compiled one."""
     for p in layers.parameters():
         p.grad = None
     xin = x.detach().requires_grad_(True)
     with wrapper:
-        out = run_layers(layers, xin)
+        out = run(xin) if run is not None else run_layers(layers, xin)
     (out.float() ** 2).mean().backward()
     return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
 

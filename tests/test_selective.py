@@ -4,6 +4,7 @@ CI; the ``cuda`` ones check the memory claim with the allocator."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from typing import Any
 
@@ -131,6 +132,20 @@ def test_hf_llama_mlps_bitwise_on_cpu() -> None:
         oa = offload.OffloadActivations(model.model.layers, 1, device="cpu", min_offload_bytes=0)
         assert_bitwise(expected, llama_grads(model, ids, oa))
         assert oa.stats["offloaded_tensors"] > 0
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_under_torch_compile_bitwise_against_the_same_compiled_plain_model(backend: str) -> None:
+    layers, x = mlp_stack(3, 32), torch.randn(4, 16, 32)
+
+    def compiled_grads() -> list[torch.Tensor]:
+        torch._dynamo.reset()
+        return oa_step(layers, x, contextlib.nullcontext(), run=torch.compile(lambda z: run_layers(layers, z), backend=backend))
+
+    expected = compiled_grads()
+    assert_bitwise(expected, compiled_grads())
+    with offload.selective_recompute(list(layers)):
+        assert_bitwise(expected, compiled_grads())
 
 
 # -- plans count the selective caches -----------------------------------------------------------------
