@@ -185,6 +185,22 @@ def test_plans_with_selective_modules_are_bitwise_exact() -> None:
         assert all(isinstance(m.__dict__.get("forward"), SelectiveForward) for m in layers)
 
 
+def test_a_budget_planned_on_the_fly_counts_the_caches_and_stays_exact() -> None:
+    layers, x = mlp_stack(4, 32), torch.randn(4, 16, 32)
+    expected = plain_reference(layers, x)
+    with offload.selective_recompute(list(layers)):
+        profile = offload.planner.profile_step(layers, lambda: train_step(layers, x), device="cpu", min_offload_bytes=0)
+        budget = profile.plain_peak_bytes // 2
+        oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0)
+        for _ in range(5):  # warm-up, calibration, probe, then two planned steps
+            assert_bitwise(expected, oa_step(layers, x, oa))
+        assert oa.plan is not None and oa.plan.profile is not None
+        assert all(layer.cached_bytes > 0 for layer in oa.plan.profile.layers)
+        assert oa.plan.prediction.peak_bytes <= budget
+        assert oa.stats["offloaded_bytes"] > 0 or oa.plan.recomputes()
+        oa.close()
+
+
 # -- GPU ---------------------------------------------------------------------------------------------
 @pytest.mark.cuda
 @pytest.mark.parametrize("with_offload", [False, True])
