@@ -16,7 +16,9 @@ against plain on a small Llama with a repeatable SDPA backend (efficient / math)
 
 Writes benchmarks/results/pareto.json (or ``--name``'s) and, with matplotlib, the .png beside it.
 
-    python benchmarks/pareto.py                       # both models on the GPU
+    python benchmarks/pareto.py                       # both models on the GPU (over 10 minutes)
+    python benchmarks/pareto.py --models llama_1b --skip-save-on-cpu --name pareto_llama_1b
+                                                      # the committed results: one model per process
     python benchmarks/pareto.py --models llama_2b --ks 2,4,7
     python benchmarks/pareto.py --cpu-smoke           # tiny check of the script, no GPU
 """
