@@ -12,7 +12,9 @@ training step three ways from the same weights and input:
 3. a plan for ``memory_budget_bytes="lowest"``: per layer keep, offload or recompute, the fastest
    plan within 3% of the lowest peak. ``OffloadActivations`` warms up, calibrates and probes on
    its first three steps, plans on the fourth, and follows the plan from then on. On the CPU the
-   planner works from the saved activations alone (there is no allocator to read).
+   planner works from the saved activations alone (there is no allocator to read);
+4. every MLP under ``offload.selective_recompute`` (its SiLU and product recomputed in backward
+   from the kept GEMM outputs) and the layers offloaded as in 2.
 
 Each way's gradients must equal the plain step's bit for bit; the stats report of each is
 printed. Exit code 1 if any gradient differs. Needs ``transformers`` (``pip install transformers``).
@@ -59,13 +61,13 @@ def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def repeatable_attention(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA, SDPA on the efficient / math backends: the FLASH backward does not repeat itself
-    bit for bit, which would void the comparison."""
+    """On CUDA, attention that repeats itself bit for bit (``offload.repeatable``): the FLASH
+    backward does not, which would void the comparison."""
     if device.type != "cuda":
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from offload.repeatable import repeatable_attention as repeatable
 
-    return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+    return repeatable()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -102,6 +104,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(planned.plan.table() if planned.plan else '')
         print(planned.report())
         planned.close()
+
+        with offload.selective_recompute([layer.mlp for layer in layers]):
+            oa = offload.OffloadActivations(layers, **options)
+            same = all(bitwise_equal(expected, train_step(model, ids, oa)) for _ in range(2))
+            ok &= same
+            print(f"selective_recompute(MLPs) + OffloadActivations: gradients bitwise equal to plain: {same}")
+            oa.close()
     return 0 if ok else 1
 
 

@@ -108,5 +108,6 @@ def test_hf_llama_example_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     example = _load_example("hf_llama")
     assert example.main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.count("gradients bitwise equal to plain: True") == 2, out
+    assert out.count("gradients bitwise equal to plain: True") == 3, out
+    assert "selective_recompute(MLPs) + OffloadActivations: gradients bitwise equal to plain: True" in out
     assert "plan for the lowest peak:" in out and "host copy out" in out
