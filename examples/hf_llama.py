@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 from typing import Any, Optional
 
 import torch
@@ -75,6 +76,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     args = parser.parse_args(argv)
+    # Deterministic cuBLAS (the repeatable attention's deterministic mode) needs this before its
+    # first use.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model, ids = tiny_llama(device)
     layers = model.model.layers
