@@ -114,19 +114,6 @@ class Float8BlockwiseStorage(QuantizedStorage):
                 f"{usage}_scale_inv", scale, torch.float32, [_scale_shape(rows, cols, self.block)]
             )
 
-    def update_usage(
-        self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
-    ) -> None:
-        """Drop a layout (creating one needs the high-precision tensor: scales differ per layout)."""
-        self._drop_usage(
-            rowwise_usage,
-            columnwise_usage,
-            {
-                "rowwise": ("rowwise_data", "rowwise_scale_inv"),
-                "columnwise": ("columnwise_data", "columnwise_scale_inv"),
-            },
-        )
-
     def dequantize(
         self, dtype: torch.dtype = torch.float32, *, usage: Optional[str] = None
     ) -> torch.Tensor:

@@ -93,19 +93,6 @@ class MXFP8TensorStorage(QuantizedStorage):
                 f"{usage}_scale_inv", scale, torch.uint8, [(rows, cols // MXFP8_BLOCK_SIZE)]
             )
 
-    def update_usage(
-        self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
-    ) -> None:
-        """Drop a layout (creating one needs the high-precision tensor: blocks differ per layout)."""
-        self._drop_usage(
-            rowwise_usage,
-            columnwise_usage,
-            {
-                "rowwise": ("rowwise_data", "rowwise_scale_inv"),
-                "columnwise": ("columnwise_data", "columnwise_scale_inv"),
-            },
-        )
-
     def dequantize(
         self, dtype: torch.dtype = torch.float32, *, usage: Optional[str] = None
     ) -> torch.Tensor:

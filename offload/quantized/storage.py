@@ -288,13 +288,12 @@ class QuantizedStorage:
                 f"{type(self).__name__}: '{name}' must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}"
             )
 
-    def _drop_usage(
-        self,
-        rowwise_usage: Optional[bool],
-        columnwise_usage: Optional[bool],
-        slots: dict[str, tuple[str, ...]],
+    def update_usage(
+        self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
     ) -> None:
-        """Shared part of ``update_usage``: only dropping data is possible without requantizing."""
+        """Drop a layout. Creating one needs the high-precision tensor: with per-row or per-block
+        scales the layouts' scales differ (storages whose layouts are exact transposes of each
+        other override this to make the missing one)."""
         self._require_live("update_usage")
         want_row = self.rowwise_usage if rowwise_usage is None else bool(rowwise_usage)
         want_col = self.columnwise_usage if columnwise_usage is None else bool(columnwise_usage)
@@ -305,12 +304,10 @@ class QuantizedStorage:
                 f"{type(self).__name__}.update_usage: cannot create a usage this storage does not hold "
                 "(its scales are per block of the other layout); quantize again from the high-precision tensor"
             )
-        if not want_row:
-            for n in slots["rowwise"]:
-                setattr(self, n, None)
-        if not want_col:
-            for n in slots["columnwise"]:
-                setattr(self, n, None)
+        for usage, wanted in (("rowwise", want_row), ("columnwise", want_col)):
+            if not wanted:
+                setattr(self, f"{usage}_data", None)
+                setattr(self, f"{usage}_scale_inv", None)
         self.rowwise_usage, self.columnwise_usage = want_row, want_col
         self._finish_init()
 
