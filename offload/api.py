@@ -281,7 +281,8 @@ def build_engine(
         # rather than the step stalling on pinning (the first step, or growth). Not the default:
         # the 10% headroom cannot know what the head and backward will still allocate, and a
         # slow first step is better than an out-of-memory error that offloading was to prevent.
-        keep_while_pinning=None if wait_for_pinning else transport.can_keep,
+        # (Only pinned host memory is ever waited for: the host transport allocates at once.)
+        keep_while_pinning=transport.can_keep if isinstance(transport, CudaTransport) and not wait_for_pinning else None,
     )
     policy = SelectionPolicy(
         device_index=transport.device_index,

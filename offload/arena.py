@@ -148,8 +148,8 @@ class HostArena:
     ) -> None:
         self.pinned = pinned
         # Asked on a miss that would wait for pinning: may the group stay on the device instead?
-        # (None: always wait.) Only pinned arenas ask: unpinned host memory allocates at once.
-        self.keep_while_pinning = keep_while_pinning if pinned else None
+        # (None: always wait.)
+        self.keep_while_pinning = keep_while_pinning
         # The NUMA node of the blocks (the GPU's, see offload.numa), and why.
         self.numa = numa if numa is not None else NumaPlacement(None, "not bound")
         placement = self.numa

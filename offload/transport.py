@@ -157,10 +157,6 @@ class HostTransport:
         """The event after which the group's host region may be overwritten."""
         return None
 
-    def can_keep(self, nbytes: int) -> bool:
-        """Host memory is never pinned here, so no group waits for pinning: never asked."""
-        return False
-
 
 class CudaTransport:
     """Side-stream copies between a CUDA device and pinned host memory."""
