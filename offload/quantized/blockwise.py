@@ -3,12 +3,12 @@ quantizer."""
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Optional
+from typing import Any, Optional
 
 import torch
 
 from .scaling import _cast_fp8, _check_fp8_dtype, _check_input, _check_usages, _scale_from_amax, finite_amax
-from .storage import QuantizedStorage, _materialize
+from .storage import ScaledLayoutsStorage, _materialize
 
 
 def _scale_shape(rows: int, cols: int, block: Optional[tuple[int, int]]) -> tuple[int, int]:
@@ -54,7 +54,7 @@ def _expand_block_scales(
 _BLOCKS: tuple[Optional[tuple[int, int]], ...] = (None, (1, 128), (128, 128))
 
 
-class Float8BlockwiseStorage(QuantizedStorage):
+class Float8BlockwiseStorage(ScaledLayoutsStorage):
     """FP8 data with float32 scales per row (``block=None``) or per 1x128 / 128x128 block.
 
     Components, in :meth:`prepare_for_saving` order: ``rowwise_data`` ``(M, K)``,
@@ -64,13 +64,6 @@ class Float8BlockwiseStorage(QuantizedStorage):
     The columnwise pair is quantized from ``X^T`` directly: per-row scales of ``X^T`` are the
     per-column scales of ``X``, which is what a GEMM contracting over ``M`` (wgrad) needs.
     """
-
-    _COMPONENTS: ClassVar[tuple[str, ...]] = (
-        "rowwise_data",
-        "rowwise_scale_inv",
-        "columnwise_data",
-        "columnwise_scale_inv",
-    )
 
     def __init__(
         self,
@@ -86,18 +79,7 @@ class Float8BlockwiseStorage(QuantizedStorage):
         _check_fp8_dtype(fp8_dtype)
         self.block = _check_block(block)
         self.fp8_dtype = fp8_dtype
-        self.rowwise_data = rowwise_data
-        self.rowwise_scale_inv = rowwise_scale_inv
-        self.columnwise_data = columnwise_data
-        self.columnwise_scale_inv = columnwise_scale_inv
-        self.rowwise_usage = rowwise_data is not None
-        self.columnwise_usage = columnwise_data is not None
-        if rowwise_data is not None and rowwise_data.dim() == 2:
-            self.shape = (rowwise_data.shape[0], rowwise_data.shape[1])
-        elif columnwise_data is not None and columnwise_data.dim() == 2:
-            self.shape = (columnwise_data.shape[1], columnwise_data.shape[0])
-        else:
-            raise ValueError("Float8BlockwiseStorage needs 2-D rowwise_data or columnwise_data")
+        self._set_layouts(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
         self._finish_init(validate)
 
     def _validate(self) -> None:

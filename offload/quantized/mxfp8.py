@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Optional
+from typing import Optional
 
 import torch
 
 from .scaling import MXFP8_BLOCK_SIZE, _E8M0_BIAS, _FP8_EMAX, _cast_fp8, _check_fp8_dtype, _check_input, _check_usages, _exp2_int, e8m0_to_float, finite_amax
-from .storage import QuantizedStorage, _materialize
+from .storage import ScaledLayoutsStorage, _materialize
 
 
 def _quantize_mx(a: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -31,7 +31,7 @@ def _quantize_mx(a: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor,
     return q, biased.to(torch.uint8)
 
 
-class MXFP8TensorStorage(QuantizedStorage):
+class MXFP8TensorStorage(ScaledLayoutsStorage):
     """MXFP8: FP8 data with one uint8 E8M0 scale (``2^(e - 127)``) per 32 contiguous elements.
 
     Components, in :meth:`prepare_for_saving` order: ``rowwise_data`` ``(M, K)``,
@@ -39,13 +39,6 @@ class MXFP8TensorStorage(QuantizedStorage):
     ``columnwise_scale_inv`` uint8 ``(K, M/32)``. Scales are kept in plain row-major order (not
     the swizzled layout block-scaled GEMM kernels consume).
     """
-
-    _COMPONENTS: ClassVar[tuple[str, ...]] = (
-        "rowwise_data",
-        "rowwise_scale_inv",
-        "columnwise_data",
-        "columnwise_scale_inv",
-    )
 
     def __init__(
         self,
@@ -58,18 +51,7 @@ class MXFP8TensorStorage(QuantizedStorage):
     ) -> None:
         _check_fp8_dtype(fp8_dtype)
         self.fp8_dtype = fp8_dtype
-        self.rowwise_data = rowwise_data
-        self.rowwise_scale_inv = rowwise_scale_inv
-        self.columnwise_data = columnwise_data
-        self.columnwise_scale_inv = columnwise_scale_inv
-        self.rowwise_usage = rowwise_data is not None
-        self.columnwise_usage = columnwise_data is not None
-        if rowwise_data is not None and rowwise_data.dim() == 2:
-            self.shape = (rowwise_data.shape[0], rowwise_data.shape[1])
-        elif columnwise_data is not None and columnwise_data.dim() == 2:
-            self.shape = (columnwise_data.shape[1], columnwise_data.shape[0])
-        else:
-            raise ValueError("MXFP8TensorStorage needs 2-D rowwise_data or columnwise_data")
+        self._set_layouts(rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv)
         self._finish_init()
 
     def _validate(self) -> None:

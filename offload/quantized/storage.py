@@ -288,6 +288,53 @@ class QuantizedStorage:
                 f"{type(self).__name__}: '{name}' must have shape {' or '.join(map(str, shapes))}, got {tuple(t.shape)}"
             )
 
+    def __repr__(self) -> str:
+        state = "saved" if getattr(self, "_saved", False) else "live"
+        return (
+            f"{type(self).__name__}(shape={self.shape}, fp8_dtype={self.fp8_dtype}, "
+            f"rowwise={self.rowwise_usage}, columnwise={self.columnwise_usage}, {state})"
+        )
+
+
+
+class ScaledLayoutsStorage(QuantizedStorage):
+    """A storage whose two layouts each carry their own scales (per row, per block): the
+    blockwise and MXFP8 storages. What they share: the four components, how the layouts and the
+    logical shape are set, and that a missing layout cannot be made from the other one."""
+
+    _COMPONENTS: ClassVar[tuple[str, ...]] = (
+        "rowwise_data",
+        "rowwise_scale_inv",
+        "columnwise_data",
+        "columnwise_scale_inv",
+    )
+
+    rowwise_data: Optional[torch.Tensor]
+    rowwise_scale_inv: Optional[torch.Tensor]
+    columnwise_data: Optional[torch.Tensor]
+    columnwise_scale_inv: Optional[torch.Tensor]
+
+    def _set_layouts(
+        self,
+        rowwise_data: Optional[torch.Tensor],
+        rowwise_scale_inv: Optional[torch.Tensor],
+        columnwise_data: Optional[torch.Tensor],
+        columnwise_scale_inv: Optional[torch.Tensor],
+    ) -> None:
+        # The usages follow the data given; (M, K) comes from whichever layout is there.
+        self.rowwise_data = rowwise_data
+        self.rowwise_scale_inv = rowwise_scale_inv
+        self.columnwise_data = columnwise_data
+        self.columnwise_scale_inv = columnwise_scale_inv
+        self.rowwise_usage = rowwise_data is not None
+        self.columnwise_usage = columnwise_data is not None
+        if rowwise_data is not None and rowwise_data.dim() == 2:
+            self.shape = (rowwise_data.shape[0], rowwise_data.shape[1])
+        elif columnwise_data is not None and columnwise_data.dim() == 2:
+            self.shape = (columnwise_data.shape[1], columnwise_data.shape[0])
+        else:
+            raise ValueError(f"{type(self).__name__} needs 2-D rowwise_data or columnwise_data")
+
     def update_usage(
         self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None
     ) -> None:
@@ -310,14 +357,6 @@ class QuantizedStorage:
                 setattr(self, f"{usage}_scale_inv", None)
         self.rowwise_usage, self.columnwise_usage = want_row, want_col
         self._finish_init()
-
-    def __repr__(self) -> str:
-        state = "saved" if getattr(self, "_saved", False) else "live"
-        return (
-            f"{type(self).__name__}(shape={self.shape}, fp8_dtype={self.fp8_dtype}, "
-            f"rowwise={self.rowwise_usage}, columnwise={self.columnwise_usage}, {state})"
-        )
-
 
 def dequantize(
     storage: QuantizedStorage, dtype: torch.dtype = torch.float32, *, usage: Optional[str] = None
