@@ -399,8 +399,17 @@ class StepLifecycleMixin:
 
     def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
         """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""
-        if self.step is not None and tensor.requires_grad:
-            tensor.register_hook(BackwardReach(self, self.step.index, layer))
+        if self.step is None or not tensor.requires_grad:
+            return
+        marker = BackwardReach(self, self.step.index, layer)
+        node = tensor.grad_fn
+        if node is not None:
+            # A pre-hook of the node that made the tensor fires at the same point (a non-leaf
+            # tensor's own hooks are run as that node's pre-hooks) for a third of the host cost:
+            # Tensor.register_hook builds a hook dict and a removable handle in Python.
+            node.register_prehook(marker)
+        else:
+            tensor.register_hook(marker)
 
     # -- finishing a step ------------------------------------------------------------------------
     def _check_finished(self, step: StepState) -> None:

@@ -161,7 +161,8 @@ def first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
 
 
 class BackwardReach:
-    """Tensor hook fired when the gradient of a layer's output is computed (backward reaches it)."""
+    """Fired when the gradient of a layer's output is computed (backward reaches it): a pre-hook
+    of the node that made the output, or a hook of the output itself where it has no node."""
 
     __slots__ = ("engine", "step", "layer")
 
@@ -171,5 +172,5 @@ class BackwardReach:
         self.layer = layer
 
     @run_eagerly
-    def __call__(self, grad: torch.Tensor) -> None:
+    def __call__(self, grad: Any) -> None:
         self.engine.on_backward_reach(self.step, self.layer)
