@@ -55,12 +55,13 @@ GRAPH_BREAK_REASON = (
 
 def _skip_recursively() -> Optional[Callable[[Any], None]]:
     # The code-object marker of the module notes, or None where this torch lacks it.
+    # The C types themselves (torch._dynamo.types re-exports them): importing the torch._dynamo
+    # package would add about a second to ``import offload``.
     try:
-        from torch._C._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
     except ImportError:
         return None
-    strategy = FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP)
+    strategy = _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.SKIP)
     return lambda code: set_code_exec_strategy(code, strategy)
 
 

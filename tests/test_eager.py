@@ -116,3 +116,28 @@ def test_hooks_run_by_a_backward_inside_compiled_code_are_not_compiled() -> None
     compiled = {ref().co_name for ref in torch._dynamo.convert_frame.input_codes.seen if ref() is not None}
     assert "backward" in compiled  # Dynamo did run here
     assert not compiled & {"pack", "unpack", "record"}, compiled
+
+
+@MARKERS
+def test_import_leaves_dynamo_alone_and_marks_hold_once_it_loads() -> None:
+    # In a fresh interpreter: ``import offload`` does not import torch._dynamo (a second of
+    # start-up), and functions marked before Dynamo loads still break the graph and run eagerly.
+    import subprocess
+    import sys
+
+    script = """
+import sys, torch, offload
+from offload.eager import run_eagerly
+assert "torch._dynamo" not in sys.modules, "import offload imported torch._dynamo"
+def inner(x): return x.sin() + 1
+def entry(x): return inner(x) * 2
+run_eagerly(entry)
+from torch._dynamo.utils import counters
+@torch.compile(backend="eager")
+def model(x): return entry(x.cos()).exp()
+model(torch.randn(4))
+assert counters["frames"]["total"] == 2 and sum(counters["graph_break"].values()) == 1, dict(counters["frames"])
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
