@@ -405,8 +405,8 @@ class StepLifecycleMixin:
         node = tensor.grad_fn
         if node is not None:
             # A pre-hook of the node that made the tensor fires at the same point (a non-leaf
-            # tensor's own hooks are run as that node's pre-hooks) for a third of the host cost:
-            # Tensor.register_hook builds a hook dict and a removable handle in Python.
+            # tensor's own hooks are run as that node's pre-hooks) for less host time (6 against
+            # 10 us a call on our CPU box): Tensor.register_hook also builds a hook dict in Python.
             node.register_prehook(marker)
         else:
             tensor.register_hook(marker)
