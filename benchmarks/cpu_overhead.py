@@ -24,11 +24,19 @@ layers but the last offloaded, ``min_offload_bytes=0``):
    (``on_backward_reach``), unpack (per tensor, the compute stream's wait and the typed view). Two
    shapes: SMALL's (16 layers, 15 offloaded, 2 x 512 KiB) and MOE's (8 layers, 7 offloaded, 300
    tensors of 64 KiB), with the same option variants.
+3. Per part, inside real steps (``engine_parts.measure_in_step``): each entry point of the engine
+   wrapped in place and timed inclusive during SMALL's and MOE's training steps (default options):
+   layer entry and exit, pack and ``sync_function`` on the main thread; the marker's reach,
+   unpack and a group's freeing on autograd's thread; their sum against the time a step adds.
+   The direct loop runs the engine alone, hot in the caches, and counts well under this.
+4. The host cost of one CUDA driver call (an event record or a stream wait, what copy submissions
+   and waits are made of) inside SMALL's plain step and alone: forward hooks making 8 such calls
+   a layer, against the same hooks making none, in alternating rounds.
 
 Targets: T5a SMALL offload (default options) step <= 1.3x plain. T5b <= 5 us of CPU per offloaded
-tensor (pack + unpack, direct) and <= 20 us per group (entry + exit + release + reach, direct),
-judged on the SMALL shape with the default options (both threads' parts summed); the MOE shape's
-figures and the end-to-end process-CPU deltas are printed next to it.
+tensor (pack + unpack) and <= 20 us per group (entry + exit + sync + reach + freed), judged inside
+real SMALL steps with the default options (both threads' parts summed); the direct figures, the
+MOE figures and the end-to-end process-CPU deltas are printed next to it.
 
 The script runs on the engine before issue 12 too (for before/after tables): options it lacks
 are skipped, and the JSON's ``features`` says which were there.
@@ -42,6 +50,7 @@ from __future__ import annotations
 import statistics
 import sys
 import traceback
+from time import perf_counter as time_now
 from typing import Any, Optional
 
 import torch
@@ -95,6 +104,94 @@ def end_to_end(env: common.Env, spec: Any, steps: int, variants: list[tuple[str,
             for unit, count in (("t", r.get("offloaded_tensors")), ("g", r.get("groups_offloaded"))):
                 r[f"{what}_us_{unit}"] = delta_us / count if delta_us is not None and count else None
     return {"workload": spec.describe(), "plain": plain, "rows": rows}
+
+
+def in_step(env: common.Env, spec: Any, steps: int, plain_step_ms: Optional[float]) -> dict[str, Any]:
+    """``engine_parts.measure_in_step`` on ``spec`` (default options, all layers but the last);
+    ``inside_share``: the parts' sum over (instrumented step - plain step)."""
+    try:
+        layers, make_input = spec.build(env.device)
+        row = engine_parts.measure_in_step(
+            env, layers, make_input(), num_layers=spec.layers - 1, steps=steps, warmup=max(3, steps // 10),
+            options={"min_offload_bytes": MIN_OFFLOAD_BYTES},
+        )
+    except Exception as exc:  # noqa: BLE001 - report and go on
+        traceback.print_exc()
+        common.free_memory(env)
+        return {"workload": spec.describe(), "error": f"{type(exc).__name__}: {exc}"}
+    row["workload"] = spec.describe()
+    added = None if plain_step_ms is None else (row["instrumented_step_ms"] - plain_step_ms) * 1e3
+    row["added_us_step"] = added
+    row["inside_share"] = None if not added or row["parts_us_step"] is None else row["parts_us_step"] / added
+    print(f"  {spec.name}: {common.fmt(row['per_tensor_us'], '.2f')} us per tensor (pack + unpack), "
+          f"{common.fmt(row['per_group_us'], '.1f')} us per group; the entry points hold "
+          f"{common.fmt(row['parts_us_step'], '.0f')} of the {common.fmt(added, '.0f')} us a step offloading adds", flush=True)
+    return row
+
+
+def driver_calls_in_step(env: common.Env, spec: Any, *, calls: int, rounds: int, steps: int) -> Optional[dict[str, Any]]:
+    """What one CUDA driver call costs the host inside ``spec``'s plain step, against alone.
+
+    A forward hook on every layer records a pooled event on the current stream and makes a side
+    stream wait on it, ``calls // 2`` times (each pair two driver calls, each a command for the
+    GPU: what the engine's copy submissions and waits are made of); the same hook making none is
+    the baseline. Rounds alternate the two; medians. None without the extension or a GPU."""
+    from offload import native
+
+    ext = native.extension()
+    if ext is None or not env.cuda:
+        return None
+    layers, make_input = spec.build(env.device)
+    x = make_input()
+    side = torch.cuda.Stream(env.device).cuda_stream
+    raw_current = torch._C._cuda_getCurrentRawStream
+    index = env.device.index if env.device.index is not None else torch.cuda.current_device()
+    pairs = {"n": 0}
+
+    def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
+        for _ in range(pairs["n"]):
+            ext.record_event(raw_current(index), False).wait(side)
+
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    step = common.make_step(layers, x)
+
+    def timed(n: int) -> float:
+        pairs["n"] = n
+        env.sync()
+        start = time_now()
+        for _ in range(steps):
+            step()
+        env.sync()
+        return (time_now() - start) / steps * 1e6
+
+    try:
+        for n in (0, calls // 2):
+            pairs["n"] = n
+            for _ in range(10):
+                step()
+        base, loaded = [], []
+        for _ in range(rounds):
+            base.append(timed(0))
+            loaded.append(timed(calls // 2))
+        alone = []
+        for _ in range(5):
+            start = time_now()
+            for _ in range(200):
+                ext.record_event(raw_current(index), False).wait(side)
+            alone.append((time_now() - start) / 400 * 1e6)
+            env.sync()
+    finally:
+        for h in handles:
+            h.remove()
+    per_call = (statistics.median(loaded) - statistics.median(base)) / (spec.layers * 2 * (calls // 2))
+    row = {"calls_per_layer": 2 * (calls // 2), "step_us_without": statistics.median(base),
+           "step_us_with": statistics.median(loaded), "us_per_call_in_step": per_call,
+           "us_per_call_alone": min(alone), "rounds": rounds, "steps_per_round": steps}
+    print(f"  one driver call (event record or stream wait): {per_call:.2f} us inside {spec.name}'s step, "
+          f"{min(alone):.2f} us alone", flush=True)
+    handles.clear()
+    common.free_memory(env)
+    return row
 
 
 def direct(env: common.Env, shapes: list[engine_parts.PartsShape], variants: list[tuple[str, dict[str, Any]]], reps: int) -> list[dict[str, Any]]:
@@ -156,6 +253,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     micro = direct(env, shapes, variants, micro_reps)
     features["on_backward_reach"] = next((m["reach_available"] for m in micro if "error" not in m), None)
 
+    print("\nengine parts inside real steps (default options):", flush=True)
+    steps_in = {"SMALL": args.steps, "MOE": max(3, moe_steps // 2)}
+    inside = {name: in_step(env, spec, steps_in[name], e2e[name]["plain"]["step_ms"])
+              for name, spec in (("SMALL", small), ("MOE", moe))}
+    print("\nthe host cost of a driver call:", flush=True)
+    driver = driver_calls_in_step(env, small, calls=8, rounds=3 if env.smoke else 8, steps=3 if env.smoke else 50)
+
     # -- targets -----------------------------------------------------------------------------------
     k = small.layers - 1
     on_row = find(e2e["SMALL"]["rows"], f"offload k={k} (default)")
@@ -169,13 +273,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     for shape, workload in (("SMALL shape", "SMALL"), ("MOE shape", "MOE")):
         m = find(micro, f"{shape} (default)")
         row = find(e2e[workload]["rows"], f"offload k={(small if workload == 'SMALL' else moe).layers - 1} (default)")
-        ok = None if m is None else (m["per_tensor_us"] <= T5B_TENSOR_US and m["per_group_us"] <= T5B_GROUP_US)
+        # Judged inside real steps: the direct loop runs the engine alone, hot in the caches, and
+        # counts well under what a step pays (see engine_parts.measure_in_step).
+        i = inside[workload] if "error" not in inside[workload] else None
+        ok = None if i is None or i["per_tensor_us"] is None or i["per_group_us"] is None else (
+            i["per_tensor_us"] <= T5B_TENSOR_US and i["per_group_us"] <= T5B_GROUP_US)
         tag = "T5b" if workload == "SMALL" else "   "
         lines.append(
-            f"{tag} {common.verdict(ok)}  {shape}, direct, both threads: {common.fmt(m and m['per_tensor_us'], '.2f')} us per tensor "
-            f"(pack + unpack; need <= {T5B_TENSOR_US:g}), {common.fmt(m and m['per_group_us'], '.2f')} us per group "
-            f"(entry + exit + release + reach; need <= {T5B_GROUP_US:g})"
+            f"{tag} {common.verdict(ok)}  {workload}, inside real steps, both threads: {common.fmt(i and i['per_tensor_us'], '.2f')} us "
+            f"per tensor (pack + unpack; need <= {T5B_TENSOR_US:g}), {common.fmt(i and i['per_group_us'], '.1f')} us per group "
+            f"(entry + exit + sync + reach + freed; need <= {T5B_GROUP_US:g})"
             + ("" if workload == "SMALL" else "  [MOE: not part of T5, shown for issue 12]")
+        )
+        lines.append(
+            f"          direct ({shape}, the engine alone): {common.fmt(m and m['per_tensor_us'], '.2f')} us per tensor, "
+            f"{common.fmt(m and m['per_group_us'], '.2f')} us per group (entry + exit + release + reach)"
         )
         lines.append(
             f"          end to end ({workload}, process CPU offload - plain): {common.fmt(row and row.get('cpu_us_t'), '.2f')} us "
@@ -185,6 +297,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         )
         targets["T5b" if workload == "SMALL" else "T5b_moe_shape"] = {
             "ok": ok,
+            "in_step_us_per_tensor": i and i["per_tensor_us"],
+            "in_step_us_per_group": i and i["per_group_us"],
+            "in_step_share_of_added_time": i and i["inside_share"],
             "direct_us_per_tensor": m and m["per_tensor_us"],
             "direct_us_per_group": m and m["per_group_us"],
             "end_to_end_cpu_us_per_tensor": row and row.get("cpu_us_t"),
@@ -193,6 +308,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         }
 
     failed = [r["variant"] for w in e2e.values() for r in w["rows"] if "error" in r] + [m["variant"] for m in micro if "error" in m]
+    failed += [f"in-step {name}" for name, row in inside.items() if "error" in row]
     common.write_json("cpu_overhead", env, {
         "workloads": {name: w["workload"] for name, w in e2e.items()},
         "features": features,
@@ -200,6 +316,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         "targets": targets,
         "end_to_end": e2e,
         "direct": micro,
+        "in_step": inside,
+        "driver_call": driver,
         "failed": failed,
     })
 
@@ -236,6 +354,26 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("backward_us_step", "bwd us/step", ".1f"),
         ("total_us_t", "all/t", ".2f"),
     ])
+    common.print_table("engine parts inside real steps, us a step (inclusive; main thread: entry, pack, exit, sync; "
+                       "autograd's: reach, unpack, freed)",
+                       [dict(row, name=name) for name, row in inside.items() if "error" not in row], [
+        ("name", "workload", ""),
+        ("entry_us_step", "entry", ".0f"),
+        ("pack_us_step", "pack", ".0f"),
+        ("exit_us_step", "exit", ".0f"),
+        ("sync_us_step", "sync", ".0f"),
+        ("reach_us_step", "reach", ".0f"),
+        ("unpack_us_step", "unpack", ".0f"),
+        ("freed_us_step", "freed", ".0f"),
+        ("parts_us_step", "sum", ".0f"),
+        ("added_us_step", "added a step", ".0f"),
+        ("inside_share", "share", ".2f"),
+        ("per_tensor_us", "us/t", ".2f"),
+        ("per_group_us", "us/g", ".1f"),
+    ])
+    if driver is not None:
+        print(f"\ndriver call (event record or stream wait): {driver['us_per_call_in_step']:.2f} us inside SMALL's plain step, "
+              f"{driver['us_per_call_alone']:.2f} us alone ({driver['calls_per_layer']} a layer, {driver['rounds']} rounds)")
     print("\ntargets (measured in this run):")
     for line in lines:
         print("  " + line)

@@ -220,3 +220,97 @@ def measure_parts(
     del ctx, engine, pool
     common.free_memory(env)
     return res
+
+
+# -- the same parts inside real training steps ------------------------------------------------------
+IN_STEP_PARTS = ("entry", "pack", "exit", "sync", "reach", "unpack", "freed")
+IN_STEP_FORWARD = ("entry", "pack", "exit", "sync")      # the main thread
+IN_STEP_BACKWARD = ("reach", "unpack", "freed")          # autograd's device thread
+IN_STEP_PER_TENSOR = ("pack", "unpack")
+IN_STEP_PER_GROUP = ("entry", "exit", "sync", "reach", "freed")
+
+
+class _TimedContext:
+    """The layer context, its ``__enter__`` / ``__exit__`` timed (TransformerEngine's call shape)."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.entry = _TimedCalls(ctx.__enter__)
+        self.exit = _TimedCalls(ctx.__exit__)
+
+    def __enter__(self) -> "_TimedContext":
+        self.entry()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.exit(*exc)
+
+
+def measure_in_step(
+    env: common.Env,
+    layers: torch.nn.Module,
+    x: torch.Tensor,
+    *,
+    num_layers: int,
+    steps: int,
+    warmup: int,
+    options: Optional[dict[str, Any]] = None,
+) -> dict[str, Any]:
+    """Each entry point of the engine timed inside real training steps of ``layers``.
+
+    The direct loop of :func:`measure_parts` runs the engine's code alone, hot in the caches, with
+    the GPU drained; inside a step every call the engine makes (a driver submission, a torch view,
+    an allocation) shares the host with autograd and the layers' kernels and costs more. Here the
+    engine's entry points are wrapped in place, inclusive of everything they call: **entry** and
+    **exit** (the layer context), **pack** (every saved tensor, kept ones included), **sync**
+    (``sync_function``: the backward marker), on the main thread; **reach** (the marker firing:
+    reload submission and prefetch), **unpack**, **freed** (a group's host region going back
+    when autograd lets go of it), on autograd's device thread. Per tensor: pack + unpack over the
+    offloaded tensors; per group: the other parts over the offloaded groups (each charges all
+    calls, kept tensors' too, to its unit). Needs the engine's ``_hooks``,
+    ``on_backward_reach`` and ``_group_freed`` (this tree's engine); parts it cannot wrap are None.
+    """
+    ctx, sync = common.offload_context(env, num_layers, len(layers), **(options or {}))
+    engine = ctx.engine
+    timed_ctx = _TimedContext(ctx)
+    timers: dict[str, Optional[_TimedCalls]] = {"entry": timed_ctx.entry, "exit": timed_ctx.exit, "sync": _TimedCalls(sync)}
+    if hasattr(engine, "_hooks") and hasattr(engine, "pack") and hasattr(engine, "unpack"):
+        timers["pack"], timers["unpack"] = _TimedCalls(engine.pack), _TimedCalls(engine.unpack)
+        engine._hooks = torch.autograd.graph.saved_tensors_hooks(timers["pack"], timers["unpack"])
+    for part, name in (("reach", "on_backward_reach"), ("freed", "_group_freed")):
+        method = getattr(engine, name, None)
+        timers[part] = None if method is None else _TimedCalls(method)
+        if method is not None:
+            setattr(engine, name, timers[part])  # the marker and each new group look it up here
+    step = common.make_step(layers, x, context=timed_ctx, sync=timers["sync"])
+    for _ in range(warmup):
+        step()
+    env.sync()
+    for t in timers.values():
+        if t is not None:
+            t.seconds, t.calls = 0.0, 0
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    env.sync()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    stats = common.offload_stats(ctx)
+    n_t, n_g = stats["offloaded_tensors"], stats.get("groups_offloaded")
+    res: dict[str, Any] = {"steps": steps, "instrumented_step_ms": step_ms, "offloaded_tensors": n_t, "groups_offloaded": n_g}
+    for part in IN_STEP_PARTS:
+        t = timers.get(part)
+        res[f"{part}_us_step"] = None if t is None else t.seconds / steps * 1e6
+        res[f"{part}_calls_step"] = None if t is None else t.calls / steps
+
+    def total(parts: tuple[str, ...]) -> Optional[float]:
+        values = [res[f"{p}_us_step"] for p in parts]
+        return None if any(v is None for v in values) else sum(values)
+
+    per_t, per_g = total(IN_STEP_PER_TENSOR), total(IN_STEP_PER_GROUP)
+    res["per_tensor_us"] = None if per_t is None or not n_t else per_t / n_t
+    res["per_group_us"] = None if per_g is None or not n_g else per_g / n_g
+    res["forward_us_step"] = total(IN_STEP_FORWARD)
+    res["backward_us_step"] = total(IN_STEP_BACKWARD)
+    res["parts_us_step"] = total(IN_STEP_PARTS)
+    del step, ctx, engine, timed_ctx, timers
+    common.free_memory(env)
+    return res
