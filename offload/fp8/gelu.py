@@ -48,8 +48,8 @@ class _Fp8SavingGeluFunction(torch.autograd.Function):
             rowwise_data=xq.row, columnwise_data=None, scale_inv=xq.row_scale_inv, fp8_dtype=_SAVED_FP8
         )
         del xq
-        mark_activation_offload(saved)
         tensors, ctx.restorable = saved.prepare_for_saving()
+        mark_activation_offload(*tensors)  # what autograd saves (see fp8.linear)
         ctx.save_for_backward(*tensors)
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
