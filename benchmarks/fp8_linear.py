@@ -188,8 +188,9 @@ def verdicts(rows: list[dict[str, Any]], env: common.Env) -> dict[str, Optional[
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    # 200 calls in 10 rounds: with 40 the T13 ratio came out at 1.79x, 2.31x and 2.18x in three
-    # runs of the same code (the host's speed drifts), too few to call a 2x target.
+    # 200 calls in 10 rounds: with 40 (and 80) the T13 ratio came out at 1.79x, 2.31x and 2.18x in
+    # runs hours and minutes apart, with hardly a change to the FP8 path between them: too few
+    # calls to judge a 2x target on a host whose speed drifts.
     parser = common.make_parser(__doc__ or "", warmup=5, steps=200)
     parser.add_argument("--rounds", type=int, default=10, help="turns each contender takes (the timed calls are split among them)")
     parser.add_argument("--no-torchao", action="store_true", help="skip the torchao contenders")
