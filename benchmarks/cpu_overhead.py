@@ -129,67 +129,64 @@ def in_step(env: common.Env, spec: Any, steps: int, plain_step_ms: Optional[floa
     return row
 
 
-def driver_calls_in_step(env: common.Env, spec: Any, *, calls: int, rounds: int, steps: int) -> Optional[dict[str, Any]]:
+def driver_calls_in_step(env: common.Env, spec: Any, *, pairs: int, rounds: int, steps: int) -> Optional[dict[str, Any]]:
     """What one CUDA driver call costs the host inside ``spec``'s plain step, against alone.
 
     A forward hook on every layer records a pooled event on the current stream and makes a side
-    stream wait on it, ``calls // 2`` times (each pair two driver calls, each a command for the
-    GPU: what the engine's copy submissions and waits are made of); the same hook making none is
-    the baseline. Rounds alternate the two; medians. None without the extension or a GPU."""
+    stream wait on it, ``pairs`` times (two driver calls a pair, each a command for the GPU: what
+    the engine's copy submissions and waits are made of); the same hook making none is the
+    baseline. Rounds alternate the two; medians. None without the extension or a GPU."""
     from offload import native
 
     ext = native.extension()
     if ext is None or not env.cuda:
         return None
     layers, make_input = spec.build(env.device)
-    x = make_input()
     side = torch.cuda.Stream(env.device).cuda_stream
     raw_current = torch._C._cuda_getCurrentRawStream
     index = env.device.index if env.device.index is not None else torch.cuda.current_device()
-    pairs = {"n": 0}
+    per_layer = {"pairs": 0}
+
+    def record_and_wait() -> None:
+        ext.record_event(raw_current(index), False).wait(side)
 
     def hook(module: torch.nn.Module, args: Any, out: Any) -> None:
-        for _ in range(pairs["n"]):
-            ext.record_event(raw_current(index), False).wait(side)
+        for _ in range(per_layer["pairs"]):
+            record_and_wait()
 
-    handles = [layer.register_forward_hook(hook) for layer in layers]
-    step = common.make_step(layers, x)
-
-    def timed(n: int) -> float:
-        pairs["n"] = n
+    def timed(n: int, count: int) -> float:
+        per_layer["pairs"] = n
         env.sync()
         start = time_now()
-        for _ in range(steps):
+        for _ in range(count):
             step()
         env.sync()
-        return (time_now() - start) / steps * 1e6
+        return (time_now() - start) / count * 1e6
 
+    handles = [layer.register_forward_hook(hook) for layer in layers]
+    step = common.make_step(layers, make_input())
     try:
-        for n in (0, calls // 2):
-            pairs["n"] = n
-            for _ in range(10):
-                step()
+        timed(0, 10), timed(pairs, 10)  # warm-up
         base, loaded = [], []
-        for _ in range(rounds):
-            base.append(timed(0))
-            loaded.append(timed(calls // 2))
+        for _ in range(rounds):  # alternating, so that the host's drift lands on both
+            base.append(timed(0, steps))
+            loaded.append(timed(pairs, steps))
         alone = []
         for _ in range(5):
             start = time_now()
             for _ in range(200):
-                ext.record_event(raw_current(index), False).wait(side)
+                record_and_wait()
             alone.append((time_now() - start) / 400 * 1e6)
             env.sync()
     finally:
         for h in handles:
             h.remove()
-    per_call = (statistics.median(loaded) - statistics.median(base)) / (spec.layers * 2 * (calls // 2))
-    row = {"calls_per_layer": 2 * (calls // 2), "step_us_without": statistics.median(base),
+    per_call = (statistics.median(loaded) - statistics.median(base)) / (spec.layers * 2 * pairs)
+    row = {"calls_per_layer": 2 * pairs, "step_us_without": statistics.median(base),
            "step_us_with": statistics.median(loaded), "us_per_call_in_step": per_call,
            "us_per_call_alone": min(alone), "rounds": rounds, "steps_per_round": steps}
     print(f"  one driver call (event record or stream wait): {per_call:.2f} us inside {spec.name}'s step, "
           f"{min(alone):.2f} us alone", flush=True)
-    handles.clear()
     common.free_memory(env)
     return row
 
@@ -258,7 +255,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     inside = {name: in_step(env, spec, steps_in[name], e2e[name]["plain"]["step_ms"])
               for name, spec in (("SMALL", small), ("MOE", moe))}
     print("\nthe host cost of a driver call:", flush=True)
-    driver = driver_calls_in_step(env, small, calls=8, rounds=3 if env.smoke else 8, steps=3 if env.smoke else 50)
+    driver = driver_calls_in_step(env, small, pairs=4, rounds=3 if env.smoke else 8, steps=3 if env.smoke else 50)
 
     # -- targets -----------------------------------------------------------------------------------
     k = small.layers - 1

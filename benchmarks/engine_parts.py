@@ -227,7 +227,7 @@ IN_STEP_PARTS = ("entry", "pack", "exit", "sync", "reach", "unpack", "freed")
 IN_STEP_FORWARD = ("entry", "pack", "exit", "sync")      # the main thread
 IN_STEP_BACKWARD = ("reach", "unpack", "freed")          # autograd's device thread
 IN_STEP_PER_TENSOR = ("pack", "unpack")
-IN_STEP_PER_GROUP = ("entry", "exit", "sync", "reach", "freed")
+IN_STEP_PER_GROUP = tuple(p for p in IN_STEP_PARTS if p not in IN_STEP_PER_TENSOR)
 
 
 class _TimedContext:
