@@ -76,7 +76,11 @@ def _leaves(objs: tuple[Any, ...], api: str = "mark") -> Iterator[Any]:
     for obj in objs:
         if obj is None:
             continue
-        if isinstance(obj, (list, tuple)):
+        if type(obj) is torch.Tensor:
+            # The common case, first: a plain tensor is no storage, and asking it for
+            # prepare_for_saving would cost a failed attribute lookup (an exception) per tensor.
+            yield obj
+        elif isinstance(obj, (list, tuple)):
             yield from _leaves(tuple(obj), api)
         elif isinstance(obj, torch.Tensor) and not hasattr(obj, "prepare_for_saving"):
             yield obj

@@ -129,6 +129,53 @@ def test_triton_kernels_take_a_strided_input() -> None:
     assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, ref))
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU with FP8 (sm_89+)")
+@pytest.mark.parametrize("m", [16, 1024])  # one fused kernel, and the two-kernel path
+def test_direct_launch_reuses_compiled_kernels_and_keys_on_alignment(m: int, monkeypatch) -> None:
+    from offload.fp8 import triton_cast as tc
+
+    if not tc._DIRECT:
+        pytest.skip(f"Triton {tc.triton.__version__}: launches go through Triton's own dispatch")
+    base = torch.randn(m * 64 + 8, device="cuda", dtype=torch.bfloat16)
+    aligned = base[: m * 64].view(m, 64)
+    shifted = base[1 : m * 64 + 1].view(m, 64)  # 2 bytes off: not 16-byte aligned
+    launchers = [tc._launch_small_tensorwise, tc._launch_amax_partials, tc._launch_cast_tensorwise]
+    for x in (aligned, shifted):
+        first = cast.quantize(x, torch.float8_e4m3fn, "tensorwise", rowwise=True, columnwise=True)
+        ref = _torch_path(x.contiguous(), torch.float8_e4m3fn, "tensorwise")
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(first, ref))
+
+    class NoDispatch:
+        def __getitem__(self, grid):
+            raise AssertionError("went through Triton's dispatch")
+
+    for launcher in launchers:
+        monkeypatch.setattr(launcher, "_kernel", NoDispatch())
+    # Known specializations launch directly, with the same bits as the first (compiling) call.
+    for x in (aligned, shifted):
+        again = cast.quantize(x, torch.float8_e4m3fn, "tensorwise", rowwise=True, columnwise=True)
+        ref = _torch_path(x.contiguous(), torch.float8_e4m3fn, "tensorwise")
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(again, ref))
+    # A new fact Triton specializes on (here the row stride) is a new key: it must compile.
+    wide = torch.randn(m, 80, device="cuda", dtype=torch.bfloat16)[:, :64]
+    with pytest.raises(AssertionError, match="dispatch"):
+        cast.quantize(wide, torch.float8_e4m3fn, "tensorwise", rowwise=True, columnwise=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_FP8 or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs with FP8")
+@pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
+def test_quantize_on_a_device_that_is_not_current(scaling: str) -> None:
+    x = torch.randn(256, 512, device="cuda:1", dtype=torch.bfloat16)
+    ref = _torch_path(x, torch.float8_e4m3fn, scaling)
+    with torch.cuda.device(0):
+        got = cast.quantize(x, torch.float8_e4m3fn, scaling, rowwise=True, columnwise=True)
+        assert torch.cuda.current_device() == 0
+    for a, b in zip(got, ref):
+        assert a.device == x.device and _same_with_nans(a, b)
+
+
 # ---------------------------------------------------------------------------------------------
 # the weight cache
 # ---------------------------------------------------------------------------------------------
@@ -166,6 +213,42 @@ def test_is_first_microbatch_and_clear_requantize(device: str) -> None:
     assert layer.weight_cache.get(layer.weight, "tensorwise") is not cached
     layer.weight_cache.clear()
     assert torch.equal(y, layer(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_uses_the_forwards_weight_copy_without_a_cache_lookup(device: str) -> None:
+    layer = _layer(device)
+    lookups = []
+
+    class CountingCache(type(layer.weight_cache)):
+        def get(self, weight, scaling, refresh=False):
+            lookups.append(refresh)
+            return super().get(weight, scaling, refresh)
+
+    layer.weight_cache = CountingCache()
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y1 = layer(x)
+    copy_1 = layer.weight_cache.get(layer.weight, "tensorwise")
+    y2 = layer(x, is_first_microbatch=True)  # a second micro-batch replaces the cached copy
+    assert layer.weight_cache.get(layer.weight, "tensorwise") is not copy_1
+    lookups.clear()
+    (y1.sum() + y2.sum()).backward()
+    assert lookups == []  # dgrad took each forward's own copy
+    ref = _layer(device)
+    xr = x.detach().clone().requires_grad_(True)
+    (ref(xr).sum() * 2).backward()
+    assert torch.equal(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_weight_changed_in_place_between_forward_and_backward_raises(device: str) -> None:
+    layer = _layer(device)
+    x = torch.randn(32, 64, device=device, dtype=torch.bfloat16, requires_grad=True)
+    y = layer(x)
+    with torch.no_grad():
+        layer.weight.mul_(0.5)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 # ---------------------------------------------------------------------------------------------

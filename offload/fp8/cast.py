@@ -15,7 +15,7 @@ import torch
 
 from .. import quantized as q
 
-__all__ = ["Operand", "quantize", "triton_available", "to_saved_storage"]
+__all__ = ["Operand", "quantize", "triton_available"]
 
 _TRITON_ENV = "OFFLOAD_FP8_TRITON"
 _MAX_TRITON_NUMEL = (1 << 31) - 1
@@ -58,10 +58,11 @@ def quantize(
     if x.is_cuda and x.numel() <= _MAX_TRITON_NUMEL:
         kernels = _kernels()
         if kernels is not None:
-            if scaling == "tensorwise":
-                row, col, scale_inv, _ = kernels.quantize_tensorwise_fused(x, fp8_dtype, rowwise, columnwise)
-                return Operand(row, scale_inv, col, scale_inv)
-            return Operand(*kernels.quantize_rowwise_fused(x, fp8_dtype, rowwise, columnwise))
+            if torch._C._cuda_getDevice() == x.device.index:
+                return _quantize_fused(kernels, x, fp8_dtype, scaling, rowwise, columnwise)
+            # The kernels launch into the current device's context: make x's device current.
+            with torch.cuda.device(x.device):
+                return _quantize_fused(kernels, x, fp8_dtype, scaling, rowwise, columnwise)
     if scaling == "tensorwise":
         s = q.quantize_tensorwise(x, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         return Operand(s.rowwise_data, s.scale_inv, s.columnwise_data, s.scale_inv)
@@ -69,21 +70,10 @@ def quantize(
     return Operand(b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv)
 
 
-def to_saved_storage(op: Operand, fp8_dtype: torch.dtype, scaling: str) -> q.QuantizedStorage:
-    """The columnwise half of ``op`` as a storage to save for wgrad (rowwise data and amax are
-    not kept: wgrad contracts over M and only needs ``(K, M)``). The quantizer made the
-    components, so the storage skips its checks."""
+def _quantize_fused(
+    kernels: Any, x: torch.Tensor, fp8_dtype: torch.dtype, scaling: str, rowwise: bool, columnwise: bool
+) -> Operand:
     if scaling == "tensorwise":
-        return q.Float8TensorStorage(
-            rowwise_data=None, columnwise_data=op.col, scale_inv=op.col_scale_inv, fp8_dtype=fp8_dtype,
-            validate=False,
-        )
-    return q.Float8BlockwiseStorage(
-        rowwise_data=None,
-        rowwise_scale_inv=None,
-        columnwise_data=op.col,
-        columnwise_scale_inv=op.col_scale_inv,
-        fp8_dtype=fp8_dtype,
-        block=None,
-        validate=False,
-    )
+        row, col, scale_inv = kernels.quantize_tensorwise_fused(x, fp8_dtype, rowwise, columnwise)
+        return Operand(row, scale_inv, col, scale_inv)
+    return Operand(*kernels.quantize_rowwise_fused(x, fp8_dtype, rowwise, columnwise))

@@ -68,13 +68,15 @@ class _LayerNormLinearFunction(torch.autograd.Function):
         # ln_out, so neither ln_out nor any FP8 copy of it outlives this function.
         xq = quantize(ln_out, module.fp8_dtype, scaling, rowwise=True, columnwise=False)
         del ln_out
-        y = fprop(xq, module.weight_cache.get(weight, scaling, call.refresh_weight), bias, x.dtype)
+        w = module.weight_cache.get(weight, scaling, call.refresh_weight)
+        y = fprop(xq, w, bias, x.dtype)
         del xq
         # x is our own (M, K) view of the caller's input: the mark lands on this view only, and
         # the engine resolves it to the caller's storage.
         mark_activation_offload(x)
         ctx.save_for_backward(x, mean, rstd, ln_weight, ln_bias, weight)
         ctx.module = module
+        ctx.gemm_weight = w  # dgrad's operand: this forward's copy (see fp8.linear)
         ctx.need_wgrad = call.need_wgrad
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
@@ -99,7 +101,7 @@ class _LayerNormLinearFunction(torch.autograd.Function):
             dw = wgrad(dyq, lnq.col, lnq.col_scale_inv, scaling, weight.dtype)
             del lnq
         if need_dgrad:
-            d_ln_out = dgrad(dyq, module.weight_cache.get(weight, scaling), x.dtype)
+            d_ln_out = dgrad(dyq, ctx.gemm_weight, x.dtype)
             dx, d_ln_weight, d_ln_bias = torch.ops.aten.native_layer_norm_backward(
                 d_ln_out, x, module.normalized_shape, mean, rstd, ln_weight, ln_bias, ln_mask
             )

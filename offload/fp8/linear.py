@@ -44,8 +44,8 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from ..marks import mark_activation_offload
-from ..quantized import FP8_DTYPES, HIGH_PRECISION, QuantizedStorage
-from .cast import Operand, quantize, to_saved_storage
+from ..quantized import FP8_DTYPES, HIGH_PRECISION
+from .cast import Operand, quantize
 from .gemm import GEMM_MULTIPLE, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
 from .weights import GemmWeight, WeightCache
 
@@ -113,64 +113,48 @@ class _Fp8LinearFunction(torch.autograd.Function):
         scaling = module.scaling
         # Input: rowwise for this GEMM, columnwise (K, M) for wgrad when it will be needed.
         xq = quantize(x, module.fp8_dtype, scaling, rowwise=True, columnwise=call.need_wgrad)
-        y = fprop(xq, module.weight_cache.get(weight, scaling, call.refresh_weight), bias, x.dtype)
-
+        w = module.weight_cache.get(weight, scaling, call.refresh_weight)
+        y = fprop(xq, w, bias, x.dtype)
         if call.need_wgrad:
-            # Keep ONLY the columnwise input and its scale(s); the rowwise copy dies here.
-            saved = to_saved_storage(xq, module.fp8_dtype, scaling)
-            tensors, restorable = saved.prepare_for_saving()
-            # The components are what autograd saves: marking them here spares the storage walk
-            # (a prepare/restore round trip) that marking the storage would take.
-            mark_activation_offload(*tensors)
+            # Keep ONLY the columnwise input and its scale(s); the rowwise copy dies here. They are
+            # saved as the plain tensors they are (no storage object to walk through
+            # prepare/restore on every call), and marked so that the opt-in v1 schedule moves them.
+            mark_activation_offload(xq.col, xq.col_scale_inv)
+            ctx.save_for_backward(xq.col, xq.col_scale_inv, weight)
         else:
-            tensors, restorable = [], None
+            # The weight is saved for autograd's version check only: backward raises if it was
+            # changed in place since this forward, as it does for nn.Linear.
+            ctx.save_for_backward(weight)
         del xq
-        ctx.save_for_backward(*tensors, weight)
-        ctx.restorable = restorable
-        ctx.module = module
+        # dgrad uses the FP8 copy this forward used: no cache lookup in backward, and the right
+        # copy even when a later forward (is_first_microbatch=True) has replaced the cached one.
+        ctx.gemm_weight = w
+        ctx.scaling = scaling
+        ctx.fp8_dtype = module.fp8_dtype
         ctx.x_dtype = x.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
-        module: Linear = ctx.module
-        scaling = module.scaling
-        saved = ctx.saved_tensors
+        saved = ctx.saved_tensors  # unpacked even when unused: the weight's version check
         weight = saved[-1]
         need_dgrad = ctx.needs_input_grad[0]
-        storage: Optional[QuantizedStorage] = ctx.restorable
-        need_wgrad = ctx.needs_input_grad[1] and storage is not None
-
+        need_wgrad = ctx.needs_input_grad[1] and len(saved) == 3
+        scaling = ctx.scaling
         dx = dw = db = None
         if need_dgrad or need_wgrad:
             dyq = quantize(dy, GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
-        if need_dgrad:
-            dx = dgrad(dyq, module.weight_cache.get(weight, scaling), ctx.x_dtype)
-        if need_wgrad:
-            assert storage is not None
-            storage.restore_from_saved(list(saved[:-1]))
-            try:
-                x_col, x_scale = _saved_columnwise(storage)
+            if need_dgrad:
+                dx = dgrad(dyq, ctx.gemm_weight, ctx.x_dtype)
+            if need_wgrad:
+                x_col, x_scale = saved[0], saved[1]
+                if x_col.dtype != ctx.fp8_dtype:
+                    x_col = x_col.view(ctx.fp8_dtype)  # FP8 bits restored as uint8
                 dw = wgrad(dyq, x_col, x_scale, scaling, weight.dtype)
-            finally:
-                # Drop our references to the (possibly engine-owned) restored buffers right away;
-                # a second backward (retain_graph=True) restores again from ctx.saved_tensors.
-                storage.release()
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             db = dy.sum(dim=0).to(ctx.bias_dtype)
         return dx, dw, db, None
-
-
-def _saved_columnwise(storage: QuantizedStorage) -> tuple[torch.Tensor, torch.Tensor]:
-    """(FP8-typed columnwise data, its scale_inv) of a restored saved input."""
-    data = storage.columnwise_data  # type: ignore[attr-defined]
-    if data.dtype != storage.fp8_dtype:
-        data = data.view(storage.fp8_dtype)  # the engine restores FP8 bits as uint8 views
-    scale = getattr(storage, "scale_inv", None)
-    if scale is None:
-        scale = storage.columnwise_scale_inv  # type: ignore[attr-defined]
-    return data, scale
 
 
 class Linear(torch.nn.Linear):
@@ -235,16 +219,19 @@ class Linear(torch.nn.Linear):
         self._checked_kinds: set[tuple[object, ...]] = set()
 
     def _check_call(self, x: torch.Tensor) -> None:
-        name = f"fp8.{type(self).__name__}"
         if not isinstance(x, torch.Tensor):
-            raise ValueError(f"{name} expects a torch.Tensor input, got {type(x).__name__}")
+            raise ValueError(f"fp8.{type(self).__name__} expects a torch.Tensor input, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.in_features:
             raise ValueError(
-                f"{name}: input of shape {tuple(x.shape)} does not end in in_features={self.in_features}"
+                f"fp8.{type(self).__name__}: input of shape {tuple(x.shape)} does not end in "
+                f"in_features={self.in_features}"
             )
-        kind = (x.dtype, x.device, self.weight.dtype, self.weight.device)
+        weight = self.weight
+        # get_device() is an int (-1 on the CPU): cheaper than building torch.device objects.
+        kind = (x.dtype, x.get_device(), weight.dtype, weight.get_device())
         if kind in self._checked_kinds:
             return
+        name = f"fp8.{type(self).__name__}"
         if x.dtype not in HIGH_PRECISION:
             raise ValueError(
                 f"{name}: input dtype must be float32, bfloat16 or float16, got {x.dtype}"
@@ -285,7 +272,7 @@ class Linear(torch.nn.Linear):
         """Check the input (once per kind), flatten it to ``(M, in_features)`` and say what the
         call needs: wgrad contracts over ``M``, so ``M`` must then be a multiple of 16."""
         self._check_call(x)
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         need_wgrad = self.weight.requires_grad and torch.is_grad_enabled()
         if need_wgrad and x2.shape[0] % GEMM_MULTIPLE:
             raise ValueError(

@@ -55,39 +55,45 @@ class _Launcher:
     25 us of host time on the H100's host, more than the kernel itself for a small tensor, and
     the reason a small FP8 Linear was host-bound. The first launch of each specialization goes
     through Triton (which compiles it) and keeps the compiled kernel; later launches call its C
-    launcher directly. The key holds every fact Triton specializes on, so equal keys mean equal
-    compiled kernels: the dtype and 16-byte alignment of each tensor, whether each int is 1, is
-    divisible by 16 or needs 64 bits, and the constexprs, on the current device.
+    launcher directly.
+
+    The caller names the specialization with ``key``: a tuple that must hold every fact Triton
+    specializes on for this launch, so that equal keys mean equal compiled kernels. For the
+    quantizers below that is the input's shape, strides, dtype and 16-byte alignment, the output
+    format and layouts, and the device (every other argument is a fresh allocation, always
+    aligned, or an int derived from the shape). One key per quantization, computed once, serves
+    all of its launches: computing Triton's own key per argument is what costs the time.
     """
 
-    __slots__ = ("_kernel", "_compiled", "_direct")
+    __slots__ = ("_kernel", "_compiled")
 
     def __init__(self, kernel: Any) -> None:
         self._kernel = kernel
         self._compiled: dict[tuple[Any, ...], Any] = {}
-        # The direct call is the CompiledKernel.run ABI of the Triton releases tested here.
-        # (The interpreter, TRITON_INTERPRET=1, runs kernels in Python: no compiled kernel.)
-        self._direct = (
-            knobs is not None
-            and triton.__version__.split(".")[:2] in (["3", "5"], ["3", "6"])
-            and os.environ.get("TRITON_INTERPRET", "0") != "1"
+
+    def __call__(
+        self, key: tuple[Any, ...], stream: int, grid: tuple[int, int],
+        args: tuple[Any, ...], constexprs: dict[str, Any], num_warps: int,
+    ) -> None:
+        compiled = self._compiled.get(key) if _DIRECT else None
+        if compiled is None or _hooked():
+            kernel = self._kernel[grid](*args, **constexprs, num_warps=num_warps)
+            if _DIRECT:
+                self._compiled[key] = kernel
+            return
+        compiled.run(
+            grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+            None, None, None, *args, *constexprs.values(),
         )
 
-    def __call__(self, grid: tuple[int, ...], args: tuple[Any, ...], constexprs: dict[str, Any], num_warps: int) -> None:
-        if not self._direct:
-            self._kernel[grid](*args, **constexprs, num_warps=num_warps)
-            return
-        device = torch.cuda.current_device()
-        key = (device, tuple(constexprs.values()), *(_spec(a) for a in args))
-        compiled = self._compiled.get(key)
-        if compiled is None or _hooked():
-            self._compiled[key] = self._kernel[grid](*args, **constexprs, num_warps=num_warps)
-            return
-        g1 = grid[1] if len(grid) > 1 else 1
-        compiled.run(
-            grid[0], g1, 1, torch._C._cuda_getCurrentRawStream(device), compiled.function,
-            compiled.packed_metadata, None, None, None, *args, *constexprs.values(),
-        )
+
+# The direct call is the CompiledKernel.run ABI of the Triton releases tested here. (The
+# interpreter, TRITON_INTERPRET=1, runs kernels in Python: no compiled kernel to call.)
+_DIRECT = (
+    knobs is not None
+    and triton.__version__.split(".")[:2] in (["3", "5"], ["3", "6"])
+    and os.environ.get("TRITON_INTERPRET", "0") != "1"
+)
 
 
 def _hooked() -> bool:
@@ -98,11 +104,9 @@ def _hooked() -> bool:
     return hook is not None and bool(getattr(hook, "calls", True))
 
 
-def _spec(arg: Any) -> Any:
-    if isinstance(arg, torch.Tensor):
-        return (arg.dtype, arg.data_ptr() & 15 == 0)
-    return (arg == 1, arg & 15 == 0, arg >> 31 != 0)
-
+def _launch_key(x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool) -> tuple[Any, ...]:
+    """What every launch of one quantization of ``x`` specializes on (see :class:`_Launcher`)."""
+    return (x.device.index, x.shape, x.stride(), x.dtype, x.data_ptr() & 15 == 0, fp8_dtype, rowwise, columnwise)
 
 
 @triton.jit
@@ -169,7 +173,7 @@ def _amax_partials_kernel(
 
 @triton.jit
 def _cast_tensorwise_kernel(
-    X, ROW, COL, PART, n_parts, SCALE_INV, AMAX, M, K, stride_xm, stride_xk,
+    X, ROW, COL, PART, n_parts, SCALE_INV, M, K, stride_xm, stride_xk,
     FP8_MAX: tl.constexpr, MAX_PARTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
@@ -187,12 +191,11 @@ def _cast_tensorwise_kernel(
         _store_columnwise(X, COL, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX)
     if (pid_m == 0) & (pid_k == 0):
         tl.store(SCALE_INV, tl.math.div_rn(scale * 0.0 + 1.0, scale))
-        tl.store(AMAX, amax)
 
 
 @triton.jit
 def _small_tensorwise_kernel(
-    X, ROW, COL, SCALE_INV, AMAX, M, K, stride_xm, stride_xk,
+    X, ROW, COL, SCALE_INV, M, K, stride_xm, stride_xk,
     FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
 ):
@@ -215,7 +218,6 @@ def _small_tensorwise_kernel(
             if WRITE_COL:
                 _store_columnwise(X, COL, rows, cols, M, K, stride_xm, stride_xk, scale, FP8_MAX)
     tl.store(SCALE_INV, tl.math.div_rn(scale * 0.0 + 1.0, scale))
-    tl.store(AMAX, amax)
 
 
 @triton.jit
@@ -269,49 +271,58 @@ def _fp8_max(fp8_dtype: torch.dtype) -> float:
     return float(torch.finfo(fp8_dtype).max)
 
 
+_FP8_MAX = {dt: _fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
+
+
+def _current_stream(x: torch.Tensor) -> int:
+    """The raw current stream of ``x``'s device. A compiled kernel launches into the current CUDA
+    context, as Triton's own launcher does, so callers make ``x``'s device current first."""
+    return torch._C._cuda_getCurrentRawStream(x.device.index)
+
+
 def quantize_tensorwise_fused(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
-    """``(rowwise (M, K), columnwise (K, M), scale_inv (1,), amax (1,))`` of a 2-D CUDA tensor of
-    any strides (an expanded gradient too) with one current scale; absent layouts are None."""
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
+    """``(rowwise (M, K), columnwise (K, M), scale_inv (1,))`` of a 2-D CUDA tensor of any strides
+    (an expanded gradient too) with one current scale; absent layouts are None."""
     m, k = x.shape
     dev = x.device
+    stream = _current_stream(x)
+    key = _launch_key(x, fp8_dtype, rowwise, columnwise)
     row = torch.empty((m, k), dtype=fp8_dtype, device=dev) if rowwise else None
     col = torch.empty((k, m), dtype=fp8_dtype, device=dev) if columnwise else None
-    # One allocation for scale_inv and amax: a caching-allocator call costs more host time than
-    # the 8 bytes are worth.
-    scalars = torch.empty(2, dtype=torch.float32, device=dev)
-    scale_inv, amax = scalars[0:1], scalars[1:2]
+    scale_inv = torch.empty(1, dtype=torch.float32, device=dev)
     # Triton wants a pointer even for a layout it does not write; the kernel never touches it.
     row_arg = row if row is not None else col
     col_arg = col if col is not None else row
-    strides = x.stride()
+    stride_m, stride_k = x.stride()
+    fmax = _FP8_MAX[fp8_dtype]
     if m * k <= SMALL_NUMEL:
         _launch_small_tensorwise(
-            (1,),
-            (x, row_arg, col_arg, scale_inv, amax, m, k, strides[0], strides[1]),
-            {"FP8_MAX": _fp8_max(fp8_dtype), "BLOCK_M": 32, "BLOCK_K": 64, "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
+            key, stream, (1, 1),
+            (x, row_arg, col_arg, scale_inv, m, k, stride_m, stride_k),
+            {"FP8_MAX": fmax, "BLOCK_M": 32, "BLOCK_K": 64, "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
             num_warps=4,
         )
-        return row, col, scale_inv, amax
+        return row, col, scale_inv
     # One band of rows per program, at most _MAX_PARTS programs, rows a multiple of the tile.
     rows_per_prog = triton.cdiv(triton.cdiv(m, _MAX_PARTS), _AMAX_ROWS) * _AMAX_ROWS
     n_parts = triton.cdiv(m, rows_per_prog)
     parts = torch.empty(n_parts, dtype=torch.float32, device=dev)
     _launch_amax_partials(
-        (n_parts,),
-        (x, parts, m, k, strides[0], strides[1], rows_per_prog),
+        key, stream, (n_parts, 1),
+        (x, parts, m, k, stride_m, stride_k, rows_per_prog),
         {"BLOCK_M": _AMAX_ROWS, "BLOCK_K": _AMAX_COLS},
         num_warps=8,
     )
     _launch_cast_tensorwise(
-        (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K)),
-        (x, row_arg, col_arg, parts, n_parts, scale_inv, amax, m, k, strides[0], strides[1]),
-        {"FP8_MAX": _fp8_max(fp8_dtype), "MAX_PARTS": _MAX_PARTS, "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
+        key, stream, (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K)),
+        (x, row_arg, col_arg, parts, n_parts, scale_inv, m, k, stride_m, stride_k),
+        {"FP8_MAX": fmax, "MAX_PARTS": _MAX_PARTS, "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
          "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
         num_warps=4,
     )
-    return row, col, scale_inv, amax
+    return row, col, scale_inv
 
 
 def quantize_rowwise_fused(
@@ -321,6 +332,8 @@ def quantize_rowwise_fused(
     2-D CUDA tensor of any strides, one scale per row of each layout; absent layouts are None."""
     m, k = x.shape
     dev = x.device
+    stream = _current_stream(x)
+    key = _launch_key(x, fp8_dtype, rowwise, columnwise)
     # The atomics start from zero: one memset for both amax vectors.
     amaxes = torch.zeros(m + k, dtype=torch.float32, device=dev)
     row_amax, col_amax = amaxes[:m], amaxes[m:]
@@ -329,18 +342,18 @@ def quantize_rowwise_fused(
     sinv = torch.empty(m + k, dtype=torch.float32, device=dev)
     row_sinv, col_sinv = sinv[:m], sinv[m:]
     grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
-    strides = x.stride()
+    stride_m, stride_k = x.stride()
     _launch_amax_rows_cols(
-        grid,
-        (x, row_amax, col_amax, m, k, strides[0], strides[1]),
+        key, stream, grid,
+        (x, row_amax, col_amax, m, k, stride_m, stride_k),
         {"BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K, "DO_ROW": rowwise, "DO_COL": columnwise},
         num_warps=4,
     )
     _launch_cast_rowwise(
-        grid,
+        key, stream, grid,
         (x, row if row is not None else col, col if col is not None else row,
-         row_amax, col_amax, row_sinv, col_sinv, m, k, strides[0], strides[1]),
-        {"FP8_MAX": _fp8_max(fp8_dtype), "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
+         row_amax, col_amax, row_sinv, col_sinv, m, k, stride_m, stride_k),
+        {"FP8_MAX": _FP8_MAX[fp8_dtype], "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
          "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
         num_warps=4,
     )

@@ -63,7 +63,8 @@ class WeightCache:
     def get(self, weight: torch.Tensor, scaling: str, refresh: bool = False) -> GemmWeight:
         """The FP8 operands of ``weight``, from the cache when it is current. ``refresh`` forces a
         new quantization (TransformerEngine's ``is_first_microbatch=True``)."""
-        if weight.is_cuda and torch.cuda.is_current_stream_capturing():
+        # (torch._C's query directly: torch.cuda's wrapper adds a Python frame to every call.)
+        if weight.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
             return quantize_weight(weight, scaling)
         key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape, scaling)
         if refresh or key != self._key or self._value is None:
