@@ -274,6 +274,12 @@ def _fp8_max(fp8_dtype: torch.dtype) -> float:
 _FP8_MAX = {dt: _fp8_max(dt) for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
+def _cdiv(a: int, b: int) -> int:
+    """Ceiling division. (``triton.cdiv`` is a constexpr function in Triton 3.6: a call from
+    Python goes through its dispatch, about 3 us of host time each, four per quantization.)"""
+    return -(-a // b)
+
+
 def _current_stream(x: torch.Tensor) -> int:
     """The raw current stream of ``x``'s device. A compiled kernel launches into the current CUDA
     context, as Triton's own launcher does, so callers make ``x``'s device current first."""
@@ -306,8 +312,8 @@ def quantize_tensorwise_fused(
         )
         return row, col, scale_inv
     # One band of rows per program, at most _MAX_PARTS programs, rows a multiple of the tile.
-    rows_per_prog = triton.cdiv(triton.cdiv(m, _MAX_PARTS), _AMAX_ROWS) * _AMAX_ROWS
-    n_parts = triton.cdiv(m, rows_per_prog)
+    rows_per_prog = _cdiv(_cdiv(m, _MAX_PARTS), _AMAX_ROWS) * _AMAX_ROWS
+    n_parts = _cdiv(m, rows_per_prog)
     parts = torch.empty(n_parts, dtype=torch.float32, device=dev)
     _launch_amax_partials(
         key, stream, (n_parts, 1),
@@ -316,7 +322,7 @@ def quantize_tensorwise_fused(
         num_warps=8,
     )
     _launch_cast_tensorwise(
-        key, stream, (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K)),
+        key, stream, (_cdiv(m, _TILE_M), _cdiv(k, _TILE_K)),
         (x, row_arg, col_arg, parts, n_parts, scale_inv, m, k, stride_m, stride_k),
         {"FP8_MAX": fmax, "MAX_PARTS": _MAX_PARTS, "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
          "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
@@ -341,7 +347,7 @@ def quantize_rowwise_fused(
     col = torch.empty((k, m), dtype=fp8_dtype, device=dev) if columnwise else None
     sinv = torch.empty(m + k, dtype=torch.float32, device=dev)
     row_sinv, col_sinv = sinv[:m], sinv[m:]
-    grid = (triton.cdiv(m, _TILE_M), triton.cdiv(k, _TILE_K))
+    grid = (_cdiv(m, _TILE_M), _cdiv(k, _TILE_K))
     stride_m, stride_k = x.stride()
     _launch_amax_rows_cols(
         key, stream, grid,
