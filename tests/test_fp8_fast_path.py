@@ -164,6 +164,39 @@ def test_direct_launch_reuses_compiled_kernels_and_keys_on_alignment(m: int, mon
 
 
 @pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU with FP8 (sm_89+)")
+@pytest.mark.parametrize("fp8_dtype", FP8_DTYPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", [(1, 16), (300, 1040), (1024, 4096)])
+def test_triton_dequantize_matches_the_torch_path_bitwise(fp8_dtype, dtype, shape) -> None:
+    assert cast.triton_available()
+    g = torch.Generator(device="cuda").manual_seed(shape[0])
+    bits = torch.randint(0, 256, shape, device="cuda", dtype=torch.uint8, generator=g)  # every FP8 value, NaNs too
+    scale_inv = torch.tensor([3.0e-3], device="cuda")
+    ref = q.scaling.dequantize_tensorwise(bits, scale_inv, fp8_dtype, dtype)
+    for data in (bits.view(fp8_dtype), bits):  # typed, and the raw bits the engine may hand back
+        got = cast.dequantize(data, scale_inv, fp8_dtype, dtype)
+        assert got.dtype == dtype and got.shape == shape
+        assert _same_with_nans(got, ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU with FP8 (sm_89+)")
+def test_gelu_backward_makes_no_float32_copy_of_its_input() -> None:
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn_like(x)
+    y = fp8.GELU()(x)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y.backward(dy)
+    torch.cuda.synchronize()
+    # The dequantized input and the gradient: two bfloat16 tensors of x's size. A float32 copy
+    # (and its product) would add two to four more.
+    assert torch.cuda.max_memory_allocated() - base <= 2 * x.nbytes + (1 << 20)
+
+
+@pytest.mark.cuda
 @pytest.mark.skipif(not CUDA_FP8 or torch.cuda.device_count() < 2, reason="needs two CUDA GPUs with FP8")
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 def test_quantize_on_a_device_that_is_not_current(scaling: str) -> None:

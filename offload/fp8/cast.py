@@ -1,4 +1,5 @@
-"""Quantize a GEMM operand: the fused Triton kernels on CUDA, the torch path everywhere else.
+"""Quantize a GEMM operand (and dequantize a saved one): the fused Triton kernels on CUDA, the
+torch path everywhere else.
 
 Both paths give the same bits (tested on the GPU), so which one ran never shows in a result. The
 torch path is :mod:`offload.quantized`'s; it runs on CPU, where Triton is absent, for tensors of
@@ -15,7 +16,7 @@ import torch
 
 from .. import quantized as q
 
-__all__ = ["Operand", "quantize", "triton_available"]
+__all__ = ["Operand", "quantize", "dequantize", "triton_available"]
 
 _TRITON_ENV = "OFFLOAD_FP8_TRITON"
 _MAX_TRITON_NUMEL = (1 << 31) - 1
@@ -58,16 +59,33 @@ def quantize(
     if x.is_cuda and x.numel() <= _MAX_TRITON_NUMEL:
         kernels = _kernels()
         if kernels is not None:
-            if torch._C._cuda_getDevice() == x.device.index:
-                return _quantize_fused(kernels, x, fp8_dtype, scaling, rowwise, columnwise)
-            # The kernels launch into the current device's context: make x's device current.
-            with torch.cuda.device(x.device):
-                return _quantize_fused(kernels, x, fp8_dtype, scaling, rowwise, columnwise)
+            return _on_device_of(x, _quantize_fused, kernels, x, fp8_dtype, scaling, rowwise, columnwise)
     if scaling == "tensorwise":
         s = q.quantize_tensorwise(x, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         return Operand(s.rowwise_data, s.scale_inv, s.columnwise_data, s.scale_inv)
     b = q.quantize_blockwise(x, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
     return Operand(b.rowwise_data, b.rowwise_scale_inv, b.columnwise_data, b.columnwise_scale_inv)
+
+
+def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv`` as ``dtype``: FP8 data (or its uint8 bits) with one float32 scale, by
+    the fused kernel on CUDA (no float32 transient) and the torch path elsewhere, the same bits."""
+    if data.dtype != fp8_dtype:
+        data = data.view(fp8_dtype)
+    if data.is_cuda and data.is_contiguous() and data.numel() <= _MAX_TRITON_NUMEL:
+        kernels = _kernels()
+        if kernels is not None:
+            return _on_device_of(data, kernels.dequantize_tensorwise_fused, data, scale_inv, dtype)
+    return q.scaling.dequantize_tensorwise(data, scale_inv, fp8_dtype, dtype)
+
+
+def _on_device_of(x: torch.Tensor, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` with ``x``'s device current: the kernels launch into the current device's
+    context, as Triton's own launcher does."""
+    if torch._C._cuda_getDevice() == x.device.index:
+        return fn(*args)
+    with torch.cuda.device(x.device):
+        return fn(*args)
 
 
 def _quantize_fused(

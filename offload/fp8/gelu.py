@@ -4,9 +4,11 @@
 ``4 * hidden`` wide, the largest activation after the second Linear's input; saved in bf16 it is
 8 bytes per hidden unit per token. :class:`GELU` saves it as FP8 e4m3 with one float32 scale
 (current tensorwise scaling, quantized by :func:`offload.fp8.cast.quantize`): half the bytes. The
-storage goes through the ``prepare_for_saving`` / ``restore_from_saved`` protocol and is tagged
-with :func:`~offload.marks.mark_activation_offload`, so the offload engine packs the FP8 bytes and
-their scale into the layer's region (the opt-in v1 schedule moves them too).
+FP8 data and its scale are saved as two tensors tagged with
+:func:`~offload.marks.mark_activation_offload`, so the offload engine packs the FP8 bytes and
+their scale into the layer's region (the opt-in v1 schedule moves them too). Backward
+dequantizes straight to the input's dtype (:func:`offload.fp8.cast.dequantize`; one fused kernel
+on CUDA), without a float32 copy of the widest activation of the block at backward's peak.
 
 The output is ``F.gelu(x)``, bit for bit: only what is kept for backward changes. The gradient is
 ``gelu_backward(dy, dequantize(x_fp8).to(x.dtype))``: GELU's derivative evaluated at the
@@ -26,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..marks import mark_activation_offload
-from ..quantized import HIGH_PRECISION, Float8TensorStorage
-from .cast import quantize
+from ..quantized import HIGH_PRECISION
+from .cast import dequantize, quantize
 
 __all__ = ["GELU", "APPROXIMATIONS"]
 
@@ -44,13 +46,10 @@ class _Fp8SavingGeluFunction(torch.autograd.Function):
         # quantize() takes 2-D tensors; tensorwise scaling does not care how the rows fall.
         x2 = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)
         xq = quantize(x2, _SAVED_FP8, "tensorwise", rowwise=True, columnwise=False)
-        saved = Float8TensorStorage(
-            rowwise_data=xq.row, columnwise_data=None, scale_inv=xq.row_scale_inv, fp8_dtype=_SAVED_FP8
-        )
-        del xq
-        tensors, ctx.restorable = saved.prepare_for_saving()
-        mark_activation_offload(*tensors)  # what autograd saves (see fp8.linear)
-        ctx.save_for_backward(*tensors)
+        # The FP8 data and its scale are saved as the plain tensors they are, marked so that the
+        # opt-in v1 schedule moves them too (see fp8.linear).
+        mark_activation_offload(xq.row, xq.row_scale_inv)
+        ctx.save_for_backward(xq.row, xq.row_scale_inv)
         ctx.x_shape = x.shape
         ctx.x_dtype = x.dtype
         ctx.approximate = approximate
@@ -58,14 +57,10 @@ class _Fp8SavingGeluFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
-        storage: Float8TensorStorage = ctx.restorable
-        storage.restore_from_saved(list(ctx.saved_tensors))
-        try:
-            x = storage.dequantize(ctx.x_dtype).reshape(ctx.x_shape)
-        finally:
-            # Drop our references to the (possibly engine-owned) restored buffers right away; a
-            # second backward (retain_graph=True) restores again from ctx.saved_tensors.
-            storage.release()
+        data, scale_inv = ctx.saved_tensors
+        # Straight to the input's dtype: the input is 4x wider than the FP8 data and this runs at
+        # backward's memory peak, so no float32 copy of it is made on the GPU.
+        x = dequantize(data, scale_inv, _SAVED_FP8, ctx.x_dtype).reshape(ctx.x_shape)
         return torch.ops.aten.gelu_backward(dy, x, approximate=ctx.approximate), None
 
 

@@ -1,4 +1,5 @@
-"""Fused FP8 quantization kernels (Triton, CUDA only): amax, scale, cast and transpose.
+"""Fused FP8 quantization kernels (Triton, CUDA only): amax, scale, cast and transpose, and the
+tensorwise dequantization back to high precision.
 
 The torch path in :mod:`offload.quantized` takes about ten passes over the input (a float32 copy,
 ``abs``, ``amax``, multiply, ``clamp``, cast, a transposed copy...). Here a quantization is:
@@ -35,7 +36,7 @@ try:
 except ImportError:  # older Triton: every launch goes through Triton's own dispatch
     knobs = None
 
-__all__ = ["SMALL_NUMEL", "quantize_tensorwise_fused", "quantize_rowwise_fused"]
+__all__ = ["SMALL_NUMEL", "quantize_tensorwise_fused", "quantize_rowwise_fused", "dequantize_tensorwise_fused"]
 
 # Up to this many elements, one program does the whole tensorwise quantization (one launch).
 SMALL_NUMEL = 1 << 16
@@ -259,12 +260,24 @@ def _cast_rowwise_kernel(
             tl.store(COL_SINV + cols, tl.math.div_rn(col_scale * 0.0 + 1.0, col_scale), mask=cols < K)
 
 
+@triton.jit
+def _dequantize_tensorwise_kernel(DATA, SCALE_INV, OUT, N, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < N
+    # float32 product, rounded once to the output dtype (round to nearest even): the torch
+    # path's arithmetic (offload.quantized.scaling.dequantize_tensorwise).
+    v = tl.load(DATA + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(SCALE_INV)
+    tl.store(OUT + offs, v.to(OUT.dtype.element_ty), mask=mask)
+
+
 # One launcher per kernel: each keeps its compiled specializations.
 _launch_small_tensorwise = _Launcher(_small_tensorwise_kernel)
 _launch_amax_partials = _Launcher(_amax_partials_kernel)
 _launch_cast_tensorwise = _Launcher(_cast_tensorwise_kernel)
 _launch_amax_rows_cols = _Launcher(_amax_rows_cols_kernel)
 _launch_cast_rowwise = _Launcher(_cast_rowwise_kernel)
+_launch_dequantize_tensorwise = _Launcher(_dequantize_tensorwise_kernel)
+_DEQUANTIZE_BLOCK = 2048
 
 
 def _fp8_max(fp8_dtype: torch.dtype) -> float:
@@ -369,3 +382,19 @@ def quantize_rowwise_fused(
         col,
         col_sinv.view(k, 1) if columnwise else None,
     )
+
+
+def dequantize_tensorwise_fused(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv`` as ``dtype`` for contiguous FP8 CUDA ``data`` and a one-element float32
+    ``scale_inv``: one pass, no float32 copy (the torch path's transient is 4 bytes per element,
+    twice a bfloat16 result)."""
+    out = torch.empty(data.shape, dtype=dtype, device=data.device)
+    n = data.numel()
+    if n == 0:
+        return out
+    key = (data.device.index, n, data.dtype, data.data_ptr() & 15 == 0, scale_inv.data_ptr() & 15 == 0, dtype)
+    _launch_dequantize_tensorwise(
+        key, _current_stream(data), (_cdiv(n, _DEQUANTIZE_BLOCK), 1),
+        (data, scale_inv, out, n), {"BLOCK": _DEQUANTIZE_BLOCK}, num_warps=8,
+    )
+    return out

@@ -107,6 +107,20 @@ def _cast_fp8(x_scaled: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
     return x_scaled.clamp(-fmax, fmax).to(fp8_dtype)
 
 
+def dequantize_tensorwise(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    """``data * scale_inv`` as ``dtype``: FP8 data (or its uint8 bits) times one float32
+    dequantization factor, multiplied in float32 and rounded once to ``dtype``.
+
+    The product is formed in place in the float32 copy, so the transient is that copy alone (4
+    bytes per element) and not a copy plus a product. The fused kernel
+    (:func:`offload.fp8.triton_cast.dequantize_tensorwise_fused`) gives the same bits without the
+    float32 copy at all.
+    """
+    out = data.view(fp8_dtype).float()
+    out.mul_(scale_inv.reshape(()))
+    return out.to(dtype)
+
+
 def fp8_transpose(data: torch.Tensor) -> torch.Tensor:
     """Contiguous transpose of 2-D FP8 data: ``(R, C)`` -> ``(C, R)``, same dtype.
 

@@ -6,7 +6,10 @@ from typing import ClassVar, Optional
 
 import torch
 
-from .scaling import _cast_fp8, _check_fp8_dtype, _check_input, _check_usages, _scale_from_amax, finite_amax, fp8_transpose
+from .scaling import (
+    _cast_fp8, _check_fp8_dtype, _check_input, _check_usages, _scale_from_amax, dequantize_tensorwise, finite_amax,
+    fp8_transpose,
+)
 from .storage import QuantizedStorage, _materialize
 
 
@@ -92,10 +95,8 @@ class Float8TensorStorage(QuantizedStorage):
         """``data * scale_inv`` as an ``(M, K)`` tensor of ``dtype``."""
         usage = self._pick_usage(usage)
         if usage == "rowwise":
-            data = self.rowwise_data.view(self.fp8_dtype).float()
-        else:
-            data = self.columnwise_data.view(self.fp8_dtype).float().t()
-        return (data * self.scale_inv.reshape(())).to(dtype)
+            return dequantize_tensorwise(self.rowwise_data, self.scale_inv, self.fp8_dtype, dtype)
+        return dequantize_tensorwise(self.columnwise_data, self.scale_inv, self.fp8_dtype, dtype).t()
 
 
 def quantize_tensorwise(
