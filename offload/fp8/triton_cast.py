@@ -60,8 +60,8 @@ class _Launcher:
 
     The caller names the specialization with ``key``: a tuple that must hold every fact Triton
     specializes on for this launch, so that equal keys mean equal compiled kernels. For the
-    quantizers below that is the input's shape, strides, dtype and 16-byte alignment, the output
-    format and layouts, and the device (every other argument is a fresh allocation, always
+    kernels below that is the input's shape, strides, dtype and 16-byte alignment, the output
+    format (and layouts), and the device (every other argument is a fresh allocation, always
     aligned, or an int derived from the shape). One key per quantization, computed once, serves
     all of its launches: computing Triton's own key per argument is what costs the time.
     """
