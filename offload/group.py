@@ -28,7 +28,6 @@ States (transitions are checked; a wrong one is a bug in a schedule, and says so
 from __future__ import annotations
 
 import enum
-import weakref
 from typing import Any, Optional
 
 import torch
@@ -64,7 +63,6 @@ CONJ_BIT = 1
 NEG_BIT = 2
 
 _detach = torch.Tensor.detach
-_weakref = weakref.ref
 
 
 def modified_error(shape: Any, dtype: torch.dtype, layer: int, now: int, saved: int) -> RuntimeError:
@@ -88,6 +86,29 @@ def _with_lazy_bits(view: torch.Tensor, lazy: int) -> torch.Tensor:
     return view
 
 
+_make_alias = torch.Tensor._make_subclass
+_set_versions = torch._C._autograd._unsafe_set_version_counter
+
+
+def version_sentinels(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One alias of each tensor that shares its version counter and none of its memory.
+
+    Autograd's version counter is shared by every alias of a tensor (views, ``detach``), and an
+    in-place change through any of them moves it. Once a group has released its originals, the
+    caller may still hold an alias and change it; the sentinel keeps the counter readable at no
+    memory cost. ``_make_subclass`` gives a detached alias that, unlike ``detach()``, may change
+    its storage, and ``set_()`` then swaps in an empty one (not a view: no ``_base`` keeps the
+    original's memory). ``set_`` counts as an in-place change, so the counters are put back to
+    what they were, in one call (about 1 us a tensor in all on our CPU box).
+    """
+    versions = tuple(t._version for t in tensors)
+    sentinels = [_make_alias(torch.Tensor, t) for t in tensors]
+    for sentinel in sentinels:
+        sentinel.set_()
+    _set_versions(tuple(sentinels), versions)
+    return sentinels
+
+
 def storage_extent_bytes(t: torch.Tensor) -> int:
     """Bytes from the first to one past the last element ``t`` addresses in its storage."""
     if t.is_contiguous():
@@ -107,7 +128,7 @@ class Group:
     # and unpack.
     __slots__ = (
         "layer", "step", "retain", "state", "_slot_of_ptr", "slot_storages", "slot_lo", "slot_hi",
-        "entries", "originals", "versions", "modified", "callers", "saved_bytes",
+        "entries", "originals", "versions", "sentinels", "saved_bytes",
         "min_offload_bytes", "sizes", "slot_offsets", "nbytes", "copy_bytes",
         "entry_element_offsets", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "typed",
         "unpacks_since_reload", "unpacks", "consumed", "counters", "on_free", "local", "captured",
@@ -143,10 +164,10 @@ class Group:
         # Version counter of each saved tensor at pack: autograd skips its own in-place check for
         # tensors saved through hooks, so the engine does it (see ``check_version``).
         self.versions: list[int] = []
-        self.modified: Optional[dict[int, int]] = None  # entry -> version seen at release
-        # The caller's tensor objects, weakly: after release the group holds nothing that shares
-        # their version counters, but a caller still holding one can still change it in place.
-        self.callers: list[Any] = []
+        # From release on, one storage-less alias per entry that shares the saved tensor's
+        # version counter (see ``version_sentinel``): an in-place change made after release, by
+        # any alias the caller still holds, is still seen at unpack.
+        self.sentinels: Optional[list[torch.Tensor]] = None
         self.saved_bytes = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close().
@@ -197,7 +218,6 @@ class Group:
                 self.slot_hi[slot] = hi
         self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
         self.versions.append(t._version)
-        self.callers.append(_weakref(t))
         if self.retain:
             self.originals.append(_detach(t) if t.requires_grad else t)  # type: ignore[union-attr]
         return len(self.entries) - 1
@@ -244,17 +264,11 @@ class Group:
     def mark_released(self) -> None:
         """Drop the GPU originals (the caller has ordered their reuse after the D2H).
 
-        Changes made in place since pack are noted first: once the originals are gone they can
-        no longer be seen, and autograd would have refused them (the error is raised at unpack,
-        where autograd raises it).
+        Each original leaves a version sentinel behind, so that an in-place change made before
+        or after this point is still refused at unpack, where autograd would refuse it.
         """
         self._move(_FROM_OFFLOADING, GroupState.OFFLOADED)
-        versions = self.versions
-        for index, t in enumerate(self.originals):  # type: ignore[arg-type]
-            if t._version != versions[index]:
-                if self.modified is None:
-                    self.modified = {}
-                self.modified[index] = t._version
+        self.sentinels = version_sentinels(self.originals)  # type: ignore[arg-type]
         self.originals = None
         self.slot_storages = []
 
@@ -285,19 +299,14 @@ class Group:
         """The tensor as it was saved (only while the group still holds the originals)."""
         return self.originals[index]  # type: ignore[index]
 
-    def check_version(self, index: int, tensor: Optional[torch.Tensor]) -> None:
+    def check_version(self, index: int, tensor: torch.Tensor) -> None:
         """Raise autograd's in-place error if entry ``index`` changed since it was saved.
 
         ``tensor``: one that shares the saved tensor's version counter (the original the group
-        holds, or the caller's object), or None. After release the version noted at release
-        counts too.
+        holds, or its sentinel after release).
         """
         saved = self.versions[index]
-        now = saved
-        if self.modified is not None:
-            now = self.modified.get(index, saved)
-        if now == saved and tensor is not None:
-            now = tensor._version
+        now = tensor._version
         if now != saved:
             _, _, dtype, shape, _, _ = self.entries[index]
             raise modified_error(shape, dtype, self.layer, now, saved)

@@ -49,10 +49,12 @@ CUDA graphs (see ``offload.graphs``):
 
 from __future__ import annotations
 
+import sys
 import threading
 from typing import TYPE_CHECKING, Optional
 
 import torch
+from torch.autograd.function import FunctionCtx
 
 from .arena import CaptureError, HostArena
 from .diagnose import nothing_offloaded
@@ -64,6 +66,26 @@ from .step import BackwardReach, InFlight, StepState
 if TYPE_CHECKING:
     from .schedules.base import Schedule
     from .transport import Transport
+
+
+def inside_function_forward(max_frames: int = 64) -> bool:
+    """Whether the caller runs inside the ``forward`` of an ``torch.autograd.Function`` (such as
+    ``torch.utils.checkpoint``'s reentrant ``CheckpointFunction``).
+
+    Autograd keeps no flag for it, so the Python frames are read: a ``forward`` whose first
+    argument is a Function's context. Asked only for a layer entered under no_grad with no
+    forward open (never on a training step's hot path); a few microseconds per such layer.
+    """
+    frame = sys._getframe(1)
+    for _ in range(max_frames):
+        if frame is None:
+            return False
+        code = frame.f_code
+        if code.co_name == "forward" and code.co_argcount and code.co_varnames[0] == "ctx" \
+                and isinstance(frame.f_locals.get("ctx"), FunctionCtx):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class StepLifecycleMixin:
@@ -166,12 +188,17 @@ class StepLifecycleMixin:
 
     def _passive_layer(self) -> bool:
         # Inside a backward (autograd's graph task is set): a checkpoint recomputing a layer.
-        # Under no_grad with no training forward open: an eval forward, which saves nothing.
-        # A no_grad layer *inside* a training forward (a frozen layer, a reentrant checkpoint)
-        # still counts, so that the layer numbering matches the model.
+        # Under no_grad with no training forward open: an eval forward, which saves nothing,
+        # unless it runs inside an autograd Function's forward (a reentrant checkpoint, which
+        # runs its layers under no_grad and saves their inputs itself): that is a training
+        # forward's layer, perhaps its first. A no_grad layer *inside* an open training forward
+        # (a frozen layer, a reentrant checkpoint) counts too, so that the layer numbering
+        # matches the model.
         if torch._C._current_graph_task_id() != -1:
             return True
-        return not torch.is_grad_enabled() and not self._forward_open()
+        if torch.is_grad_enabled() or self._forward_open():
+            return False
+        return not inside_function_forward()
 
     def next_layer(self) -> Optional[int]:
         """The index :meth:`begin_layer` would give the layer entered now, or None when it
@@ -367,8 +394,12 @@ class StepLifecycleMixin:
     def abort_step(self) -> None:
         """Forget the step after an exception in forward; the next layer starts a fresh step.
 
-        Its groups are dropped from the engine here and freed with whatever autograd graph
-        still references them, so no GPU or host memory stays behind.
+        The one transition out of a failed forward, from any point of it: the hooks are popped,
+        the open and pending groups, the schedule's references and the host bytes claimed for
+        them are dropped, and the step is forgotten. The engine then holds nothing of the step:
+        its groups (held weakly) die with whatever autograd graph still references them, and
+        a group that dies with a copy in flight is ordered after it (``_group_freed``), so no
+        GPU or host memory stays behind and none is reused too early.
         """
         if self._hooks_pushed:
             self._hooks_pushed = False
@@ -378,12 +409,14 @@ class StepLifecycleMixin:
         self.open_group = None
         self.pending_group = None
         self._passive_depth = 0
-        if self.step is not None:
-            for group in list(self.step.groups.values()):
-                if group.state is GroupState.OPEN:
-                    self.arena.unclaim(group.saved_bytes)
-                    group.saved_bytes = 0
-        self.step = None
+        step, self.step = self.step, None
+        if step is None:
+            return
+        for group in step.groups.values():
+            if group.state is GroupState.OPEN:
+                self.arena.unclaim(group.saved_bytes)
+                group.saved_bytes = 0
+        self.schedule.on_abort(self, step)
 
     # -- backward markers ------------------------------------------------------------------------
     def on_backward_reach(self, step: int, layer: int) -> None:

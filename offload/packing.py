@@ -22,9 +22,10 @@ that require grad are therefore held detached (same storage and version counter)
 the grad_fn back when it unpacks. Parameters are leaves: they hold no node.
 
 In-place changes: autograd skips its version check for tensors saved through hooks, so the
-engine records ``t._version`` at pack and compares at unpack, raising autograd's error. Once a
-group is released it holds nothing that shares the version counter, so the check also runs at
-release, and after it through a weak reference to the caller's tensor object while that lives.
+engine records ``t._version`` at pack and compares at unpack, raising autograd's error. A
+released group keeps a storage-less alias of each tensor that shares its version counter
+(``group.version_sentinels``), so a change made through any alias, before or after release, is
+refused.
 """
 
 from __future__ import annotations
@@ -48,6 +49,27 @@ if TYPE_CHECKING:
 _detach = torch.Tensor.detach
 # One C call (~50 ns): the profiler ranges below cost nothing while no profiler runs.
 _profiling = torch._C._autograd._profiler_enabled
+
+
+def keep_handle(t: torch.Tensor, layer: int) -> tuple[torch.Tensor, int, int]:
+    """The handle of a tensor kept where it is: ``(tensor, version at pack, layer)``.
+
+    Detached when it has a node (it may be that node's own output: the cycle reason in the
+    module notes); a leaf, a parameter among them, holds no node and is kept as it is, and so is
+    a tensor subclass (its ``detach`` may not carry its internals, see ``marks.emptied_copy``).
+    The version is checked by :func:`unpack_kept`, in place of autograd's skipped check.
+    """
+    if t.requires_grad and not t.is_leaf and type(t) is torch.Tensor:
+        return (_detach(t), t._version, layer)
+    return (t, t._version, layer)
+
+
+def unpack_kept(handle: tuple[torch.Tensor, int, int]) -> torch.Tensor:
+    """The tensor of a :func:`keep_handle`, after autograd's in-place check."""
+    tensor, version, layer = handle
+    if tensor._version != version:
+        raise modified_error(tensor.shape, tensor.dtype, layer, tensor._version, version)
+    return tensor
 
 
 class StorageHandle:
@@ -86,7 +108,9 @@ class PackingMixin:
         if group is None:
             group = self._between_layers_group()
             if group is None:
-                return t
+                # A layer that is not offloaded (or the head): kept, but never as the tensor
+                # itself (the cycle and in-place reasons in the module notes).
+                return keep_handle(t, self.current_layer)
         if _profiling():
             with record_function("offload::pack"):
                 return self._pack_into(group, t)
@@ -102,11 +126,7 @@ class PackingMixin:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
                 return self._pack_storage(group, t)
             group.counters.keep(reason)
-            # Detached for the cycle reason above; a parameter is a leaf (or a view of one,
-            # whose grad_fn is the view's node, not the node saving it).
-            if reason is not KEEP_PARAMETER and t.requires_grad:
-                return (_detach(t), t._version, group.layer)
-            return (t, t._version, group.layer)
+            return keep_handle(t, group.layer)
         group.saved_bytes += t.nbytes
         return (group, group.add(t))
 
@@ -128,14 +148,8 @@ class PackingMixin:
     def pack_kept(self, t: Any, reason: str, counters: StepCounters) -> Any:
         """Keep ``t`` where it is, counted under ``reason``: the pack hook of a keep region
         (``offload.keep_on_gpu``). Not on the per-tensor path of offloading contexts."""
-        # Not shared with _pack_into's keep branch: that one knows the policy's reason (a
-        # parameter is never detached) and must stay free of an extra call per tensor; this one
-        # sees any tensor, and detaches neither leaves (they hold no node) nor subclasses (see
-        # _pack_storage).
         counters.keep(reason)
-        if type(t) is torch.Tensor and t.requires_grad and not t.is_leaf:
-            t = _detach(t)  # the cycle reason in the module notes
-        return (t, t._version, self.current_layer)
+        return keep_handle(t, self.current_layer)
 
     def unpack(self, packed: Any) -> Any:
         """Unpack hook: hand back the original, or a typed view of the reloaded group."""
@@ -150,10 +164,7 @@ class PackingMixin:
                 return self._unpack_storage(packed)
             return packed
         if len(packed) == 3:  # kept: (tensor, version at pack, layer)
-            tensor, version, layer = packed
-            if tensor._version != version:
-                raise modified_error(tensor.shape, tensor.dtype, layer, tensor._version, version)
-            return tensor
+            return unpack_kept(packed)
         group, index = packed
         step = self.step
         if step is not None and not step.forward_done and group.step == step.index:
@@ -166,9 +177,9 @@ class PackingMixin:
             if group.unpacks == len(group.entries):
                 self._consumed(group)
             return tensor
-        caller = group.callers[index]()
-        if group.modified is not None or (caller is not None and caller._version != group.versions[index]):
-            group.check_version(index, caller)
+        sentinel = group.sentinels[index]  # type: ignore[index]
+        if sentinel._version != group.versions[index]:
+            group.check_version(index, sentinel)
         group.unpacks += 1
         if group.state is GroupState.OFFLOADED:
             # No prefetch started this reload: compute will wait for all of it.

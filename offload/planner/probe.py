@@ -31,6 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..step import first_grad_tensor
 from ..group import Group
+from ..packing import keep_handle, unpack_kept
 from ..policy import SelectionPolicy
 from ..selective import cached_bytes
 from .types import LayerProfile, LinkProfile, StepProfile
@@ -93,12 +94,13 @@ class _Meter:
 
 class _LayerRecord:
     __slots__ = (
-        "group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
+        "index", "group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
         "mem_start", "mem_end", "forward_peak", "mem_bwd_start", "backward_peak", "module",
         "new_grads", "cached",
     )
 
     def __init__(self, index: int) -> None:
+        self.index = index
         # The group only counts: it holds the saved tensors until the forward ends, then only
         # their slot sizes are kept (``slots``), so the probe never outlives the step's memory.
         self.group: Optional[Group] = Group(index, step=0, retain=False)
@@ -265,11 +267,13 @@ class ProbeStep:
             record = self._pending
         if record.group is not None and self.policy.decide(t) is None:
             record.group.add(t)
-        return t
+        # Never the tensor itself: it may be the saving node's own output, and a handle holding
+        # it would keep a failed probe step's graph alive for good (see offload.packing).
+        return keep_handle(t, record.index)
 
     @staticmethod
-    def _unpack(t: torch.Tensor) -> torch.Tensor:
-        return t
+    def _unpack(handle: tuple[torch.Tensor, int, int]) -> torch.Tensor:
+        return unpack_kept(handle)
 
     # -- the result --------------------------------------------------------------------------------
     def _grad_bytes(self) -> list[int]:

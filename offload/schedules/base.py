@@ -60,6 +60,10 @@ class Schedule:
     def on_forward_end(self, engine: "OffloadEngine") -> None:
         """The last layer of the forward finished."""
 
+    def on_abort(self, engine: "OffloadEngine", step: "StepState") -> None:
+        """The forward of ``step`` raised: forget what the schedule holds for it, so that its
+        groups die with autograd's graph (the engine drops the step itself)."""
+
     def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step`` (the gradient of its output is ready).
 

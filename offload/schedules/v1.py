@@ -36,6 +36,7 @@ differs. Its default selection is opt-in (``mark_activation_offload``), set by t
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from typing import TYPE_CHECKING, Optional
 
@@ -47,6 +48,10 @@ from .base import Schedule
 if TYPE_CHECKING:
     from ..engine import OffloadEngine
     from ..step import StepState
+
+
+def _deref(ref: Optional[weakref.ref[Group]]) -> Optional[Group]:
+    return None if ref is None else ref()
 
 
 def window_layers(num_groups: int, model_layers: int) -> list[int]:
@@ -68,12 +73,23 @@ class ScheduleV1(Schedule):
         # Double buffering: the two persistent buffers, the group each serves, and a deferred
         # reload per buffer.
         self._buffers: list[Optional[torch.Tensor]] = [None, None]
-        self._occupant: list[Optional[Group]] = [None, None]
-        self._deferred: list[Optional[Group]] = [None, None]
+        # Held weakly: a backward that raises leaves them behind, and the groups must die with
+        # autograd's graph, not live on until the next step.
+        self._occupant: list[Optional[weakref.ref[Group]]] = [None, None]
+        self._deferred: list[Optional[weakref.ref[Group]]] = [None, None]
         # The occupant was consumed, but the node that read its last tensor may not have run yet.
         self._draining = [False, False]
 
     def on_step_start(self, engine: "OffloadEngine") -> None:
+        self._forget_groups()
+
+    def on_abort(self, engine: "OffloadEngine", step: "StepState") -> None:
+        # The only schedule that holds groups strongly (its queue and buffers' occupants); the
+        # two reload buffers go too: a step that failed may have failed for want of memory.
+        self._forget_groups()
+        self._buffers = [None, None]
+
+    def _forget_groups(self) -> None:
         self._queue.clear()
         self._in_flight = None
         self._occupant = [None, None]
@@ -140,7 +156,7 @@ class ScheduleV1(Schedule):
                 continue
             self._draining[slot] = False
             self._occupant[slot] = None
-            waiting = self._deferred[slot]
+            waiting = _deref(self._deferred[slot])
             self._deferred[slot] = None
             if waiting is not None and waiting.state is GroupState.OFFLOADED:
                 self._reload(engine, waiting, defer=False)
@@ -151,10 +167,10 @@ class ScheduleV1(Schedule):
             engine.start_reload(group)
             return
         slot = group.layer % 2
-        occupant = self._occupant[slot]
+        occupant = _deref(self._occupant[slot])
         if occupant is not None and occupant is not group:
             if defer:
-                self._deferred[slot] = group
+                self._deferred[slot] = weakref.ref(group)
                 return
             # Needed now while its buffer still serves another group: use a fresh buffer rather
             # than overwrite data that is still to be read.
@@ -164,13 +180,13 @@ class ScheduleV1(Schedule):
         if buffer is None or buffer.numel() < group.nbytes:
             buffer = torch.empty(group.nbytes, dtype=torch.uint8, device=engine.transport.device)
             self._buffers[slot] = buffer
-        self._occupant[slot] = group
+        self._occupant[slot] = weakref.ref(group)
         engine.start_reload(group, into=buffer)
 
     def on_consumed(self, engine: "OffloadEngine", group: Group) -> None:
         if not self.double_buffering:
             return
         slot = group.layer % 2
-        if self._occupant[slot] is group:
+        if _deref(self._occupant[slot]) is group:
             # Not free yet: the node that asked for this last tensor runs after this unpack.
             self._draining[slot] = True

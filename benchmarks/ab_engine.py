@@ -1,0 +1,133 @@
+"""A/B of two engine trees: GPT-A and SMALL step times, one process per tree and round, alternating.
+
+For checking that an engine change does not slow steps down: the same workloads run under the
+package ``offload`` (this tree) and under a copy of another tree importable as ``--base``
+(default ``offload_base``: ``git archive <commit> offload`` renamed, its two absolute
+self-imports in ``native.py`` renamed too, and the built ``_C`` extension copied in). The two
+cannot share a process: pybind11 refuses to register the extension's types twice, so the second
+tree would silently run without its native extension. Rounds alternate base, new, new, base, ...
+so that the host's drift (tens of percent within minutes on our VM) falls on both alike; the
+ratio quoted is new/base of the medians over all rounds.
+
+Contenders per workload: plain, the TransformerEngine call shape (``get_cpu_offload_context``)
+and ``OffloadActivations(layers)``, each at the counts given.
+
+Usage: ``PYTHONPATH=.bench_base python benchmarks/ab_engine.py [--rounds 5] [--steps 15]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import gpt_a, small  # noqa: E402
+
+
+def time_ms(step: Callable[[], None], warmup: int, steps: int) -> tuple[float, float]:
+    """(median GPU ms per step, median host ms per step)."""
+    import time
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    gpu, host = [], []
+    for _ in range(steps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+        end.record()
+        end.synchronize()
+        gpu.append(start.elapsed_time(end))
+    return statistics.median(gpu), statistics.median(host)
+
+
+def make_steps(pkg: Any, layers: torch.nn.ModuleList, x: torch.Tensor, counts: list[int]) -> dict[str, Callable[[], None]]:
+    """name -> one training step (forward, backward with a fixed gradient, grads dropped)."""
+    from offload.models import run_layers  # the model code is the same in both trees
+
+    dy = torch.randn_like(x)
+    params = list(layers.parameters())
+
+    def step_with(forward: Callable[[], torch.Tensor]) -> Callable[[], None]:
+        def step() -> None:
+            forward().backward(dy)
+            for p in params:
+                p.grad = None
+        return step
+
+    steps = {"plain": step_with(lambda: run_layers(layers, x))}
+    n = len(layers)
+    for k in counts:
+        ctx, sync = pkg.get_cpu_offload_context(True, k, n)
+        steps[f"te k={k}"] = step_with(lambda ctx=ctx, sync=sync: run_layers(layers, x, ctx, sync))
+        oa = pkg.OffloadActivations(layers, num_offload_layers=k)
+
+        def oa_forward(oa: Any = oa) -> torch.Tensor:
+            with oa:
+                return run_layers(layers, x)
+
+        steps[f"layers k={k}"] = step_with(oa_forward)
+    return steps
+
+
+def worker(package: str, workload: str, steps: int) -> None:
+    """Time every variant of one workload under one package; print one JSON line."""
+    pkg = importlib.import_module(package)
+    assert pkg.native_available(), f"{package}: the native extension is not live"
+    spec, counts, n = {"GPT-A": (gpt_a(), [2, 7], steps), "SMALL": (small(), [15], steps * 8)}[workload]
+    layers, make_input = spec.build("cuda")
+    x = make_input().requires_grad_(True)
+    out = {name: time_ms(step, 3, n) for name, step in make_steps(pkg, layers, x, counts).items()}
+    print(json.dumps(out))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base", default="offload_base")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=15, help="timed GPT-A steps a round (SMALL: 8x)")
+    parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--worker", nargs=2, metavar=("PACKAGE", "WORKLOAD"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(*args.worker, args.steps)
+        return
+    results: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for workload in ("GPT-A", "SMALL"):
+        for r in range(args.rounds):
+            order = ("new", "base") if r % 2 else ("base", "new")
+            for name in order:
+                package = "offload" if name == "new" else args.base
+                done = subprocess.run(
+                    [sys.executable, __file__, "--worker", package, workload, "--steps", str(args.steps)],
+                    check=True, capture_output=True, text=True,
+                )
+                for variant, timing in json.loads(done.stdout.strip().splitlines()[-1]).items():
+                    results.setdefault(f"{workload} {variant}", {}).setdefault(name, []).append(timing)
+    rows = []
+    print(f"{'workload':28s} {'base ms':>9s} {'new ms':>9s} {'new/base':>9s} {'host new/base':>14s}")
+    for key, by in results.items():
+        base = statistics.median(g for g, _ in by["base"])
+        new = statistics.median(g for g, _ in by["new"])
+        base_host = statistics.median(h for _, h in by["base"])
+        new_host = statistics.median(h for _, h in by["new"])
+        rows.append({"workload": key, "base_ms": base, "new_ms": new, "ratio": new / base,
+                     "host_ratio": new_host / base_host, "rounds": by})
+        print(f"{key:28s} {base:9.2f} {new:9.2f} {new / base:9.3f} {new_host / base_host:14.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
