@@ -1,25 +1,25 @@
 """A/B of two engine trees: GPT-A and SMALL step times, one process per tree and round, alternating.
 
 For checking that an engine change does not slow steps down: the same workloads run under the
-package ``offload`` (this tree) and under a copy of another tree importable as ``--base``
-(default ``offload_base``: ``git archive <commit> offload`` renamed, its two absolute
-self-imports in ``native.py`` renamed too, and the built ``_C`` extension copied in). The two
-cannot share a process: pybind11 refuses to register the extension's types twice, so the second
-tree would silently run without its native extension. Rounds alternate base, new, new, base, ...
+package ``offload`` of this tree and of another tree's copy under ``--base`` (default
+``.bench_base``: ``git archive <commit> offload | tar -x -C .bench_base``, with this tree's
+built ``_C`` extension copied into ``.bench_base/offload``). The two cannot share a process:
+pybind11 refuses to register the extension's types twice, so the second tree would silently run
+without its native extension; each worker process imports one, the base through PYTHONPATH. Rounds alternate base, new, new, base, ...
 so that the host's drift (tens of percent within minutes on our VM) falls on both alike; the
 ratio quoted is new/base of the medians over all rounds.
 
 Contenders per workload: plain, the TransformerEngine call shape (``get_cpu_offload_context``)
 and ``OffloadActivations(layers)``, each at the counts given.
 
-Usage: ``PYTHONPATH=.bench_base python benchmarks/ab_engine.py [--rounds 5] [--steps 15]``.
+Usage: ``python benchmarks/ab_engine.py [--base .bench_base] [--rounds 3] [--steps 15]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -81,10 +81,13 @@ def make_steps(pkg: Any, layers: torch.nn.ModuleList, x: torch.Tensor, counts: l
     return steps
 
 
-def worker(package: str, workload: str, steps: int) -> None:
-    """Time every variant of one workload under one package; print one JSON line."""
-    pkg = importlib.import_module(package)
-    assert pkg.native_available(), f"{package}: the native extension is not live"
+def worker(tree: str, workload: str, steps: int) -> None:
+    """Time every variant of one workload under one tree's package; print one JSON line."""
+    import offload as pkg
+
+    where = Path(pkg.__file__).resolve().parent.parent
+    assert tree == "new" or where == Path(tree).resolve(), f"imported offload from {where}, not {tree}"
+    assert pkg.native_available(), f"{where}: the native extension is not live"
     spec, counts, n = {"GPT-A": (gpt_a(), [2, 7], steps), "SMALL": (small(), [15], steps * 8)}[workload]
     layers, make_input = spec.build("cuda")
     x = make_input().requires_grad_(True)
@@ -94,11 +97,11 @@ def worker(package: str, workload: str, steps: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base", default="offload_base")
+    parser.add_argument("--base", default=".bench_base", help="folder holding the other tree's offload package")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15, help="timed GPT-A steps a round (SMALL: 8x)")
     parser.add_argument("--out", default=None, help="write the JSON here")
-    parser.add_argument("--worker", nargs=2, metavar=("PACKAGE", "WORKLOAD"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=2, metavar=("TREE", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)
@@ -108,10 +111,14 @@ def main() -> None:
         for r in range(args.rounds):
             order = ("new", "base") if r % 2 else ("base", "new")
             for name in order:
-                package = "offload" if name == "new" else args.base
+                env = dict(os.environ)
+                tree = "new"
+                if name == "base":
+                    tree = str(Path(args.base).resolve())
+                    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tree, env.get("PYTHONPATH")]))
                 done = subprocess.run(
-                    [sys.executable, __file__, "--worker", package, workload, "--steps", str(args.steps)],
-                    check=True, capture_output=True, text=True,
+                    [sys.executable, __file__, "--worker", tree, workload, "--steps", str(args.steps)],
+                    check=True, capture_output=True, text=True, env=env,
                 )
                 for variant, timing in json.loads(done.stdout.strip().splitlines()[-1]).items():
                     results.setdefault(f"{workload} {variant}", {}).setdefault(name, []).append(timing)

@@ -1,4 +1,4 @@
-"""Out-of-memory retry loops on the GPU, and a reload that a failed backward never reads.
+"""Out-of-memory retry loops on the GPU, and a reload whose graph dies before it is read.
 
 A batch-size finder runs a step, catches the out-of-memory error and tries again at half the
 batch. With offloading on, every failed attempt must give all of its GPU memory back (within
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import warnings
+import weakref
 from typing import Any, Callable
 
 import pytest
@@ -124,53 +125,32 @@ def test_an_out_of_memory_retry_loop_goes_on_and_the_fitting_batch_is_exact(form
             wrapper.close()
 
 
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("backward failed")
-
-
-class _FailsInBackward(nn.Module):
-    def __init__(self, layer: nn.Module) -> None:
-        super().__init__()
-        self.layer = layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Boom.apply(self.layer(x))
-
-
-def test_a_prefetch_that_dies_unread_does_not_write_into_reused_memory() -> None:
-    # Backward reaches the last layer, prefetches the two below it, then raises before reading
-    # them. Their reload buffers go back to the allocator with the H2D copies still queued
-    # behind a delay on the reload stream; memory allocated next on the compute stream gets
-    # those blocks. The copies must not land in it.
-    layers = _layers()
-    layers[3] = _FailsInBackward(layers[3])
-    oa = offload.OffloadActivations(layers, num_offload_layers=3)
-    x = _input(SMALL_BATCH).requires_grad_(True)
-    with oa:
-        out = run_layers(layers, x)
-    sizes = [g.nbytes for g in oa.engine.step.groups.values()]
-    assert len(sizes) == 3
-    transport = oa.engine.transport
-    reload = transport.reload
-
-    def delayed_reload(*args: Any, **kwargs: Any) -> Any:
+def test_a_reload_that_dies_unread_does_not_write_into_reused_memory() -> None:
+    # A layer is reloaded ahead of a backward that never comes (its graph is dropped: a failed
+    # step, a skipped backward). Its reload buffer goes back to the allocator with the H2D still
+    # queued behind a delay on the reload stream, and memory allocated next on the compute stream
+    # gets that block. The copy must not land in it. The compute stream is a side stream: work on
+    # the legacy default stream waits for the other streams by itself, which would hide the race.
+    compute = torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        layers = _layers()
+        ctx, sync, controller = offload.get_cpu_offload_context(True, 3, 4, manual_synchronization=True)
+        x = _input(SMALL_BATCH).requires_grad_(True)
+        out = run_layers(layers, x, ctx, sync)
+        controller.start_offload_layer(0)
+        controller.release_activation_forward_gpu_memory(0)
+        transport = ctx.engine.transport
         with torch.cuda.stream(transport.h2d_stream):
-            torch.cuda._sleep(200_000_000)  # about 0.1 s at the H100's clock
-        return reload(*args, **kwargs)
-
-    transport.reload = delayed_reload
-    with pytest.raises(RuntimeError, match="backward failed"):
-        out.float().mean().backward()
-    assert oa.engine.step.counters.reloads >= 1, "backward prefetched nothing: the test proves nothing"
-    del out
-    gc.collect()
-    fresh = [torch.empty(n, dtype=torch.uint8, device="cuda").fill_(0xAB) for n in sizes for _ in range(2)]
-    torch.cuda.synchronize()
-    for t in fresh:
-        assert bool((t == 0xAB).all()), "a reload copy wrote into memory the allocator had handed out again"
+            torch.cuda._sleep(1_500_000_000)  # about a second at the H100's clock
+        controller.start_reload_layer(0)
+        group = ctx.engine.step.groups.get(0)
+        buffer, nbytes = group.gpu.data_ptr(), group.nbytes
+        dead = weakref.ref(group)
+        del group, out  # no gc.collect(): it can take longer than the delay in a large test process
+        assert dead() is None, "the group outlived its graph"
+        assert not transport.h2d_stream.query(), "the reload finished already: the test proves nothing"
+        fresh = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        assert fresh.data_ptr() == buffer, "the allocator did not hand the reload buffer out again"
+        fresh.fill_(0xAB)
+        torch.cuda.synchronize()
+        assert bool((fresh == 0xAB).all()), "a reload copy wrote into memory the allocator had handed out again"
