@@ -111,3 +111,13 @@ def test_hf_llama_example_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     assert out.count("gradients bitwise equal to plain: True") == 3, out
     assert "selective_recompute(MLPs) + OffloadActivations: gradients bitwise equal to plain: True" in out
     assert "plan for the lowest peak:" in out and "host copy out" in out
+
+
+def test_hf_trainer_example_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    example = _load_example("hf_trainer")
+    assert example.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "3 optimizer steps: parameters bitwise equal to the plain Trainer's: True" in out, out
+    assert "host copy out" in out and "3 groups" in out, out
