@@ -173,7 +173,7 @@ def test_a_model_without_repeated_layers_asks_for_layers(tmp_path: Path) -> None
 
 
 # -- TRL ---------------------------------------------------------------------------------------------
-def sft_trainer(tmp_path: Path, **config: Any) -> tuple[Any, Any]:
+def sft_trainer(tmp_path: Path, use_cpu: bool = True, **config: Any) -> tuple[Any, Any]:
     """TRL's SFTTrainer on pre-tokenized rows, with a tokenizer built in memory (no download)."""
     trl = pytest.importorskip("trl")
     datasets = pytest.importorskip("datasets")
@@ -186,15 +186,18 @@ def sft_trainer(tmp_path: Path, **config: Any) -> tuple[Any, Any]:
     )
     rows = datasets.Dataset.from_dict({"input_ids": TokenDataset().ids.tolist()})
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-3,
-                         report_to=[], use_cpu=True, dataloader_num_workers=0, seed=0, save_strategy="no",
+                         report_to=[], use_cpu=use_cpu, dataloader_num_workers=0, seed=0, save_strategy="no",
                          logging_strategy="no", disable_tqdm=True, **config)
     model, _ = tiny_llama(layers=3)
     log = GradientLog()
     return trl.SFTTrainer(model=model, args=args, train_dataset=rows, processing_class=tokenizer, callbacks=[log]), log
 
 
-def run_sft(tmp_path: Path, offload_options: Optional[dict[str, Any]] = None) -> tuple[Any, Any, Any]:
-    trainer, log = sft_trainer(tmp_path)
+def run_sft(tmp_path: Path, offload_options: Optional[dict[str, Any]] = None, use_cpu: bool = True,
+            **config: Any) -> tuple[Any, Any, Any]:
+    """Train with TRL's SFTTrainer (``config``: SFTConfig options); offload_trainer with
+    ``offload_options`` unless None. Parameters, gradients per step, and the offload."""
+    trainer, log = sft_trainer(tmp_path, use_cpu, **config)
     oa = offload_trainer(trainer, **offload_options) if offload_options is not None else None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # TRL's notes on padding-free and tokenizer defaults
