@@ -169,7 +169,7 @@ class OffloadActivations:
     hooks by default); the warning at the end of such a forward says so and how to recompile.
 
     Checkpointing composes: layers run under ``torch.utils.checkpoint`` (reentrant or not,
-    around ``forward`` or ``__call__``, e.g. HF ``gradient_checkpointing_enable``) offload only
+    around ``forward`` or ``__call__``, e.g. HF ``activation_checkpointing_enable``) offload only
     their checkpoint inputs, which come back before the layer's recompute.
 
     Plans (per layer keep / offload / recompute, see ``offload.planner``; with layers only):
