@@ -249,7 +249,8 @@ class OffloadActivations:
             alias = options.pop("num_layers")
             if num_offload_layers is not None and alias != num_offload_layers:
                 raise ValueError("offload: OffloadActivations takes num_offload_layers or num_layers, not both")
-            name, count_given = ("num_layers", alias) if num_offload_layers is None else (name, count_given)
+            if num_offload_layers is None:
+                name, count_given = "num_layers", alias
         planned = plan is not None or self.budget is not None
         if planned:
             if plan is not None and self.budget is not None:

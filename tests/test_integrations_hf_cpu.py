@@ -185,6 +185,9 @@ def sft_trainer(tmp_path: Path, use_cpu: bool = True, **config: Any) -> tuple[An
         unk_token="t0",
     )
     rows = datasets.Dataset.from_dict({"input_ids": TokenDataset().ids.tolist()})
+    # TRL's SFTConfig turns checkpointing on by default under transformers' deprecated name;
+    # the same setting under the current name, without the deprecation warning.
+    config.setdefault("activation_checkpointing", True)
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-3,
                          report_to=[], use_cpu=use_cpu, dataloader_num_workers=0, seed=0, save_strategy="no",
                          logging_strategy="no", disable_tqdm=True, **config)
