@@ -17,14 +17,17 @@ import copy
 import threading
 import time
 import weakref
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Optional
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .api import ENGINE_OPTIONS, _check_bool, _check_int, _got, build_engine, check_unknown_options
+from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_unknown_options
+from .layer_args import (
+    COMPILED_FIRST, check_offload_count, check_torchtune_options, dynamo_compiled_code, layer_list,
+)
 from .schedules.auto import ScheduleAuto
-from .stats import StepStats
+from .stats import DISABLED_REPORT, StepStats, disabled_stats
 from .eager import run_eagerly
 from .step import first_grad_tensor
 from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
@@ -46,10 +49,18 @@ class _LayerHook:
         self._owner = weakref.ref(owner) if owner is not None else None
         self._after = after
 
+    @property
+    def dead(self) -> bool:
+        """Its context is gone (garbage collected), or it is an inert copy: it can never act."""
+        return self._owner is None or self._owner() is None
+
     @run_eagerly
     def __call__(self, module: torch.nn.Module, args: Any, output: Any = None) -> None:
         owner = self._owner() if self._owner is not None else None
-        if owner is None or not owner.active:
+        # Several contexts may hook the same modules (one per thread on one model): each acts
+        # only for forwards run in the thread whose `with` it is in; the saved-tensor hooks are
+        # per thread too, so each thread's tensors reach its own engine.
+        if owner is None or not owner.active or owner._thread != threading.get_ident():
             return
         if self._after:
             owner._after_layer(output)
@@ -95,7 +106,8 @@ class _RecomputeForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner.active and owner._recompute_current():
+        if owner is not None and owner.active and owner._thread == threading.get_ident() \
+                and owner._recompute_current():
             # The pre-hook has opened the layer's group: checkpoint's inputs are saved into it
             # (and offloaded), everything inside goes to checkpoint's own hooks.
             return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
@@ -147,10 +159,17 @@ class OffloadActivations:
 
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
     those of :func:`offload.get_cpu_offload_context`; ``device=None`` is the current CUDA device,
-    or, on a machine without CUDA, ``"cpu"`` (the host transport).
+    or, on a machine without CUDA, ``"cpu"`` (the host transport). ``num_layers`` is accepted as
+    the alias of ``num_offload_layers``.
+
+    Threads: one context runs one forward at a time, but each thread may have its own context on
+    the same model; the module hooks of each act only in the thread whose ``with`` is open.
+    ``torch.compile``: create the context (and enter it) before the first compiled call. Code
+    compiled before its module hooks existed never calls them (Dynamo does not guard on module
+    hooks by default); the warning at the end of such a forward says so and how to recompile.
 
     Checkpointing composes: layers run under ``torch.utils.checkpoint`` (reentrant or not,
-    around ``forward`` or ``__call__``, e.g. HF ``gradient_checkpointing_enable``) offload only
+    around ``forward`` or ``__call__``, e.g. HF ``activation_checkpointing_enable``) offload only
     their checkpoint inputs, which come back before the layer's recompute.
 
     Plans (per layer keep / offload / recompute, see ``offload.planner``; with layers only):
@@ -185,7 +204,9 @@ class OffloadActivations:
         # Every name is checked first, enabled or not: a misspelt option would otherwise go
         # unnoticed until offloading is turned on.
         check_unknown_options(api, [name for name in options if name not in ENGINE_OPTIONS])
-        _check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
+        _check_bool(api, "enabled", enabled)
+        _check_bool(api, "measure_peak", measure_peak)
+        check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
         if min_offload_size is not None:
             if "min_offload_bytes" in options:
                 raise ValueError(
@@ -193,13 +214,9 @@ class OffloadActivations:
                     "min_offload_bytes, not both; they are the same option"
                 )
             options["min_offload_bytes"] = min_offload_size
-        if options.get("device") is None and not torch.cuda.is_available():
-            # No CUDA here: the host transport is the only one that can run, so a plain
-            # OffloadActivations(model.layers) works as written on a CPU-only machine.
-            options["device"] = "cpu"
-        self.enabled = bool(enabled)
+        self.enabled = enabled
         self.auto = layers is None
-        self.measure_peak = bool(measure_peak)
+        self.measure_peak = measure_peak
         self.plan: Optional[Plan] = None
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
         self._probe: Optional[ProbeStep] = None
@@ -223,21 +240,24 @@ class OffloadActivations:
                     "groups are found by bytes; with layers, num_offload_layers (or a plan) decides "
                     "what is offloaded and the layer budget how long copies may run"
                 )
-        self.layers = list(layers)
-        if not self.layers or not all(isinstance(m, torch.nn.Module) for m in self.layers):
-            raise ValueError(
-                "offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. "
-                "model.layers), or no layers at all to find group boundaries by bytes"
-            )
+        self.layers = layer_list(layers)
         count = len(self.layers)
         self.budget = check_budget(memory_budget_bytes, "OffloadActivations:")
+        # num_layers is accepted as an alias (TransformerEngine's name): errors name the one given.
+        name, count_given = "num_offload_layers", num_offload_layers
+        if "num_layers" in options:
+            alias = options.pop("num_layers")
+            if num_offload_layers is not None and alias != num_offload_layers:
+                raise ValueError("offload: OffloadActivations takes num_offload_layers or num_layers, not both")
+            if num_offload_layers is None:
+                name, count_given = "num_layers", alias
         planned = plan is not None or self.budget is not None
         if planned:
             if plan is not None and self.budget is not None:
                 raise ValueError("offload: OffloadActivations takes plan or memory_budget_bytes, not both")
-            if num_offload_layers is not None or "num_layers" in options:
+            if count_given is not None:
                 raise ValueError(
-                    "offload: OffloadActivations takes num_offload_layers (a fixed count) or a plan / "
+                    f"offload: OffloadActivations takes {name} (a fixed count) or a plan / "
                     "memory_budget_bytes (per-layer actions), not both"
                 )
             if plan is not None and len(plan.layers) != count:
@@ -245,12 +265,12 @@ class OffloadActivations:
                     f"offload: the plan was made for {len(plan.layers)} layers, but {count} layers "
                     "were given; make the plan for this model (offload.plan(layers, step_fn, ...))"
                 )
-            num_offload_layers = 0  # until the plan's schedule takes over
-        if num_offload_layers is None:
-            num_offload_layers = count - 1
-        options.setdefault("num_layers", num_offload_layers)
-        if options["num_layers"] != num_offload_layers:
-            raise ValueError("offload: OffloadActivations takes num_offload_layers or num_layers, not both")
+            count_given = 0  # until the plan's schedule takes over
+        elif count_given is None:
+            count_given = count - 1
+        else:
+            check_offload_count(name, count_given, count, options)
+        options["num_layers"] = count_given
         options.setdefault("model_layers", count)
         # The layers' parameters and buffers (and views of them) are never copied.
         options.setdefault("params_from", self.layers)
@@ -327,8 +347,10 @@ class OffloadActivations:
         if not self._handles:
             self._register_hooks()
         self._tracking = self.engine.begin_forward()
-        self.active = self._tracking
+        # The thread first: a hook in another thread that sees `active` must already see
+        # that this forward is not its own.
         self._thread = threading.get_ident()
+        self.active = self._tracking
         return self
 
     @run_eagerly
@@ -351,7 +373,9 @@ class OffloadActivations:
             return
         counted = self.engine.step.layers_started if self.engine.step is not None else 0
         self.engine.finish_forward()
-        if counted != len(self.layers):
+        if counted == 0 and dynamo_compiled_code():
+            self.engine.warn_once("count", COMPILED_FIRST.format(count=len(self.layers)))
+        elif counted != len(self.layers):
             self.engine.warn_once(
                 "count",
                 f"offload: the forward ran {counted} of the {len(self.layers)} layers given to "
@@ -475,6 +499,7 @@ class OffloadActivations:
     def _register_hooks(self) -> None:
         # One pair of hooks per distinct module: a module listed twice is called twice.
         for module in dict.fromkeys(self.layers):
+            _prune_dead_hooks(module)
             self._handles.append(module.register_forward_pre_hook(_LayerHook(self, after=False)))
             self._handles.append(module.register_forward_hook(_LayerHook(self, after=True)))
 
@@ -543,15 +568,16 @@ class OffloadActivations:
 
     # -- figures -----------------------------------------------------------------------------------
     @property
-    def stats(self) -> Union[StepStats, dict[str, Any]]:
+    def stats(self) -> StepStats:
         """Figures of the last finished step (or of the step in progress if none finished): every
-        key, its unit and meaning in :class:`offload.stats.StepStats`; ``{}`` when disabled."""
-        return self.engine.stats() if self.engine is not None else {}
+        key, its unit and meaning in :class:`offload.stats.StepStats`; with ``enabled=False``
+        the same keys, ``mode`` ``"disabled"`` and every figure 0."""
+        return self.engine.stats() if self.engine is not None else disabled_stats()
 
     def report(self) -> str:
         """A readable table of :attr:`stats`."""
         if self.engine is None:
-            return "offload report: disabled (enabled=False)"
+            return DISABLED_REPORT
         return self.engine.report()
 
     def reserve(self, nbytes: int, *, background: bool = False) -> int:
@@ -562,35 +588,12 @@ class OffloadActivations:
             return 0
         return self.engine.reserve(nbytes, background=background)
 
-def _check_torchtune_options(
-    use_pin_memory: Any, use_streams: Any, max_fwd_stash_size: Any, min_offload_size: Any
-) -> None:
-    """torchtune's ``OffloadActivations`` options: types, ranges, and what has no equivalent."""
-    api = "OffloadActivations"
-    _check_bool(api, "use_pin_memory", use_pin_memory)
-    if not use_pin_memory:
-        raise ValueError(
-            "offload: OffloadActivations: use_pin_memory=False is not supported: offloaded tensors "
-            "go to a pinned host arena that is allocated once and reused every step (no pinned "
-            "allocation per tensor); pass host_budget_bytes to cap the host memory it holds"
-        )
-    if use_streams is not None:
-        _check_bool(api, "use_streams", use_streams)
-        if not use_streams:
-            raise ValueError(
-                "offload: OffloadActivations: use_streams=False is not supported: copies always run "
-                "on their own streams, ordered by events, and give the same gradients; pass "
-                "enabled=False to turn offloading off"
-            )
-    if max_fwd_stash_size is not None:
-        if not isinstance(max_fwd_stash_size, int) or isinstance(max_fwd_stash_size, bool):
-            raise TypeError(
-                f"offload: OffloadActivations: max_fwd_stash_size must be an integer >= 1 (groups "
-                f"whose copies may run before the oldest is released), got {_got(max_fwd_stash_size)}"
-            )
-        if max_fwd_stash_size < 1:
-            raise ValueError(
-                f"offload: OffloadActivations: max_fwd_stash_size must be at least 1, got {max_fwd_stash_size}"
-            )
-    if min_offload_size is not None:
-        _check_int(api, "min_offload_size", min_offload_size, 0, "an integer number of bytes")
+
+def _prune_dead_hooks(module: torch.nn.Module) -> None:
+    # Hooks of contexts that were garbage collected without close() (one OffloadActivations per
+    # step, say) do nothing but would still be called on every forward, more each step. Removed
+    # here, when a new context registers, never from a finalizer: one could run in the middle of
+    # a module call that is iterating these dicts.
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, hook in hooks.items() if isinstance(hook, _LayerHook) and hook.dead]:
+            del hooks[key]

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import numbers
 import os
 import warnings
@@ -31,7 +30,7 @@ from .group import GroupState
 from .keywords import reject_unknown
 from .policy import SELECTIONS, SelectionPolicy
 from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
-from .stats import StepStats
+from .stats import DISABLED_REPORT, StepStats, disabled_stats
 from .transport import CudaTransport, HostTransport
 
 MODE_ENV_VAR = "NVTE_CPU_OFFLOAD_V1"
@@ -64,13 +63,13 @@ def resolve_mode(mode: Optional[str]) -> str:
 
 
 def resolve_device(device: Union[None, str, torch.device]) -> torch.device:
-    """``None`` is the current CUDA device; ``"cpu"`` selects the host transport."""
+    """``None`` is the current CUDA device, or the CPU (the host transport) where CUDA is absent;
+    ``"cpu"`` selects the host transport."""
     if device is None:
         if not torch.cuda.is_available():
-            raise RuntimeError(
-                "offload: device=None means the current CUDA device, but CUDA is not available here; "
-                "pass device='cpu' to offload CPU tensors through the host transport"
-            )
+            # Every entry point runs as written on a CPU-only machine (a laptop, CI): the host
+            # transport is the only one that can run there, and the model is on the CPU anyway.
+            return torch.device("cpu")
         return torch.device("cuda", torch.cuda.current_device())
     dev = torch.device(device)
     if dev.type == "cpu":
@@ -414,6 +413,46 @@ class ManualController:
         self.engine.start_reload(group)
 
 
+class DisabledContext:
+    """What ``get_cpu_offload_context(enabled=False)`` returns: a layer context that offloads
+    nothing but answers like an enabled one (``stats``, ``report()``, ``reserve()``), so a loop
+    written for offloading (``with ctx: x = layer(x)``, then ``x = sync(x)``, then
+    ``print(ctx.report())``) runs unchanged with offloading turned off."""
+
+    def __enter__(self) -> "DisabledContext":
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        return None
+
+    @property
+    def stats(self) -> StepStats:
+        """Every key of :class:`offload.stats.StepStats`, ``mode`` ``"disabled"``, all figures 0."""
+        return disabled_stats()
+
+    def report(self) -> str:
+        """One line saying that offloading is off."""
+        return DISABLED_REPORT
+
+    def reserve(self, nbytes: int, *, background: bool = False) -> int:
+        """Nothing to pin while disabled: returns 0."""
+        return 0
+
+
+class DisabledController:
+    """The manual controller of a disabled context: each call does nothing (there is no layer
+    group to move), so a loop written for ``manual_synchronization=True`` runs unchanged."""
+
+    def start_offload_layer(self, layer: int) -> None:
+        """Nothing to offload while disabled."""
+
+    def release_activation_forward_gpu_memory(self, layer: int) -> None:
+        """Nothing to release while disabled."""
+
+    def start_reload_layer(self, layer: int) -> None:
+        """Nothing to reload while disabled."""
+
+
 def _identity(tensor: Any) -> Any:
     return tensor
 
@@ -442,7 +481,8 @@ def get_cpu_offload_context(
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
 
     With ``manual_synchronization=True`` a third element, a :class:`ManualController`, is
-    returned. ``enabled=False`` returns a no-op context and the identity function.
+    returned. ``enabled=False`` returns a :class:`DisabledContext` (offloads nothing; ``stats``
+    and ``report()`` say so) and the identity function (and a controller whose calls do nothing).
 
     ``num_layers`` of ``model_layers`` layers are offloaded: at most ``model_layers - 1`` in v2,
     where TransformerEngine asserts the same, so ``get_cpu_offload_context(True)`` with the
@@ -450,7 +490,8 @@ def get_cpu_offload_context(
     (as TransformerEngine v1 allows). With ``manual_synchronization=True`` every layer collects
     its tensors and ``num_layers`` is not used (it may be None), as in TransformerEngine.
     ``mode`` ("v1"/"v2") wins over the ``NVTE_CPU_OFFLOAD_V1`` environment variable.
-    ``device="cpu"`` offloads CPU tensors through the host transport (for CPU-only machines).
+    ``device``: None (default) is the current CUDA device, or the CPU where CUDA is absent;
+    ``"cpu"`` offloads CPU tensors through the host transport (as on CPU-only machines).
     ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.
     ``host_budget_bytes``: cap on host memory held (default: 75% of the host's total RAM divided
     by ``LOCAL_WORLD_SIZE``, the processes of this node; ``stats["host_budget_source"]`` says which).
@@ -478,8 +519,8 @@ def get_cpu_offload_context(
     check_unknown_options(api, unknown)
     _check_bool(api, "enabled", enabled)
     if not enabled:
-        noop: tuple[Any, ...] = (contextlib.nullcontext(), _identity)
-        return noop + (None,) if manual_synchronization else noop
+        noop: tuple[Any, ...] = (DisabledContext(), _identity)
+        return noop + (DisabledController(),) if manual_synchronization else noop
     engine = build_engine(
         num_layers=num_layers,
         model_layers=model_layers,

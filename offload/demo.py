@@ -161,6 +161,7 @@ def _save_plots(bench: Bench, oa: offload.OffloadActivations, out_dir: Path) -> 
         print("\n(no plots: pip install matplotlib to save the step's timeline and memory curve)")
         return
     recording = record_step(lambda: bench.step(plain_forward, oa), offloader=oa, layers=bench.layers)
+    out_dir.mkdir(parents=True, exist_ok=True)  # the demo's own folder (the renderers create none)
     timeline = plot_timeline(recording.timeline, out_dir / "timeline.png")
     memory = plot_memory(recording.memory, out_dir / "memory.png")
     print(f"\nsaved {timeline} (copies against layer compute) and {memory}")

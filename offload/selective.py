@@ -26,7 +26,7 @@ inputs, which checkpoint saves through the hooks. Wrap the part of a layer whose
 worth recomputing (the MLP), not the whole layer: a whole layer's kept GEMM outputs would then
 all stay resident.
 
-Inside a whole-layer checkpoint (HF ``gradient_checkpointing_enable``, an offload plan's
+Inside a whole-layer checkpoint (HF ``activation_checkpointing_enable``, an offload plan's
 ``RECOMPUTE`` layers) a wrapped module runs plainly: the outer checkpoint already drops
 everything and recomputes it, and the selective cache would only hold memory the outer one frees.
 

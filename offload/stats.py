@@ -52,9 +52,12 @@ class StepStats(TypedDict):
 
     - ``step`` (int): the step's number, counted from 1 by the context.
     - ``mode`` (str): the schedule: ``"v1"``, ``"v2"``, ``"planned"``, with ``" (manual)"`` for
-      ``manual_synchronization=True``.
+      ``manual_synchronization=True``; ``"auto"`` for ``OffloadActivations()`` without layers
+      (groups found by bytes); ``"disabled"`` for a context made with ``enabled=False`` (every
+      figure then 0).
     - ``transport`` (str): ``"cuda"`` (side-stream copies to pinned memory) or ``"cpu"`` (host
-      copies, ``device="cpu"``); ``"none"`` for a graphed layer without an engine.
+      copies, ``device="cpu"``); ``"none"`` for a graphed layer without an engine or a disabled
+      context.
     - ``native`` (bool): the copies went through the native extension (``offload._C``), not the
       pure-Python ``copy_`` loop.
     - ``offloaded_tensors`` (int, tensors): saved tensors copied out (quantized storages count
@@ -199,6 +202,20 @@ def snapshot(
         pinned_allocations=c.pinned_allocations,
         finished=c.finished,
         captured=c.captured,
+    )
+
+
+DISABLED_REPORT = "offload report: disabled (enabled=False): nothing is offloaded"
+
+
+def disabled_stats() -> StepStats:
+    """The figures of a context made with ``enabled=False``: every key of :class:`StepStats`,
+    ``mode`` ``"disabled"``, transport ``"none"``, every count 0. A disabled context answers
+    ``stats`` like an enabled one, so code that logs the figures runs with offloading off."""
+    return snapshot(
+        StepCounters(step=0, mode="disabled"), pinned_bytes_held=0, native=False, transport="none",
+        host_budget_bytes=0, host_budget_source="offloading disabled (enabled=False)",
+        host_numa_source="offloading disabled (enabled=False)",
     )
 
 

@@ -674,7 +674,7 @@ def test_disabled_context_installs_nothing_and_moves_nothing(enabled: bool) -> N
         ctx, sync, control = cpu_context(2, 3, manual_synchronization=True)
     else:
         ctx, sync, control = offload.get_cpu_offload_context(False, num_layers=2, model_layers=3, manual_synchronization=True)
-        assert control is None
+        assert isinstance(control, offload.api.DisabledController)  # its calls do nothing
     x = torch.randn(4096, requires_grad=True)
     h = x
     for i, layer in enumerate(layers):
@@ -771,8 +771,7 @@ def test_offload_weights_warns() -> None:
 def test_cuda_device_without_cuda_is_refused() -> None:
     with pytest.raises(RuntimeError, match="CUDA is not available"):
         offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, device="cuda")
-    with pytest.raises(RuntimeError, match="device='cpu'"):
-        offload.get_cpu_offload_context(True, num_layers=1, model_layers=2)
+    # device=None is the CPU there (tests/test_entry_points_cpu.py); only an explicit CUDA device is refused.
 
 
 def test_sync_function_needs_a_tensor() -> None:
@@ -818,5 +817,5 @@ def test_offload_activations_arguments() -> None:
     layers = make_mlp_layers(3)
     oa = offload.OffloadActivations(layers, device="cpu")
     assert oa.engine.schedule.num_layers == 2
-    with pytest.raises(ValueError, match="at most model_layers - 1"):
+    with pytest.raises(ValueError, match="num_offload_layers=3 is more than 2: of the 3 layers given"):
         offload.OffloadActivations(layers, num_offload_layers=3, device="cpu")

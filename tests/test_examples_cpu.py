@@ -1,4 +1,4 @@
-"""What a newcomer runs first: the README's examples, the demo's CPU path, the HF Llama example."""
+"""What a newcomer runs first: the demo's CPU path and the examples (the README's code blocks: test_readme_cpu.py)."""
 
 from __future__ import annotations
 
@@ -13,21 +13,6 @@ import offload
 from offload import demo
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _python_blocks(text: str) -> list[str]:
-    return re.findall(r"```python\n(.*?)```", text, flags=re.S)
-
-
-def test_readme_oneliner_example_runs_as_written_on_cpu() -> None:
-    # The OffloadActivations example builds its own model: it must run unchanged on a CPU-only
-    # machine (other blocks are fragments that need a GPU, a model or a loop around them).
-    blocks = [b for b in _python_blocks((ROOT / "README.md").read_text()) if "from offload.models import GPT" in b]
-    assert len(blocks) == 1, "the README's self-contained OffloadActivations example is gone"
-    namespace: dict = {}
-    exec(compile(blocks[0], "README.md", "exec"), namespace)  # noqa: S102 - our own README
-    grads = [p.grad for p in namespace["model"].layers.parameters()]
-    assert all(g is not None for g in grads), "the example's backward left layers without gradients"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="device=None means CUDA where CUDA is present")
@@ -111,3 +96,13 @@ def test_hf_llama_example_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> Non
     assert out.count("gradients bitwise equal to plain: True") == 3, out
     assert "selective_recompute(MLPs) + OffloadActivations: gradients bitwise equal to plain: True" in out
     assert "plan for the lowest peak:" in out and "host copy out" in out
+
+
+def test_hf_trainer_example_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    example = _load_example("hf_trainer")
+    assert example.main(["--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "3 optimizer steps: parameters bitwise equal to the plain Trainer's: True" in out, out
+    assert "host copy out" in out and "3 groups" in out, out

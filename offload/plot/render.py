@@ -33,9 +33,20 @@ def _figure(width: float, height: float) -> Any:
     return Figure(figsize=(width, height))
 
 
-def _save(fig: Any, path: PathLike) -> Path:
+def _target(path: PathLike, api: str) -> Path:
+    """``path`` as a Path, refused before anything is drawn when its directory does not exist.
+    Nothing is created for the caller: a mistyped path would otherwise leave directories
+    wherever it pointed (even at the filesystem's root)."""
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.parent.is_dir():
+        raise ValueError(
+            f"offload.plot.{api}: the directory {str(out.parent)!r} of {str(path)!r} does not exist; "
+            "create it first, or pass a path in an existing directory"
+        )
+    return out
+
+
+def _save(fig: Any, out: Path) -> Path:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return out
@@ -45,6 +56,7 @@ def plot_timeline(timeline: Timeline, path: PathLike) -> Path:
     """Draw ``timeline`` as one row of bars per lane (compute, D2H, H2D, waits) over the step's
     milliseconds; layer forwards on the compute row are coloured and labelled ``L<N>``.
     Returns the path written."""
+    out = _target(path, "plot_timeline")
     lanes = [name for name in _LANE_ORDER if name in timeline.lanes] + [
         name for name in timeline.lanes if name not in _LANE_ORDER
     ]
@@ -73,11 +85,12 @@ def plot_timeline(timeline: Timeline, path: PathLike) -> Path:
     ax.set_title(f"one step on {timeline.device}: {timeline.step_ms:.1f} ms; copies {copied}\n"
                  f"copies from {timeline.copy_source}; grey: compute outside layer forwards", fontsize=9)
     ax.grid(axis="x", alpha=0.3)
-    return _save(fig, path)
+    return _save(fig, out)
 
 
 def plot_memory(curve: MemoryCurve, path: PathLike) -> Path:
     """Draw ``curve`` (bytes against ms) as a step line, its peak marked. Returns the path written."""
+    out = _target(path, "plot_memory")
     if not curve.samples:
         raise ValueError("offload.plot.plot_memory: the memory curve has no samples")
     fig = _figure(10, 4)
@@ -92,12 +105,13 @@ def plot_memory(curve: MemoryCurve, path: PathLike) -> Path:
     ax.set_title(f"{curve.what} ({curve.device}): peak {format_bytes(curve.peak_bytes)}, "
                  f"start {format_bytes(curve.start_bytes)}", fontsize=9)
     ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _save(fig, out)
 
 
 def plot_pareto(panels: Mapping[str, Sequence[ParetoPoint]], path: PathLike) -> Path:
     """Step time (as a multiple of plain's) against peak memory, one panel per model (the
     mapping's keys are the panel titles). Returns the path written."""
+    out = _target(path, "plot_pareto")
     panels = {name: points for name, points in panels.items() if points}
     if not panels:
         raise ValueError("offload.plot.plot_pareto: no points to draw")
@@ -113,4 +127,4 @@ def plot_pareto(panels: Mapping[str, Sequence[ParetoPoint]], path: PathLike) -> 
         ax.set_xlabel("peak GiB")
         ax.set_ylabel("step time / plain")
         ax.grid(alpha=0.3)
-    return _save(fig, path)
+    return _save(fig, out)
