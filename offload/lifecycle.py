@@ -15,13 +15,23 @@ forward pushes its own hooks *inside* ours and wins for the tensors of the regio
 group: a checkpoint wrapped around a layer's ``__call__`` (transformers 5.17) saves the layer's
 inputs just before its pre-hook runs. A layer entered while autograd runs a backward is a
 checkpoint recomputing it, and a layer entered under ``no_grad`` outside a training forward saves
-nothing: both are *passive* (not counted, nothing recorded).
+nothing: both are *passive* (not counted, nothing recorded). A ``no_grad`` layer inside an autograd
+Function's forward is not passive: that is a reentrant checkpoint running a training forward's
+layer (perhaps its first), and it keeps its number so that the right layers are offloaded.
 
-The step's groups are held weakly: autograd's handles keep them alive. A forward whose graph is
-dropped before its backward (an exception between layers, a skipped backward) frees its groups,
-which marks the step abandoned, so the next layer starts a fresh step instead of counting on.
-Backward reaching a step whose forward is still open (fewer layer contexts than ``model_layers``)
-ends that forward, with a warning that says what was seen.
+The step's groups are held weakly: autograd's handles keep them alive, and the handles never
+hold a node of the graph (``offload.packing``), so a graph that is dropped frees them. A forward
+whose graph is dropped before its backward (an exception between layers, a skipped backward)
+frees its groups, which marks the step abandoned, so the next layer starts a fresh step instead
+of counting on. Backward reaching a step whose forward is still open (fewer layer contexts than
+``model_layers``) ends that forward, with a warning that says what was seen.
+
+A forward that raises inside a layer or an ``OffloadActivations`` ``with`` goes through one
+transition, :meth:`abort_step`: the hooks are popped, the open and pending groups and their host
+claims dropped, the schedule told (``Schedule.on_abort``: v1 holds groups in its queue), and the
+step forgotten. Nothing else of the step is held by the engine, so everything it saved dies with
+the graph; a group that dies with a prefetch unread makes the compute stream wait for that copy
+before its buffer can be reused (``offload.copies``).
 
 Several micro-batches in flight (a pipeline stage's 1F1B order: forward mb0, forward mb1,
 backward mb0, ...). Each forward is a step, so a group is keyed by (step, layer), i.e. by

@@ -7,7 +7,9 @@ engine itself (a mixin, no helper object to go through), and what is not needed 
 in the other parts (``offload.lifecycle``, ``offload.copies``).
 
 What ``pack`` returns to autograd (the handle), by the tensor's fate:
-- kept where it is (the policy's decision): ``(tensor, version at pack, layer)``;
+- kept where it is (the policy's decision, or a layer that is not offloaded, whose tensors
+  OffloadActivations' hooks see too): ``(tensor, version at pack, layer)`` (:func:`keep_handle`),
+  never the bare tensor, for both reasons below;
 - recorded in the open group: ``(group, index)``;
 - a quantized storage (``prepare_for_saving``): a ``StorageHandle`` of its components' handles.
 
@@ -17,9 +19,10 @@ reloads again from the host region, which lives as long as the graph does.
 Nothing the engine or a handle holds may refer back to the graph: autograd gives the pack hook a
 node's *output* with that node as its ``grad_fn``, and the node holds what pack returns, so a
 handle holding the output would make a cycle through C++ that Python's GC cannot see (an
-abandoned or failed step would then keep its activations and host regions for good). Tensors
-that require grad are therefore held detached (same storage and version counter); autograd puts
-the grad_fn back when it unpacks. Parameters are leaves: they hold no node.
+abandoned or failed step would then keep its activations and host regions for good: the whole
+graph, every earlier layer's groups included, hangs off such a cycle). Tensors that have a node
+are therefore held detached (same storage and version counter); autograd puts the grad_fn back
+when it unpacks. Leaves, parameters among them, hold no node.
 
 In-place changes: autograd skips its version check for tensors saved through hooks, so the
 engine records ``t._version`` at pack and compares at unpack, raising autograd's error. A
@@ -37,7 +40,7 @@ from torch.autograd.profiler import record_function
 
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
-from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
+from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
 
 if TYPE_CHECKING:
     from .schedules.base import Schedule

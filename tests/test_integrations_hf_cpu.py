@@ -20,6 +20,12 @@ from offload.integrations.hf import offload_trainer  # noqa: E402
 
 from _util import tiny_llama  # noqa: E402
 
+# The installed transformers' name for activation checkpointing in TrainingArguments.
+CHECKPOINTING = (
+    "activation_checkpointing"
+    if "activation_checkpointing" in transformers.TrainingArguments.__dataclass_fields__ else "gradient_checkpointing"
+)
+
 STEPS = 3
 
 
@@ -151,8 +157,8 @@ def test_offload_trainer_refuses_what_it_cannot_offload(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="offloaded already"):
         offload_trainer(trainer)
     checkpointed = transformers.Trainer(model=tiny_llama(layers=3)[0], train_dataset=TokenDataset(),
-                                        args=training_args(tmp_path, activation_checkpointing=True))
-    with pytest.raises(ValueError, match="turn the Trainer's activation_checkpointing off"):
+                                        args=training_args(tmp_path, **{CHECKPOINTING: True}))
+    with pytest.raises(ValueError, match=f"turn the Trainer's {CHECKPOINTING} off"):
         offload_trainer(checkpointed, memory_budget_bytes="lowest")
 
 
@@ -186,8 +192,9 @@ def sft_trainer(tmp_path: Path, use_cpu: bool = True, **config: Any) -> tuple[An
     )
     rows = datasets.Dataset.from_dict({"input_ids": TokenDataset().ids.tolist()})
     # TRL's SFTConfig turns checkpointing on by default under transformers' deprecated name;
-    # the same setting under the current name, without the deprecation warning.
-    config.setdefault("activation_checkpointing", True)
+    # the same setting under the current name where the installed transformers has it (5.24
+    # does, 5.17 does not), without the deprecation warning.
+    config.setdefault(CHECKPOINTING, True)
     args = trl.SFTConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, max_steps=STEPS, learning_rate=1e-3,
                          report_to=[], use_cpu=use_cpu, dataloader_num_workers=0, seed=0, save_strategy="no",
                          logging_strategy="no", disable_tqdm=True, **config)

@@ -168,11 +168,13 @@ def _check_setup(args: Any, options: dict[str, Any]) -> None:
             "per GPU instead (torchrun or accelerate launch)"
         )
     planned = options.get("plan") is not None or options.get("memory_budget_bytes") is not None
-    checkpointing = getattr(args, "activation_checkpointing", None) or getattr(args, "gradient_checkpointing", None)
+    # transformers 5.24 names it activation_checkpointing, earlier versions gradient_checkpointing.
+    checkpointing = next((name for name in ("activation_checkpointing", "gradient_checkpointing")
+                          if getattr(args, name, None)), None)
     if planned and checkpointing:
         raise ValueError(
             f"offload: {API}: a plan (plan / memory_budget_bytes) recomputes layers itself; turn "
-            "the Trainer's activation_checkpointing off, or offload without a plan "
+            f"the Trainer's {checkpointing} off, or offload without a plan "
             "(num_offload_layers) on top of checkpointing"
         )
 
