@@ -130,12 +130,13 @@ class CopyMixin:
         # From Group.__del__: the host region goes back with the event of its last copy, so the
         # next writer waits for it on the GPU instead of the host waiting now.
         if group.state is GroupState.RELOADED and not group.h2d_waited and not group.captured:
-            # A prefetched group that dies unread (a backward that raised, or a graph dropped
-            # mid-backward): its reload buffer goes back to the allocator right after this, for
-            # reuse in the order of the compute stream that allocated it, while the H2D may still
-            # be writing into it. The compute stream waits for the copy first. (A group dying
-            # with its D2H in flight needs no such wait: the copy only reads the originals, into
-            # a region whose next writer waits for that copy anyway.)
+            # A reloaded group that dies unread (its graph dropped after a prefetch or a manual
+            # reload, a backward that raised): its reload buffer goes back to the allocator right
+            # after this, for reuse in the order of the stream that allocated it (the compute
+            # stream, current here too), while the H2D may still be writing into it. That stream
+            # waits for the copy first. (A group dying with its D2H in flight needs no such wait:
+            # the copy only reads the originals, into a region whose next writer waits for that
+            # copy anyway.)
             self.transport.wait_reloaded(group, group.counters)
         if group.host is not None:
             self.arena.release(group.host, self.transport.last_host_use(group))
