@@ -62,7 +62,6 @@ _ALIGN_MASK = ~(ALIGNMENT - 1)
 CONJ_BIT = 1
 NEG_BIT = 2
 
-_detach = torch.Tensor.detach
 
 
 def modified_error(shape: Any, dtype: torch.dtype, layer: int, now: int, saved: int) -> RuntimeError:
@@ -90,23 +89,27 @@ _make_alias = torch.Tensor._make_subclass
 _set_versions = torch._C._autograd._unsafe_set_version_counter
 
 
-def version_sentinels(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """One alias of each tensor that shares its version counter and none of its memory.
+def own_alias(t: torch.Tensor) -> torch.Tensor:
+    """An alias of ``t`` that the group owns: same storage and version counter, no autograd
+    history (like ``detach()``), and free to change its storage later (unlike ``detach()``, whose
+    result refuses ``set_``), which is what :func:`empty_keeping_versions` needs."""
+    return _make_alias(torch.Tensor, t)
+
+
+def empty_keeping_versions(aliases: list[torch.Tensor]) -> None:
+    """Let go of the memory of :func:`own_alias` aliases, in place, keeping their version counters.
 
     Autograd's version counter is shared by every alias of a tensor (views, ``detach``), and an
     in-place change through any of them moves it. Once a group has released its originals, the
-    caller may still hold an alias and change it; the sentinel keeps the counter readable at no
-    memory cost. ``_make_subclass`` gives a detached alias that, unlike ``detach()``, may change
-    its storage, and ``set_()`` then swaps in an empty one (not a view: no ``_base`` keeps the
-    original's memory). ``set_`` counts as an in-place change, so the counters are put back to
-    what they were, in one call (about 1 us a tensor in all on our CPU box).
+    caller may still hold an alias and change it; the emptied aliases keep the counter readable
+    at no memory cost. ``set_()`` swaps in an empty storage (not a view: no ``_base`` keeps the
+    original's memory), but counts as an in-place change, so the counters are put back to what
+    they were, in one call (about 0.5 us a tensor in all on our CPU box).
     """
-    versions = tuple(t._version for t in tensors)
-    sentinels = [_make_alias(torch.Tensor, t) for t in tensors]
-    for sentinel in sentinels:
-        sentinel.set_()
-    _set_versions(tuple(sentinels), versions)
-    return sentinels
+    versions = tuple(t._version for t in aliases)
+    for alias in aliases:
+        alias.set_()
+    _set_versions(tuple(aliases), versions)
 
 
 def storage_extent_bytes(t: torch.Tensor) -> int:
@@ -153,20 +156,21 @@ class Group:
         # Entries: (slot, byte offset in its storage, dtype, shape, stride, lazy bits), one per
         # saved tensor; lazy bits: CONJ_BIT | NEG_BIT as the tensor carried them.
         self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...], int]] = []
-        # What the group holds until release: each saved tensor detached when it requires grad.
+        # What the group holds until release: an alias of each saved tensor (``own_alias``),
+        # detached like ``detach()`` when it requires grad.
         # Autograd hands the pack hook a node's *output* with its grad_fn (that very node), and
         # the node holds what pack returned: holding the output itself would close a cycle
         # group -> tensor -> grad_fn -> saved handle -> group that only the cyclic GC (which
         # cannot see the C++ edges) could ever break, so a step abandoned before backward
-        # would keep its activations and host regions. ``detach`` shares storage and version
+        # would keep its activations and host regions. The alias shares storage and version
         # counter; autograd re-attaches the grad_fn when it unpacks.
         self.originals: Optional[list[torch.Tensor]] = []
         # Version counter of each saved tensor at pack: autograd skips its own in-place check for
         # tensors saved through hooks, so the engine does it (see ``check_version``).
         self.versions: list[int] = []
-        # From release on, one storage-less alias per entry that shares the saved tensor's
-        # version counter (see ``version_sentinel``): an in-place change made after release, by
-        # any alias the caller still holds, is still seen at unpack.
+        # From release on, the originals emptied in place (``empty_keeping_versions``): they
+        # share the saved tensors' version counters and hold no memory, so an in-place change
+        # made after release, through any alias the caller still holds, is still seen at unpack.
         self.sentinels: Optional[list[torch.Tensor]] = None
         self.saved_bytes = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
@@ -219,7 +223,7 @@ class Group:
         self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
         self.versions.append(t._version)
         if self.retain:
-            self.originals.append(_detach(t) if t.requires_grad else t)  # type: ignore[union-attr]
+            self.originals.append(own_alias(t))  # type: ignore[union-attr]
         return len(self.entries) - 1
 
     def slot_sizes(self) -> list[int]:
@@ -264,12 +268,13 @@ class Group:
     def mark_released(self) -> None:
         """Drop the GPU originals (the caller has ordered their reuse after the D2H).
 
-        Each original leaves a version sentinel behind, so that an in-place change made before
-        or after this point is still refused at unpack, where autograd would refuse it.
+        The group's aliases of the originals are emptied in place and kept as version sentinels,
+        so that an in-place change made before or after this point is still refused at unpack,
+        where autograd would refuse it.
         """
         self._move(_FROM_OFFLOADING, GroupState.OFFLOADED)
-        self.sentinels = version_sentinels(self.originals)  # type: ignore[arg-type]
-        self.originals = None
+        empty_keeping_versions(self.originals)  # type: ignore[arg-type]
+        self.sentinels, self.originals = self.originals, None
         self.slot_storages = []
 
     def mark_reloaded(self, gpu: torch.Tensor, h2d_done: Any) -> None:
