@@ -40,7 +40,7 @@ from torch.autograd.profiler import record_function
 
 from .group import HOLDS_ORIGINALS, Group, GroupState, modified_error
 from .marks import KEEP_ATTR, emptied_copy
-from .policy import KEEP_MARKED, KEEP_UNSUPPORTED, SelectionPolicy
+from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPolicy
 
 if TYPE_CHECKING:
     from .schedules.base import Schedule
@@ -129,6 +129,10 @@ class PackingMixin:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
                 return self._pack_storage(group, t)
             group.counters.keep(reason)
+            if reason is KEEP_PARAMETER:
+                # A parameter, or a view of one: its node (if any) is the view's, never the node
+                # saving it, so it needs no detach (the one keep on every step's Linear).
+                return (t, t._version, group.layer)
             return keep_handle(t, group.layer)
         group.saved_bytes += t.nbytes
         return (group, group.add(t))
