@@ -30,7 +30,7 @@ from .schedules.auto import ScheduleAuto
 from .stats import DISABLED_REPORT, StepStats, disabled_stats
 from .eager import run_eagerly
 from .step import first_grad_tensor
-from .planner.make import Budget, check_budget, choose, probe_policy, step_figures
+from .planner.make import Budget, check_budget, check_device_budget, choose, probe_policy, step_figures
 from .planner.probe import ProbeStep, measure_link
 from .planner.types import Plan
 from .schedules.planned import PlannedSchedule
@@ -173,7 +173,7 @@ class OffloadActivations:
     their checkpoint inputs, which come back before the layer's recompute.
 
     Plans (per layer keep / offload / recompute, see ``offload.planner``; with layers only):
-    ``memory_budget_bytes=N`` (or ``"lowest"``) runs its first step plainly (warm-up), the
+    ``memory_budget_bytes=N`` (or ``"device"``, ``"lowest"``) runs its first step plainly, the
     second with one layer recomputed (calibration), probes the third (plainly), then plans and
     follows the fastest plan whose predicted peak fits ``N`` from the fourth step on;
     ``plan=offload.plan(...)`` follows a plan made beforehand. Recomputed layers are run under
@@ -275,8 +275,10 @@ class OffloadActivations:
         # The layers' parameters and buffers (and views of them) are never copied.
         options.setdefault("params_from", self.layers)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
-        if self.engine is not None and plan is not None:
-            self._follow(plan)
+        if self.engine is not None:
+            check_device_budget(self.budget, self.engine.transport.device, "OffloadActivations:")
+            if plan is not None:
+                self._follow(plan)
 
     def _init_auto(
         self, num_offload_layers: Optional[int], plan: Optional[Plan], memory_budget_bytes: Budget,
@@ -445,7 +447,7 @@ class OffloadActivations:
         elif probe is not None:
             probe.end_step()
             profile = probe.profile(measure_link(device), recompute_peak=self._recompute_peak)
-            self._follow(choose(profile, self.budget))
+            self._follow(choose(profile, self.budget, device))
         elif self._step_mark is not None:
             # Read lazily (plan_report): reading the events now would make the host wait.
             peak = torch.cuda.max_memory_allocated(device) if cuda and self.measure_peak else None

@@ -406,3 +406,66 @@ def test_measured_forward_peak_is_what_a_layer_needs():
     p = profile([layer], head=0)
     pred = simulate(p, [K])
     assert pred.peak_bytes == 100 * MB + 6 * MB and pred.peak_at == "forward layer 0"
+
+
+# ------------------------------------------------------- "lowest" and budgets near the lowest peak
+
+def near_tie() -> StepProfile:
+    """Offloading everything is predicted 2.4% under all-recompute (24.00 MB against 24.58 MB):
+    within the model's peak error, so it may well measure above checkpointing."""
+    import dataclasses
+
+    p = profile([hand_layer()] * 4, base=20 * MB)
+    return dataclasses.replace(p, recompute_factor=1.02)
+
+
+def test_all_recompute_is_always_a_candidate():
+    for layer in (hand_layer(), llama_1b().layers[0], LayerProfile((), 0, 1.0, 1.0, "empty")):
+        assert layer_candidates(layer)[-1] == R
+
+
+def test_lowest_prefers_all_recompute_within_the_model_error():
+    p = near_tie()
+    rec = simulate(p, [R] * 4, 1).peak_bytes
+    # The old choice (no allowance for the model's error): the offloading plan, predicted lower.
+    old = lowest_peak(p, model_error=0.0)
+    assert old.recomputes() is False and old.prediction.peak_bytes < rec
+    assert old.prediction.peak_bytes > rec * (1 - search_mod.PEAK_MODEL_ERROR)
+    # Now: the two are closer than the model can tell, so checkpointing's peak is the one to trust.
+    low = lowest_peak(p)
+    assert low.describe() == "recompute 4", f"lowest chose {low.describe()} over all-recompute"
+    assert low.prediction.peak_bytes <= rec and low.budget_bytes == rec
+
+
+def test_lowest_takes_a_plan_clearly_under_all_recompute():
+    import dataclasses
+
+    p = dataclasses.replace(near_tie(), recompute_factor=1.3)  # recompute now peaks 7% higher
+    rec = simulate(p, [R] * 4, 1).peak_bytes
+    low = lowest_peak(p)
+    assert low.describe() != "recompute 4"
+    assert low.prediction.peak_bytes <= rec * (1 - search_mod.PEAK_MODEL_ERROR)
+
+
+def test_budget_error_shows_the_difference_in_bytes():
+    p = llama_1b()
+    floor = search_mod._floor(p, search_mod._space(p))[0]
+    budget = int(floor * (1 - 2 * search_mod.PEAK_MODEL_ERROR))
+    with pytest.raises(BudgetError) as err:
+        best_plan(p, budget)
+    msg = str(err.value)
+    assert f"({budget:,} bytes)" in msg and f"({floor:,} bytes)" in msg, msg
+    assert "shorter sequence" in msg and "smaller batch" in msg and "more GPUs" in msg
+
+
+def test_budget_within_the_model_error_follows_the_lowest_plan_and_warns():
+    p = llama_1b()
+    floor = search_mod._floor(p, search_mod._space(p))[0]
+    budget = floor - 1  # one byte short: the rounded figures read the same
+    with pytest.warns(UserWarning, match="within the cost model's error") as got:
+        plan = best_plan(p, budget)
+    msg = str(got[0].message)
+    assert f"({budget:,} bytes)" in msg and f"({floor:,} bytes)" in msg, msg
+    assert plan == lowest_peak(p, tolerance=0.0)
+    with pytest.raises(BudgetError):
+        best_plan(p, int(floor * (1 - search_mod.PEAK_MODEL_ERROR)) - 1)

@@ -165,6 +165,32 @@ def test_budget_plans_then_follows_on_gpu() -> None:
     print(oa.plan_report())
 
 
+def test_device_budget_plans_under_what_the_gpu_gives() -> None:
+    # "device" on a tiny model: the budget is most of the GPU, so the plan keeps everything;
+    # what is checked is that the budget was read from this device, the plan's predicted peak
+    # fits it, and the steps run (bitwise) under the plan.
+    clean_device()
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    made = offload.plan(layers, lambda: train_step(layers, x), "device")
+    free, capacity = torch.cuda.mem_get_info()
+    assert made.budget_bytes is not None and made.budget_bytes < capacity
+    assert made.prediction.peak_bytes <= made.budget_bytes
+    assert made.budget_reason.startswith("device (") and "held by others" in made.budget_reason
+    oa = offload.OffloadActivations(layers, memory_budget_bytes="device")
+    for step in range(5):  # warm-up, calibration, probe, then planned steps
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    assert oa.plan is not None and oa.plan.prediction.peak_bytes <= oa.plan.budget_bytes
+    assert "budget: device (" in oa.plan_report()
+
+
+def test_budget_above_the_gpu_warns_naming_its_capacity() -> None:
+    layers = gpt(2)
+    capacity = torch.cuda.get_device_properties(0).total_memory
+    with pytest.warns(UserWarning, match=f"capacity of .* \\({capacity} bytes\\)"):
+        offload.OffloadActivations(layers, memory_budget_bytes=capacity + 1)
+
+
 def test_hf_llama_checkpointing_offloads_only_layer_inputs() -> None:
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(

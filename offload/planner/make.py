@@ -8,6 +8,8 @@ memory_budget_bytes=...)`` does the same on its own first step (see ``offload/ac
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -15,6 +17,8 @@ import torch
 from ..api import DEFAULT_MIN_OFFLOAD_BYTES, resolve_device
 from ..keywords import parameter_names, reject_unknown
 from ..policy import SelectionPolicy
+from ..stats import format_bytes
+from .budget import DEVICE, DeviceBudget, device_budget
 from .probe import ProbeStep, measure_link
 from .search import BudgetError, best_plan, lowest_peak
 from .types import LinkProfile, Plan, StepProfile
@@ -26,15 +30,43 @@ LOWEST_TOLERANCE = 0.03
 
 
 def check_budget(memory_budget_bytes: Budget, where: str) -> Budget:
-    """Validate a budget argument: bytes (int > 0), ``"lowest"``, or None (no budget)."""
-    if memory_budget_bytes is None or memory_budget_bytes == LOWEST:
+    """Validate a budget argument: bytes (int > 0), ``"lowest"``, ``"device"``, or None (no budget)."""
+    if memory_budget_bytes is None or memory_budget_bytes in (LOWEST, DEVICE):
         return memory_budget_bytes
     if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0:
         raise ValueError(
             f"offload: {where} memory_budget_bytes must be a positive int number of bytes "
-            f"(e.g. 20 << 30 for 20 GiB) or 'lowest', got {memory_budget_bytes!r}"
+            f"(e.g. 20 << 30 for 20 GiB), 'device' (what this GPU can give) or 'lowest', "
+            f"got {memory_budget_bytes!r}"
         )
     return memory_budget_bytes
+
+
+def check_device_budget(memory_budget_bytes: Budget, device: torch.device, where: str) -> None:
+    """Refuse ``"device"`` where there is no GPU to measure, and warn about a budget in bytes
+    larger than the GPU (the plan would be made for memory that is not there)."""
+    if memory_budget_bytes == DEVICE and device.type != "cuda":
+        raise ValueError(
+            f"offload: {where} memory_budget_bytes='device' sizes the plan to a CUDA device's "
+            f"free memory, but this run is on {device.type!r}; run on a GPU (device='cuda'), or "
+            "pass a budget in bytes or 'lowest'"
+        )
+    if isinstance(memory_budget_bytes, int) and device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        if memory_budget_bytes > capacity:
+            warnings.warn(
+                f"offload: {where} memory_budget_bytes={memory_budget_bytes} "
+                f"({format_bytes(memory_budget_bytes)}) is more than {device}'s capacity of "
+                f"{format_bytes(capacity)} ({capacity} bytes); plans will be made as if the memory "
+                "were there. Pass memory_budget_bytes='device' to fit this GPU",
+                UserWarning, stacklevel=3,
+            )
+
+
+def read_device_budget(device: torch.device) -> DeviceBudget:
+    """The "device" budget of ``device`` now (see :mod:`offload.planner.budget`)."""
+    free, capacity = torch.cuda.mem_get_info(device)
+    return device_budget(int(capacity), int(free), int(torch.cuda.memory_reserved(device)))
 
 
 def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = "auto") -> SelectionPolicy:
@@ -47,16 +79,37 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
     )
 
 
-def choose(profile: StepProfile, memory_budget_bytes: Budget) -> Plan:
+def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
-    is within 3% of the lowest)."""
+    is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now).
+
+    The plan's ``budget_reason`` says which budget was used and why.
+    """
     if memory_budget_bytes == LOWEST:
         # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that
         # much headroom before it must stall on forced releases.
-        return lowest_peak(profile, tolerance=LOWEST_TOLERANCE)
+        made = lowest_peak(profile, tolerance=LOWEST_TOLERANCE)
+        return dataclasses.replace(made, budget_reason=f"lowest (the lowest predicted peak, up to "
+                                                       f"{LOWEST_TOLERANCE:.0%} more for speed)")
+    if memory_budget_bytes == DEVICE:
+        if device is None or device.type != "cuda" or profile.device != "cuda":
+            # check_device_budget refuses this at the call; reaching here is a caller's bug.
+            raise ValueError(f"offload: memory_budget_bytes='device' needs the CUDA device to plan "
+                             f"for, got {device!r} (profile measured on {profile.device!r})")
+        measured = read_device_budget(device)
+        made = best_plan(profile, measured.budget_bytes)
+        reason = measured.describe()
+        if made.budget_bytes != measured.budget_bytes:  # the lowest plan, followed with a warning
+            reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
+        return dataclasses.replace(made, budget_reason=reason)
     if memory_budget_bytes is None:
-        return best_plan(profile, profile.plain_peak_bytes)
-    return best_plan(profile, int(memory_budget_bytes))
+        made = best_plan(profile, profile.plain_peak_bytes)
+        return dataclasses.replace(made, budget_reason="none given (the plain step's peak)")
+    made = best_plan(profile, int(memory_budget_bytes))
+    reason = "memory_budget_bytes"
+    if made.budget_bytes != memory_budget_bytes:
+        reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
+    return dataclasses.replace(made, budget_reason=reason)
 
 
 def profile_step(
@@ -126,7 +179,9 @@ def plan(
     ``layers``: the repeated layer modules in call order (e.g. ``model.model.layers``).
     ``step_fn()``: one whole training step, forward and backward (the probe runs it plainly,
     ``warmup_steps`` times and once more measured, so it needs the plain step's memory). ``memory_budget_bytes``: peak device bytes the
-    plan may use, ``"lowest"`` for the lowest-memory plan, or None for no limit. ``link``: the
+    plan may use, ``"device"`` for what this GPU can give the step (its capacity less what others
+    hold, less ``DEVICE_HEADROOM``; see :mod:`offload.planner.budget`), ``"lowest"`` for the
+    lowest-memory plan, or None for no limit. ``link``: the
     host link's speed, measured if None. Pass the plan to ``OffloadActivations(layers,
     plan=...)``; ``print(plan.table())`` shows it layer by layer.
 
@@ -135,9 +190,11 @@ def plan(
     """
     reject_unknown("plan", unknown, parameter_names(plan))
     budget = check_budget(memory_budget_bytes, "plan():")
-    profile = profile_step(layers, step_fn, device=device, min_offload_bytes=min_offload_bytes, link=link,
+    dev = resolve_device(device)
+    check_device_budget(budget, dev, "plan():")
+    profile = profile_step(layers, step_fn, device=dev, min_offload_bytes=min_offload_bytes, link=link,
                            warmup_steps=warmup_steps)
-    return choose(profile, budget)
+    return choose(profile, budget, dev)
 
 
 def step_figures(start: Any, end: Any, peak_bytes: Optional[int]) -> dict[str, Any]:
@@ -150,4 +207,4 @@ def step_figures(start: Any, end: Any, peak_bytes: Optional[int]) -> dict[str, A
     return {"step_ms": ms, "peak_bytes": peak_bytes}
 
 
-__all__ = ["BudgetError", "LOWEST", "plan", "profile_step", "choose", "check_budget", "probe_policy", "step_figures"]
+__all__ = ["BudgetError", "DEVICE", "LOWEST", "check_device_budget", "read_device_budget", "plan", "profile_step", "choose", "check_budget", "probe_policy", "step_figures"]

@@ -59,6 +59,8 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
     p = plan.prediction
     budget = "none" if plan.budget_bytes is None else format_bytes(plan.budget_bytes)
     lines.append(f"plan: {plan.describe()}; budget {budget}")
+    if plan.budget_reason:
+        lines.append(f"budget: {plan.budget_reason}")
     def ms(v: float) -> str:
         return f"{v:.1f} ms"
 

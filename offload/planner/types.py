@@ -237,6 +237,8 @@ class Plan:
     # The probe's figures the plan was made from: the runtime follows the plan with them
     # (budget accounting). Not part of a plan's identity.
     profile: Optional["StepProfile"] = field(default=None, compare=False, repr=False)
+    # Which budget was used and why, for the report (e.g. how "device" was worked out).
+    budget_reason: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)) or not self.layers:

@@ -1,0 +1,82 @@
+"""``memory_budget_bytes="device"``: the budget is what the device can give the step.
+
+The planner's budget is a peak of the bytes this process's caching allocator has allocated
+(``torch.cuda.memory_allocated``), weights and optimizer state included: ``StepProfile.base_bytes``
+is that count at the first layer's entry and every predicted peak is ``base_bytes`` plus what the
+step adds. So "device" counts the bytes already allocated as inside the budget, not against it:
+
+    held by others = capacity - free - reserved
+                     (other processes, the CUDA context, NCCL and other non-torch allocations)
+    available      = capacity - held by others = free + reserved
+                     (reserved = allocated now, weights included, + cached blocks torch can reuse)
+    budget         = available x (1 - DEVICE_HEADROOM)
+
+measured when the plan is made (after the probe steps, whose activations are freed by then).
+Pure: the figures are passed in, so this is tested without a GPU; ``make.read_device_budget``
+reads them from CUDA.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..stats import format_bytes
+
+DEVICE = "device"
+
+# Headroom left for the allocator, as a fraction of what is available. The budget bounds
+# *allocated* bytes, but the device must hold *reserved* ones: the caching allocator rounds
+# blocks up and cannot always reuse a freed block for a larger request, so reserved runs above
+# allocated at the peak (a few percent in our training steps without expandable segments; more
+# with many odd sizes). 5% keeps that gap, and the cost model's peak error (3.5% measured), off
+# the out-of-memory edge on an 80 GB device (4 GB) without giving up much of it.
+DEVICE_HEADROOM = 0.05
+
+
+@dataclass(frozen=True)
+class DeviceBudget:
+    """How a "device" budget was worked out, for the plan's report."""
+
+    capacity_bytes: int          # the device's total memory
+    held_by_others_bytes: int    # capacity - free - reserved, when planning
+    headroom: float              # fraction of what is available left for the allocator
+    budget_bytes: int
+
+    def describe(self) -> str:
+        """E.g. ``device (79.1 GiB capacity - 2.3 GiB held by others - 5% headroom = 72.9 GiB)``."""
+        return (
+            f"device ({format_bytes(self.capacity_bytes)} capacity - "
+            f"{format_bytes(self.held_by_others_bytes)} held by others - {self.headroom:.0%} "
+            f"headroom = {format_bytes(self.budget_bytes)})"
+        )
+
+
+def device_budget(capacity_bytes: int, free_bytes: int, reserved_bytes: int,
+                  headroom: float = DEVICE_HEADROOM) -> DeviceBudget:
+    """The "device" budget from the device's figures (see the module docstring).
+
+    ``capacity_bytes`` and ``free_bytes``: ``torch.cuda.mem_get_info`` (total, free), device-wide;
+    ``reserved_bytes``: ``torch.cuda.memory_reserved``, this process's caching allocator (its
+    allocated bytes and the cached blocks it can reuse). Raises ValueError on figures that
+    cannot come from one device, or when nothing is left.
+    """
+    for name, value in (("capacity_bytes", capacity_bytes), ("free_bytes", free_bytes),
+                        ("reserved_bytes", reserved_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"device_budget: {name} must be an int >= 0, got {value!r}")
+    if not 0 <= headroom < 1:
+        raise ValueError(f"device_budget: headroom must be a fraction in [0, 1), got {headroom!r}")
+    if free_bytes + reserved_bytes > capacity_bytes:
+        raise ValueError(
+            f"device_budget: free ({free_bytes}) + reserved ({reserved_bytes}) bytes exceed the "
+            f"capacity ({capacity_bytes}); read all three from the same device at the same time"
+        )
+    available = free_bytes + reserved_bytes
+    budget = int(available * (1 - headroom))
+    if budget <= 0:
+        raise ValueError(
+            f"offload: memory_budget_bytes='device': the device has nothing left for the step "
+            f"({format_bytes(capacity_bytes)} capacity, all held by others); free the device or "
+            "pass a budget in bytes"
+        )
+    return DeviceBudget(capacity_bytes, capacity_bytes - available, headroom, budget)
