@@ -506,7 +506,10 @@ class OffloadActivations:
             self._handles.append(module.register_forward_hook(_LayerHook(self, after=True)))
 
     def close(self) -> None:
-        """Remove the module hooks and checkpoint wrappers (inert outside the ``with`` anyway)."""
+        """Remove the module hooks and checkpoint wrappers (inert outside the ``with`` anyway) and
+        give back the idle pinned host blocks; entering again re-registers and re-pins."""
+        if self.engine is not None:
+            self.engine.arena.free_idle()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()

@@ -471,6 +471,16 @@ class HostArena:
                 if self._free[i].used_in_step < first:
                     self._drop_free(i)
 
+    def free_idle(self) -> int:
+        """Free every idle block (blocks lent to groups still alive, and those CUDA graphs own,
+        stay); returns the bytes freed. For a context that is done with: the next step pins
+        again."""
+        with self._lock:
+            held = self.counters.bytes_held
+            for i in range(len(self._free) - 1, -1, -1):
+                self._drop_free(i)
+            return held - self.counters.bytes_held
+
     def _drop_free(self, i: int) -> None:
         # Called with the lock held. A dropped block may still be the source of an H2D copy in
         # flight; the event tells when it is safe, and the copy engine's reference ends then.

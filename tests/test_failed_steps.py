@@ -449,3 +449,16 @@ def test_plan_with_a_failing_step_leaves_nothing() -> None:
     gc.collect()
     assert not [name for name, ref in refs if ref() is not None], "the failed probe step's activations live on"
     assert not hooks_installed()
+
+
+def test_close_gives_the_idle_host_blocks_back() -> None:
+    layers = make_layers("cpu")
+    x = torch.randn(4, 8, WIDTH)
+    oa = offload.OffloadActivations(layers, **_options("cpu"))
+    form = Form("layers", lambda *_: oa)
+    expected = _step(Form("plain", lambda *_: None), contextlib.nullcontext(), layers, x)
+    _step(form, oa, layers, x)
+    assert oa.stats["pinned_bytes_held"] > 0
+    oa.close()
+    assert oa.stats["pinned_bytes_held"] == 0, "close() kept the context's host blocks"
+    assert all(torch.equal(a, b) for a, b in zip(expected, _step(form, oa, layers, x))), "a step after close()"
