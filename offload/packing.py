@@ -166,10 +166,8 @@ class PackingMixin:
         return self._unpack(packed)
 
     def _unpack(self, packed: Any) -> Any:
-        if type(packed) is not tuple:
-            if type(packed) is StorageHandle:
-                return self._unpack_storage(packed)
-            return packed
+        if type(packed) is StorageHandle:
+            return self._unpack_storage(packed)
         if len(packed) == 3:  # kept: (tensor, version at pack, layer)
             return unpack_kept(packed)
         group, index = packed

@@ -20,6 +20,7 @@ from typing import Any, Optional
 import torch
 
 from .engine import OffloadEngine
+from .packing import keep_handle
 from .policy import KEEP_REGION
 from .stats import StepCounters
 
@@ -85,7 +86,9 @@ class _KeepPack:
         else:
             counters = engine.step.counters if engine.step is not None else None
         if counters is None:
-            return t  # the engine's step is gone (aborted): plain saving
+            # The engine's step is gone (aborted): kept uncounted, through the same handle as
+            # every kept tensor (never the bare tensor: the cycle reason in offload.packing).
+            return keep_handle(t, engine.current_layer)
         return engine.pack_kept(t, KEEP_REGION, counters)
 
 

@@ -462,3 +462,39 @@ def test_close_gives_the_idle_host_blocks_back() -> None:
     oa.close()
     assert oa.stats["pinned_bytes_held"] == 0, "close() kept the context's host blocks"
     assert all(torch.equal(a, b) for a, b in zip(expected, _step(form, oa, layers, x))), "a step after close()"
+
+
+def test_no_pack_hook_hands_autograd_a_tensor_that_holds_its_node() -> None:
+    # The rule behind the leaks: whatever a pack hook returns is kept by the node that saved the
+    # tensor, so it must not hold that node (a tensor's grad_fn). Every pack path is asked here
+    # for an output that carries its node, as sigmoid's saved output does.
+    from offload.planner.make import probe_policy
+    from offload.planner.probe import ProbeStep
+    from offload.scope import _KeepPack
+    from offload.stats import StepCounters
+
+    def output() -> torch.Tensor:
+        return torch.sigmoid(torch.randn(4, 8, requires_grad=True))
+
+    def tensors_in(handle: Any) -> list[torch.Tensor]:
+        if isinstance(handle, torch.Tensor):
+            return [handle]
+        if isinstance(handle, tuple):
+            return [t for t in handle if isinstance(t, torch.Tensor)]
+        return []
+
+    layers = make_layers("cpu")
+    engine = offload.OffloadActivations(layers, num_offload_layers=0, **_options("cpu")).engine
+    probe = ProbeStep(list(layers), probe_policy(torch.device("cpu"), 0), torch.device("cpu"))
+    paths = {
+        "pack outside any group": engine.pack,
+        "keep region, step counted": lambda t: engine.pack_kept(t, "keep_on_gpu", StepCounters(step=1, mode="v2")),
+        "keep region, no step": _KeepPack(engine, False),
+        "probe": probe._pack,
+    }
+    for name, pack in paths.items():
+        assert engine.step is None
+        handle = pack(output())
+        assert tensors_in(handle), f"{name}: no tensor in the handle: the test proves nothing"
+        for t in tensors_in(handle):
+            assert t.grad_fn is None, f"{name}: the handle holds a tensor with its node"
