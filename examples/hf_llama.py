@@ -30,6 +30,7 @@ from typing import Any, Optional
 import torch
 
 import offload
+from offload.repeatable import repeatable_attention
 
 
 def tiny_llama(device: torch.device, layers: int = 4, hidden: int = 128) -> tuple[Any, torch.Tensor]:
@@ -59,16 +60,6 @@ def train_step(model: Any, ids: torch.Tensor, wrapper: Any = None) -> list[torch
 def bitwise_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     """Every gradient equal bit for bit."""
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
-
-
-def repeatable_attention(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA, attention that repeats itself bit for bit (``offload.repeatable``): the FLASH
-    backward does not, which would void the comparison."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from offload.repeatable import repeatable_attention as repeatable
-
-    return repeatable()
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -17,7 +17,6 @@ run's. Exit code 1 if they differ. Needs ``transformers`` and ``accelerate``
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import tempfile
 from typing import Any, Optional
@@ -25,6 +24,7 @@ from typing import Any, Optional
 import torch
 
 import offload
+from offload.repeatable import repeatable_attention
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -72,15 +72,6 @@ def train(device: torch.device, steps: int, offloaded: bool) -> tuple[list[torch
     return [p.detach().clone() for p in model.parameters()], oa
 
 
-def repeatable(device: torch.device) -> contextlib.AbstractContextManager:
-    """On CUDA, attention whose backward repeats itself bit for bit (``offload.repeatable``)."""
-    if device.type != "cuda":
-        return contextlib.nullcontext()
-    from offload.repeatable import repeatable_attention
-
-    return repeatable_attention()
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     """Run the example; returns the exit code (1 if the offloaded run's parameters differ)."""
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
@@ -89,7 +80,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS, before its first use
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    with repeatable(device):
+    with repeatable_attention(device):
         plain, _ = train(device, args.steps, offloaded=False)
         again, _ = train(device, args.steps, offloaded=False)
         if not all(torch.equal(a, b) for a, b in zip(plain, again)):

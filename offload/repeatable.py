@@ -17,15 +17,22 @@ callers set at their start.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
 
 @contextlib.contextmanager
-def repeatable_attention() -> Iterator[None]:
+def repeatable_attention(device: Optional[torch.device] = None) -> Iterator[None]:
     """SDPA on the efficient and math backends, with deterministic algorithms on, for the
-    duration; the previous deterministic setting afterwards."""
+    duration; the previous deterministic setting afterwards.
+
+    ``device``: where the run happens; on any but a CUDA device this does nothing (the CPU
+    kernels repeat themselves already, and deterministic mode would only refuse some of them).
+    """
+    if device is not None and torch.device(device).type != "cuda":
+        yield
+        return
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
