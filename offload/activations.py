@@ -13,14 +13,12 @@ can still be copied or saved.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 import weakref
 from typing import Any, Iterable, Optional
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_unknown_options
 from .layer_args import (
@@ -30,9 +28,14 @@ from .schedules.auto import ScheduleAuto
 from .stats import DISABLED_REPORT, StepStats, disabled_stats
 from .eager import run_eagerly
 from .step import first_grad_tensor
-from .planner.make import Budget, check_budget, check_device_budget, choose, probe_policy, step_figures
+from .planner.make import (
+    Budget, check_budget, check_device_budget, choose, probe_policy, read_device_budget, step_figures,
+)
 from .planner.probe import ProbeStep, measure_link
+from .planner.sequence import AUTO, ProbeSequence, check_probe
 from .planner.types import Plan
+from .plan_wrappers import install_recompute, install_selective, remove_plan_wrappers
+from .selective import Candidates, selective_candidates
 from .schedules.planned import PlannedSchedule
 
 
@@ -91,35 +94,6 @@ class _GroupBoundary:
             owner._module_done(output)
 
 
-class _RecomputeForward:
-    """Stands in for a layer's ``forward`` and runs it under non-reentrant checkpointing when
-    the plan recomputes the layer being run (a weight-shared module is decided per call).
-
-    Like the hooks, it holds its context weakly, and its copies simply call the copied forward.
-    """
-
-    __slots__ = ("_owner", "fn")
-
-    def __init__(self, owner: Optional["OffloadActivations"], fn: Any) -> None:
-        self._owner = weakref.ref(owner) if owner is not None else None
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner.active and owner._thread == threading.get_ident() \
-                and owner._recompute_current():
-            # The pre-hook has opened the layer's group: checkpoint's inputs are saved into it
-            # (and offloaded), everything inside goes to checkpoint's own hooks.
-            return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "_RecomputeForward":
-        return _RecomputeForward(None, copy.deepcopy(self.fn, memo))
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_RecomputeForward, (None, self.fn))
-
-
 # The no-layers form closes a group once it holds this many offloadable bytes. Large enough that
 # a group's fixed costs (events, one region, one batched copy, one reload buffer: tens of
 # microseconds) vanish next to its copy (~0.6 ms at 54 GB/s), small enough that copies pipeline
@@ -172,10 +146,15 @@ class OffloadActivations:
     around ``forward`` or ``__call__``, e.g. HF ``activation_checkpointing_enable``) offload only
     their checkpoint inputs, which come back before the layer's recompute.
 
-    Plans (per layer keep / offload / recompute, see ``offload.planner``; with layers only):
-    ``memory_budget_bytes=N`` (or ``"device"``, ``"lowest"``) runs its first step plainly, the
-    second with one layer recomputed (calibration), probes the third (plainly), then plans and
-    follows the fastest plan whose predicted peak fits ``N`` from the fourth step on;
+    Plans (per layer keep / offload / recompute, each kept or offloaded layer with or without its
+    MLP under selective recompute; see ``offload.planner``; with layers only):
+    ``memory_budget_bytes=N`` (or ``"device"``, ``"lowest"``) measures its first steps (probe
+    steps, :mod:`offload.planner.sequence`: with ``probe="auto"`` the first runs every layer
+    checkpointed, so it fits wherever checkpointing fits, and the plain step is probed only where
+    it is predicted to fit), then follows the fastest plan whose predicted peak fits ``N``: from
+    the fourth step on, or the third when the plain step does not fit. ``selective``: the
+    submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
+    :func:`offload.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
     ``plan=offload.plan(...)`` follows a plan made beforehand. Recomputed layers are run under
     non-reentrant checkpointing here: leave the model's own checkpointing off.
     :attr:`plan` is the plan in force and :meth:`plan_report` its table with the measured step
@@ -192,6 +171,8 @@ class OffloadActivations:
         plan: Optional[Plan] = None,
         memory_budget_bytes: Budget = None,
         measure_peak: bool = False,
+        probe: str = AUTO,
+        selective: Candidates = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -220,8 +201,9 @@ class OffloadActivations:
         self.plan: Optional[Plan] = None
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
         self._probe: Optional[ProbeStep] = None
-        self._warmup_left = 2  # steps before the probe (a budget without a plan): plain, calibration
-        self._recompute_peak: Optional[tuple[int, int, float]] = None  # from the calibration step
+        self._probing = False  # this step is one of the probe sequence's (measured or not)
+        self._sequence: Optional[ProbeSequence] = None
+        self._candidates: list[torch.nn.Module] = []
         self._step_mark: Any = None
         self.active = False
         self._tracking = False  # this forward is tracked (grad enabled at entry)
@@ -243,6 +225,13 @@ class OffloadActivations:
         self.layers = layer_list(layers)
         count = len(self.layers)
         self.budget = check_budget(memory_budget_bytes, "OffloadActivations:")
+        probe = check_probe(probe, "OffloadActivations:")
+        self._candidates = selective_candidates(self.layers, selective)
+        if plan is not None and plan.selects() and not self._candidates:
+            raise ValueError(
+                "offload: the plan runs some layers' candidates under selective recompute, but "
+                f"selective={selective!r} finds none here; pass the selective= given to offload.plan"
+            )
         # num_layers is accepted as an alias (TransformerEngine's name): errors name the one given.
         name, count_given = "num_offload_layers", num_offload_layers
         if "num_layers" in options:
@@ -276,9 +265,16 @@ class OffloadActivations:
         options.setdefault("params_from", self.layers)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
         if self.engine is not None:
-            check_device_budget(self.budget, self.engine.transport.device, "OffloadActivations:")
+            device = self.engine.transport.device
+            check_device_budget(self.budget, device, "OffloadActivations:")
             if plan is not None:
                 self._follow(plan)
+            elif self.budget is not None:
+                self._sequence = ProbeSequence(
+                    self.layers, probe_policy(device, self.engine.policy.min_offload_bytes, self.engine.policy.selection),
+                    device, probe=probe, candidates=self._candidates, link=lambda: measure_link(device),
+                    device_limit=(lambda: read_device_budget(device).budget_bytes) if device.type == "cuda" else None,
+                )
 
     def _init_auto(
         self, num_offload_layers: Optional[int], plan: Optional[Plan], memory_budget_bytes: Budget,
@@ -331,20 +327,13 @@ class OffloadActivations:
         planning = self.budget is not None or self.plan is not None
         if planning and torch.is_grad_enabled():
             self._between_steps()
-            if self.plan is None:
-                # A cold step would skew the probe: the first runs plainly, the second too but
-                # recomputes one layer to calibrate what recompute costs, the third (plain) is
-                # measured.
-                if self._warmup_left > 1:
-                    self._warmup_left -= 1
-                    return self
-                calibrate = self._warmup_left > 0
-                self._warmup_left -= calibrate
-                device = self.engine.transport.device
-                policy = probe_policy(device, self.engine.policy.min_offload_bytes, self.engine.policy.selection)
-                self._probe = ProbeStep(self.layers, policy, device, calibrate_recompute=calibrate)
-                self._probe.begin()
-                self._tracking = True
+            if self.plan is None and self._sequence is not None:
+                # A probe step (offload.planner.sequence): None runs it plainly, unmeasured.
+                self._probing = True
+                self._probe = self._sequence.next_step()
+                if self._probe is not None:
+                    self._probe.begin()
+                    self._tracking = True
                 return self
         if not self._handles:
             self._register_hooks()
@@ -367,8 +356,10 @@ class OffloadActivations:
         if self._probe is not None and self.plan is None:
             self._probe.end_forward()
             if exc_type is not None:
-                self._probe = None  # probe again on the next step
-                self._warmup_left = 1
+                probe, self._probe, self._probing = self._probe, None, False
+                # Out of memory moves on to a lower-memory probe (or is a BudgetError at the
+                # lowest); the step is probed again either way.
+                self._sequence.step_failed(probe, exc)  # type: ignore[union-attr]
             return
         if exc_type is not None:
             self.engine.abort_step()
@@ -441,13 +432,13 @@ class OffloadActivations:
         if cuda:
             mark.record()
         probe, self._probe = self._probe, None
-        if probe is not None and probe.calibrating:  # the warm-up step
-            probe.end_step()
-            self._recompute_peak = probe.recompute_peak()
-        elif probe is not None:
-            probe.end_step()
-            profile = probe.profile(measure_link(device), recompute_peak=self._recompute_peak)
-            self._follow(choose(profile, self.budget, device))
+        if self._probing:
+            self._probing = False
+            if probe is not None:
+                probe.end_step()
+            profile = self._sequence.step_done(probe)  # type: ignore[union-attr]
+            if profile is not None:
+                self._follow(choose(profile, self.budget, device))
         elif self._step_mark is not None:
             # Read lazily (plan_report): reading the events now would make the host wait.
             peak = torch.cuda.max_memory_allocated(device) if cuda and self.measure_peak else None
@@ -465,7 +456,9 @@ class OffloadActivations:
         self.engine.model_layers = len(plan.layers)  # type: ignore[union-attr]
         self.engine.mode = "planned"  # type: ignore[union-attr]
         if plan.recomputes():
-            self._install_recompute()
+            install_recompute(self, self.layers)
+        if plan.selects():
+            install_selective(self, self._candidates)
         # The plan says what each layer will copy: pin those blocks now, on the arena's
         # background thread, so the first planned step does not stall on pinning.
         arena = self.engine.arena  # type: ignore[union-attr]
@@ -480,10 +473,12 @@ class OffloadActivations:
         engine = self.engine
         return engine is not None and engine.in_layer and engine.schedule.recomputes(engine.current_layer)
 
-    def _install_recompute(self) -> None:
-        for module in dict.fromkeys(self.layers):
-            if not isinstance(module.__dict__.get("forward"), _RecomputeForward):
-                module.forward = _RecomputeForward(self, module.forward)
+    @run_eagerly  # as _recompute_current
+    def _selective_current(self) -> bool:
+        # Only this context's own forward, in its thread, in a layer the plan makes selective.
+        engine = self.engine
+        return engine is not None and self.active and threading.get_ident() == self._thread \
+            and engine.in_layer and engine.schedule.selective(engine.current_layer)
 
     def plan_report(self) -> str:
         """The plan in force, layer by layer, with predicted and (after a step) measured figures."""
@@ -513,13 +508,7 @@ class OffloadActivations:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for module in dict.fromkeys(self.layers):
-            wrapper = module.__dict__.get("forward")
-            if isinstance(wrapper, _RecomputeForward):
-                if getattr(wrapper.fn, "__self__", None) is module:
-                    del module.forward  # it wrapped the class's forward (a bound method)
-                else:
-                    module.forward = wrapper.fn  # an instance attribute set before (selective)
+        remove_plan_wrappers(self.layers, self._candidates)
 
     def _refuse_second_entry(self) -> None:
         # One engine runs one forward at a time: a second forward inside the first (or beside

@@ -34,18 +34,19 @@ Under ``torch.compile`` the checkpoint becomes a graph region whose policy AOTAu
 gradients are bitwise those of the same compiled model without it (aot_eager and inductor,
 tested on CPU); the cache is not counted there.
 
-Plans (``OffloadActivations(memory_budget_bytes=...)``, ``offload.plan``) count the cache: each
-wrapped module records the bytes its last forward left in it (:func:`cached_bytes`), the probe
-step adds them to each layer's profile (``LayerProfile.cached_bytes``), and the cost model holds
-them on the GPU from the layer's forward to its backward unless the plan recomputes the layer.
-Wrap the modules before the plan's probe steps run (before the first step, or before
-``offload.plan``).
+Plans (``OffloadActivations(memory_budget_bytes=...)``, ``offload.plan``) count the cache: the
+probe step counts, per layer, the outputs of :data:`EXPENSIVE_OPS` inside each wrapped module
+(``LayerProfile.cached_bytes``), and the cost model holds them on the GPU from the layer's
+forward to its backward unless the plan recomputes the layer. Wrap the modules before the plan's
+probe steps run (before the first step, or before ``offload.plan``). Plans can also choose
+selective recompute per layer themselves (their ``selective=`` argument): see
+``offload.planner``.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Iterable, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -77,24 +78,6 @@ def keep_expensive(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoint
 _policy_contexts = functools.partial(create_selective_checkpoint_contexts, keep_expensive)
 
 
-def _cache_bytes(cache: Any, seen: set[int]) -> int:
-    # Bytes of the distinct storages in torch's selective-checkpoint cache. Its layout changed
-    # across torch versions (op -> list of outputs; key -> {index: outputs}), and each output
-    # is wrapped (``_VersionWrapper.val``), so it is walked generically.
-    if isinstance(cache, torch.Tensor):
-        storage = cache.untyped_storage()
-        if storage.data_ptr() in seen:
-            return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
-    if isinstance(cache, dict):
-        return sum(_cache_bytes(v, seen) for v in cache.values())
-    if isinstance(cache, (list, tuple)):
-        return sum(_cache_bytes(v, seen) for v in cache)
-    inner = getattr(cache, "val", None)
-    return _cache_bytes(inner, seen) if inner is not None else 0
-
-
 def _inside_checkpoint() -> bool:
     # A checkpoint recomputing in backward (reentrant or not): a backward is running on this
     # thread. The forward of a non-reentrant checkpoint: the saved-tensor hooks in force are
@@ -105,6 +88,8 @@ def _inside_checkpoint() -> bool:
     hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
     if hooks is None:
         return False
+    if getattr(hooks[0], "inside_checkpoint", False):  # a planner probe's checkpointed layer
+        return True
     name = getattr(hooks[0], "__qualname__", "")
     return "_checkpoint_hook" in name
 
@@ -113,49 +98,32 @@ class SelectiveForward:
     """Stands in for a module's ``forward``: runs it under the selective policy when it builds a
     graph for backward, and plainly otherwise (no grad, or inside a whole-layer checkpoint).
 
-    ``cached_bytes``: what its last selective forward left in the cache (distinct storages), for
-    the planner's probe; 0 after a plain run.
+    ``when`` (a plan's per-layer choice, see ``OffloadActivations``): called at each forward;
+    the module runs selectively only when it returns True. None: always.
     """
 
-    __slots__ = ("fn", "cached_bytes", "_cache")
+    __slots__ = ("fn", "when")
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], when: Optional[Callable[[], bool]] = None) -> None:
         self.fn = fn
-        self.cached_bytes = 0
-        self._cache: Any = None
-
-    def _contexts(self) -> tuple[Any, Any]:
-        forward_mode, recompute_mode = create_selective_checkpoint_contexts(keep_expensive)
-        self._cache = getattr(forward_mode, "storage", None)  # read once the forward is over
-        return forward_mode, recompute_mode
+        self.when = when
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.when is not None and not self.when():
+            return self.fn(*args, **kwargs)
         if torch.compiler.is_compiling():
             # Dynamo turns the checkpoint into a graph region whose policy AOTAutograd applies
-            # when it partitions the graph: it wants a plain context function, and there is no
-            # cache to count at run time.
+            # when it partitions the graph: it wants a plain context function.
             return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_policy_contexts, **kwargs)
-        self.cached_bytes = 0
         if not torch.is_grad_enabled() or _inside_checkpoint():
             return self.fn(*args, **kwargs)
-        try:
-            return checkpoint(self.fn, *args, use_reentrant=False, context_fn=self._contexts, **kwargs)
-        finally:
-            # Counted now and let go: holding the cache past the forward would keep its tensors
-            # alive after their backward.
-            self.cached_bytes = _cache_bytes(self._cache, set())
-            self._cache = None
+        return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_policy_contexts, **kwargs)
 
 
-def cached_bytes(module: torch.nn.Module) -> int:
-    """Bytes the selectively recomputed modules in ``module`` (itself included) left in their
-    caches in their last forward: GPU memory held until their backward, outside the hooks."""
-    total = 0
-    for m in module.modules():
-        wrapper = m.__dict__.get("forward")
-        if isinstance(wrapper, SelectiveForward):
-            total += wrapper.cached_bytes
-    return total
+def always_selective(module: torch.nn.Module) -> bool:
+    """Whether ``module`` runs under :func:`selective_recompute` (not a plan's per-layer choice)."""
+    wrapper = module.__dict__.get("forward")
+    return isinstance(wrapper, SelectiveForward) and wrapper.when is None
 
 
 class SelectiveRecompute:
@@ -212,3 +180,65 @@ def selective_recompute(modules: Union[torch.nn.Module, Iterable[torch.nn.Module
         # stay as they are, and deleting it restores the class's forward.
         module.forward = SelectiveForward(module.forward)
     return SelectiveRecompute(chosen)
+
+
+# What a plan may run selectively in each layer when not told (``selective=None``): HF-style
+# decoder layers keep their MLP under this name (Llama, Mistral, Qwen, Gemma, GPT-2's ``mlp``).
+DEFAULT_CANDIDATES = ("mlp",)
+
+Candidates = Union[None, bool, str, Sequence[str], Callable[[torch.nn.Module], Iterable[torch.nn.Module]]]
+
+
+def selective_candidates(layers: Sequence[torch.nn.Module], selective: Candidates) -> list[torch.nn.Module]:
+    """The modules a plan may run under selective recompute, layer by layer.
+
+    ``selective``: None or True: each layer's submodules named in :data:`DEFAULT_CANDIDATES`
+    (layers without one have none); False: none; a name or names (dotted paths inside a layer,
+    e.g. ``"mlp"`` or ``["mlp", "self_attn.o_proj"]``): those, in every layer (a layer lacking one
+    is an error); a callable: ``selective(layer)`` gives the modules. Modules made selective by
+    :func:`selective_recompute` already stay so and are left out.
+    """
+    if selective is False:
+        return []
+    names: Optional[Sequence[str]] = None
+    required = True
+    if selective is None or selective is True:
+        names, required = DEFAULT_CANDIDATES, False
+    elif isinstance(selective, str):
+        names = [selective]
+    elif not callable(selective):
+        try:
+            names = list(selective)  # type: ignore[arg-type]
+        except TypeError:
+            names = None
+        if names is None or not all(isinstance(n, str) for n in names):
+            raise TypeError(
+                "offload: selective= takes None (each layer's 'mlp'), False, a submodule name or names "
+                f"(e.g. 'mlp'), or a callable layer -> modules; got {selective!r}"
+            )
+    out: dict[torch.nn.Module, None] = {}
+    for i, layer in enumerate(layers):
+        if names is None:
+            found = list(selective(layer))  # type: ignore[operator]
+        else:
+            found = []
+            for name in names:
+                try:
+                    found.append(layer.get_submodule(name))
+                except AttributeError:
+                    if required:
+                        raise ValueError(
+                            f"offload: selective={selective!r}: layer {i} ({type(layer).__name__}) has no "
+                            f"submodule {name!r}; name a submodule every layer has, or pass a callable"
+                        ) from None
+        for m in found:
+            if not isinstance(m, torch.nn.Module):
+                raise TypeError(f"offload: selective candidates must be modules, got {type(m).__name__} in layer {i}")
+            if m is layer:
+                raise ValueError(
+                    f"offload: selective candidate of layer {i} is the layer itself; whole layers are "
+                    "the plan's RECOMPUTE action, selective candidates are parts of them (its MLP)"
+                )
+            if not always_selective(m):
+                out[m] = None
+    return list(out)

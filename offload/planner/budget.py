@@ -19,6 +19,7 @@ reads them from CUDA.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from ..stats import format_bytes
 
@@ -41,18 +42,20 @@ class DeviceBudget:
     held_by_others_bytes: int    # capacity - free - reserved, when planning
     headroom: float              # fraction of what is available left for the allocator
     budget_bytes: int
+    cap_bytes: Optional[int] = None  # torch.cuda.set_per_process_memory_fraction's cap, if any
 
     def describe(self) -> str:
         """E.g. ``device (79.1 GiB capacity - 2.3 GiB held by others - 5% headroom = 72.9 GiB)``."""
+        capped = f", capped at {format_bytes(self.cap_bytes)} for this process" if self.cap_bytes is not None else ""
         return (
             f"device ({format_bytes(self.capacity_bytes)} capacity - "
-            f"{format_bytes(self.held_by_others_bytes)} held by others - {self.headroom:.0%} "
+            f"{format_bytes(self.held_by_others_bytes)} held by others{capped} - {self.headroom:.0%} "
             f"headroom = {format_bytes(self.budget_bytes)})"
         )
 
 
 def device_budget(capacity_bytes: int, free_bytes: int, reserved_bytes: int,
-                  headroom: float = DEVICE_HEADROOM) -> DeviceBudget:
+                  headroom: float = DEVICE_HEADROOM, cap_bytes: Optional[int] = None) -> DeviceBudget:
     """The "device" budget from the device's figures (see the module docstring).
 
     ``capacity_bytes`` and ``free_bytes``: ``torch.cuda.mem_get_info`` (total, free), device-wide;
@@ -72,6 +75,8 @@ def device_budget(capacity_bytes: int, free_bytes: int, reserved_bytes: int,
             f"capacity ({capacity_bytes}); read all three from the same device at the same time"
         )
     available = free_bytes + reserved_bytes
+    if cap_bytes is not None:
+        available = min(available, cap_bytes)
     budget = int(available * (1 - headroom))
     if budget <= 0:
         raise ValueError(
@@ -79,4 +84,4 @@ def device_budget(capacity_bytes: int, free_bytes: int, reserved_bytes: int,
             f"({format_bytes(capacity_bytes)} capacity, all held by others); free the device or "
             "pass a budget in bytes"
         )
-    return DeviceBudget(capacity_bytes, capacity_bytes - available, headroom, budget)
+    return DeviceBudget(capacity_bytes, capacity_bytes - free_bytes - reserved_bytes, headroom, budget, cap_bytes)

@@ -19,7 +19,9 @@ from ..keywords import parameter_names, reject_unknown
 from ..policy import SelectionPolicy
 from ..stats import format_bytes
 from .budget import DEVICE, DeviceBudget, device_budget
-from .probe import ProbeStep, measure_link
+from ..selective import Candidates, selective_candidates
+from .probe import measure_link
+from .sequence import AUTO, ProbeSequence, check_probe, is_out_of_memory
 from .search import BudgetError, best_plan, lowest_peak
 from .types import LinkProfile, Plan, StepProfile
 
@@ -66,7 +68,11 @@ def check_device_budget(memory_budget_bytes: Budget, device: torch.device, where
 def read_device_budget(device: torch.device) -> DeviceBudget:
     """The "device" budget of ``device`` now (see :mod:`offload.planner.budget`)."""
     free, capacity = torch.cuda.mem_get_info(device)
-    return device_budget(int(capacity), int(free), int(torch.cuda.memory_reserved(device)))
+    # A cap set with torch.cuda.set_per_process_memory_fraction binds the allocator before the
+    # device runs out (the reader exists from torch 2.8 on).
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
+    cap = int(fraction * capacity) if fraction < 1.0 else None
+    return device_budget(int(capacity), int(free), int(torch.cuda.memory_reserved(device)), cap_bytes=cap)
 
 
 def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = "auto") -> SelectionPolicy:
@@ -120,15 +126,22 @@ def profile_step(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
     warmup_steps: int = 2,
+    probe: str = AUTO,
+    selective: Candidates = None,
 ) -> StepProfile:
-    """Run ``step_fn()`` (one whole training step) plainly and measure it per layer.
+    """Run ``step_fn()`` (one whole training step) a few times and measure it per layer.
 
-    ``warmup_steps`` steps run first: a cold step allocates library workspaces and autotunes
-    kernels, and would charge that time and memory to its first layers and its head. The last
-    of them recomputes one layer (checkpointing) to measure what recompute costs in time and
-    memory.
-    ``link``: the host link's speed; measured (one pinned buffer, a few copies) if None.
-    Raises RuntimeError when the step raises, ValueError when it runs none of ``layers``.
+    ``probe``: ``"auto"`` (a low-memory step first, the plain probe only where the plain step is
+    predicted to fit the device), ``"plain"`` or ``"recompute"``; see
+    :mod:`offload.planner.sequence`. ``warmup_steps``: steps before the measured one (a cold
+    step allocates library workspaces and autotunes kernels, and would charge that time and
+    memory to its first layers and its head). ``selective``: which submodules a plan may run
+    under selective recompute (:func:`offload.selective.selective_candidates`; default each
+    layer's ``mlp``). ``link``: the host link's speed; measured (one pinned buffer, a few
+    copies) if None.
+
+    Raises :class:`BudgetError` when even the low-memory probe runs out of device memory,
+    RuntimeError when the step raises anything else, ValueError when it runs none of ``layers``.
     """
     layers = list(layers)
     if not layers:
@@ -136,31 +149,39 @@ def profile_step(
     if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 0:
         raise ValueError(f"offload.plan: warmup_steps must be an int >= 0, got {warmup_steps!r}")
     dev = resolve_device(device)
-    policy = probe_policy(dev, min_offload_bytes)
-    probe = ProbeStep(layers, policy, dev)
-    # The last warm-up step also calibrates: one layer runs under checkpointing.
-    calibration = ProbeStep(layers, policy, dev, calibrate_recompute=True) if warmup_steps else None
-    try:
-        for i in range(warmup_steps):
-            if i == warmup_steps - 1 and calibration is not None:
-                calibration.begin()
-                step_fn()
-                calibration.end_step()
-            else:
-                step_fn()
-        probe.begin()
-        step_fn()
-    except Exception as exc:
-        probe.end_forward()
-        if calibration is not None:
-            calibration.end_forward()
-        raise RuntimeError(
-            f"offload.plan: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
-            "step_fn() once, plainly (no offload); fix the step so that it runs on its own first"
-        ) from exc
-    probe.end_step()
-    recompute_peak = calibration.recompute_peak() if calibration is not None else None
-    return probe.profile(link if link is not None else measure_link(dev), recompute_peak=recompute_peak)
+    sequence = ProbeSequence(
+        layers, probe_policy(dev, min_offload_bytes), dev,
+        probe=check_probe(probe, "plan():"), warmup_steps=warmup_steps,
+        candidates=selective_candidates(layers, selective),
+        link=(lambda: link) if link is not None else (lambda: measure_link(dev)),
+        device_limit=(lambda: read_device_budget(dev).budget_bytes) if dev.type == "cuda" else None,
+    )
+    while True:
+        current = sequence.next_step()
+        try:
+            if current is not None:
+                current.begin()
+            step_fn()
+        except Exception as exc:
+            if current is not None:
+                current.end_forward()
+            sequence.step_failed(current, exc)  # out of memory: a lower-memory probe next
+            if not is_out_of_memory(exc):
+                raise RuntimeError(
+                    f"offload.plan: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
+                    "step_fn() as it is (no offload); fix the step so that it runs on its own first"
+                ) from exc
+            continue
+        if current is not None:
+            current.end_step()
+            if current.records and not current.complete():
+                raise RuntimeError(
+                    "offload.plan: step_fn() ran the forward but not the whole backward; it must be "
+                    "one whole training step (loss.backward() included)"
+                )
+        profile = sequence.step_done(current)
+        if profile is not None:
+            return profile
 
 
 def plan(
@@ -172,13 +193,20 @@ def plan(
     min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
     link: Optional[LinkProfile] = None,
     warmup_steps: int = 2,
+    probe: str = AUTO,
+    selective: Candidates = None,
     **unknown: Any,
 ) -> Plan:
     """Probe one step of ``step_fn`` and return the fastest plan whose peak fits the budget.
 
     ``layers``: the repeated layer modules in call order (e.g. ``model.model.layers``).
-    ``step_fn()``: one whole training step, forward and backward (the probe runs it plainly,
-    ``warmup_steps`` times and once more measured, so it needs the plain step's memory). ``memory_budget_bytes``: peak device bytes the
+    ``step_fn()``: one whole training step, forward and backward. The probe runs it
+    ``warmup_steps`` times and once more measured; with ``probe="auto"`` the first runs every
+    layer checkpointed, and the plain step runs only where it is predicted to fit, so planning
+    fits wherever checkpointing does (:mod:`offload.planner.sequence`). ``selective``: the
+    submodules a plan may run under selective recompute, layer by layer (default each layer's
+    ``mlp``; False for none; see :func:`offload.selective.selective_candidates`).
+    ``memory_budget_bytes``: peak device bytes the
     plan may use, ``"device"`` for what this GPU can give the step (its capacity less what others
     hold, less ``DEVICE_HEADROOM``; see :mod:`offload.planner.budget`), ``"lowest"`` for the
     lowest-memory plan, or None for no limit. ``link``: the
@@ -186,14 +214,15 @@ def plan(
     plan=...)``; ``print(plan.table())`` shows it layer by layer.
 
     Raises :class:`BudgetError` (a ValueError) when no plan fits, naming the lowest reachable
-    peak, and RuntimeError when the probe step itself raises.
+    peak, or when even the low-memory probe runs out of memory, and RuntimeError when the probe
+    step itself raises anything else.
     """
     reject_unknown("plan", unknown, parameter_names(plan))
     budget = check_budget(memory_budget_bytes, "plan():")
     dev = resolve_device(device)
     check_device_budget(budget, dev, "plan():")
     profile = profile_step(layers, step_fn, device=dev, min_offload_bytes=min_offload_bytes, link=link,
-                           warmup_steps=warmup_steps)
+                           warmup_steps=warmup_steps, probe=probe, selective=selective)
     return choose(profile, budget, dev)
 
 

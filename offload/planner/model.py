@@ -10,7 +10,9 @@ runs ``1 + slowdown_one_way`` times slower while one direction copies, ``1 + slo
 while both do (the rate changes at each copy start and end). GB/s are 1e9 bytes per second.
 
 Per layer, by action (sizes from :func:`offloaded_bytes`, :func:`held_bytes`,
-:func:`resident_bytes`):
+:func:`resident_bytes`; a KEEP or OFFLOAD layer planned ``selective`` uses its
+``LayerProfile.selective`` figures instead of its own: its slots, its cached bytes, and its
+backward longer by ``extra_backward_ms``, see :func:`layer_slots`):
   KEEP       holds saved_bytes until its backward ends; copies nothing.
   OFFLOAD    holds saved_bytes until released, then the resident slots (< min_offload_bytes);
              copies the slots >= min_offload_bytes out, and back before its backward.
@@ -64,7 +66,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
-from .types import Action, LayerPlan, LayerProfile, Prediction, StepProfile
+from .types import Action, LayerPlan, LayerProfile, Prediction, SelectiveProfile, StepProfile
 
 PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides its own)
 
@@ -72,10 +74,32 @@ PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides
 _HELD, _IN_FLIGHT, _RELEASED, _RELOADING, _ORIGINALS, _FREED = range(6)
 
 
+def _selective(layer: LayerProfile, lp: LayerPlan) -> Optional[SelectiveProfile]:
+    if not lp.selective:
+        return None
+    if layer.selective is None:
+        raise ValueError("a plan runs a layer selectively, but its profile has no selective candidates: "
+                         "make the plan for this profile")
+    return layer.selective
+
+
+def layer_slots(layer: LayerProfile, lp: LayerPlan) -> tuple[int, ...]:
+    """The storage slots the layer saves through the hooks under ``lp`` (its selective ones when
+    the plan runs its candidates selectively)."""
+    sel = _selective(layer, lp)
+    return layer.slot_bytes if sel is None else sel.slot_bytes
+
+
+def cached_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
+    """Bytes held outside the hooks (selective caches) from the layer's forward to its backward."""
+    sel = _selective(layer, lp)
+    return layer.cached_bytes if sel is None else sel.cached_bytes
+
+
 def offloaded_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
     """Bytes the layer copies to host (and back): its offloaded slots, or its inputs."""
     if lp.action is Action.OFFLOAD:
-        return sum(s for s in layer.slot_bytes if s >= lp.min_offload_bytes)
+        return sum(s for s in layer_slots(layer, lp) if s >= lp.min_offload_bytes)
     if lp.action is Action.RECOMPUTE:
         return layer.input_bytes
     return 0
@@ -84,7 +108,9 @@ def offloaded_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
 def held_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
     """GPU bytes the layer holds from the end of its forward until its group is released (its
     selective-recompute caches, which are never offloaded, included)."""
-    return layer.input_bytes if lp.action is Action.RECOMPUTE else layer.saved_bytes + layer.cached_bytes
+    if lp.action is Action.RECOMPUTE:
+        return layer.input_bytes
+    return sum(layer_slots(layer, lp)) + cached_bytes(layer, lp)
 
 
 def resident_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
@@ -109,8 +135,10 @@ def forward_need_bytes(layer: LayerProfile) -> int:
 
 def backward_cost_ms(layer: LayerProfile, lp: LayerPlan, recompute_time_factor: float = 1.0) -> float:
     """Compute time of the layer's backward, recompute included (before any slowdown)."""
-    extra = recompute_time_factor * layer.forward_ms if lp.action is Action.RECOMPUTE else 0.0
-    return layer.backward_ms + extra
+    if lp.action is Action.RECOMPUTE:
+        return layer.backward_ms + recompute_time_factor * layer.forward_ms
+    sel = _selective(layer, lp)
+    return layer.backward_ms + (sel.extra_backward_ms if sel is not None else 0.0)
 
 
 class _Link:

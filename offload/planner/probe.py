@@ -1,12 +1,23 @@
-"""The probe step: one plain training step, measured per layer, that the planner plans from.
+"""The probe step: one training step, measured per layer, that the planner plans from.
 
-Nothing is offloaded during the probe. It records, per layer:
+Nothing is offloaded during the probe. It runs in one of two modes (``StepProfile.probe``):
+
+- ``"plain"``: the step as the model runs, the most exact; it needs the plain step's memory.
+- ``"recompute"``, the low-memory probe: every layer runs under non-reentrant checkpointing
+  (:class:`~offload.planner.instrument.CheckpointedLayer`), so it fits wherever checkpointing
+  fits. What a layer saves is counted inside its checkpointed forward, its backward is timed
+  without its recompute, and the plain step's figures are the cost model's prediction.
+
+It records, per layer:
 - the storage slots the layer's group would copy (the engine's own ``Group`` dedups views and
   aligns spans, and the engine's ``SelectionPolicy`` picks the tensors, so the bytes are exactly
   what an offloading step would move);
 - the bytes a checkpoint of the layer would save (its positional tensor inputs);
 - the bytes its selectively recomputed modules keep in their caches (``offload.selective``),
   which never reach the hooks;
+- the same with its selective candidates (a layer's MLP) run selectively: their insides give way
+  to their inputs and their GEMM outputs' cache, and their backward recomputes the rest of their
+  forward (``LayerProfile.selective``, :mod:`offload.planner.instrument`);
 - its forward time (events at the module's pre-hook and hook) and its backward time (from the
   moment the gradient of its output is ready to the moment the gradient of its input is).
 
@@ -15,8 +26,8 @@ time after layer 0's backward, the memory at forward start and the step's peak (
 host link's speed each way and both ways at once (:func:`measure_link`).
 
 Times come from CUDA events on the stream each hook runs on (read once the step is over), or the
-host clock on CPU. The probe's saved-tensor hooks return each tensor as it is, so the probe step
-keeps everything on the device like a plain step, and its peak is the plain peak.
+host clock on CPU. The probe's saved-tensor hooks keep each tensor on the device as autograd would, so a plain
+probe step's peak is the plain peak.
 """
 
 from __future__ import annotations
@@ -33,8 +44,11 @@ from ..step import first_grad_tensor
 from ..group import Group
 from ..packing import keep_handle, unpack_kept
 from ..policy import SelectionPolicy
-from ..selective import cached_bytes
-from .types import LayerProfile, LinkProfile, StepProfile
+from ..selective import always_selective
+from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs
+from .model import simulate
+from .types import PLAIN_PROBE, PROBES, RECOMPUTE_PROBE, Action, LayerPlan, LayerProfile, LinkProfile, \
+    SelectiveProfile, StepProfile
 
 
 class _Clock:
@@ -96,18 +110,31 @@ class _LayerRecord:
     __slots__ = (
         "index", "group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
         "mem_start", "mem_end", "forward_peak", "mem_bwd_start", "backward_peak", "module",
-        "new_grads", "cached",
+        "new_grads", "cached", "selective_group", "selective_slots", "selective_cached",
+        "candidate_spans", "has_candidates", "rec_start", "rec_end",
     )
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, retain: bool = False) -> None:
         self.index = index
-        # The group only counts: it holds the saved tensors until the forward ends, then only
-        # their slot sizes are kept (``slots``), so the probe never outlives the step's memory.
-        self.group: Optional[Group] = Group(index, step=0, retain=False)
+        # The groups only count: they lay the saved tensors out into slots, whose sizes are kept
+        # (``slots``) when the layer's forward ends. A plain step keeps its saved tensors alive
+        # anyway, so the groups hold none (``retain=False``); inside a checkpointed layer the
+        # tensors die as soon as they are saved, and a freed address reused would merge two
+        # slots, so there they hold them until the layer's end (``retain``).
+        self.group: Optional[Group] = Group(index, step=0, retain=retain)
         self.slots: tuple[int, ...] = ()
+        # The same with the layer's selective candidates run selectively.
+        self.selective_group: Optional[Group] = Group(index, step=0, retain=retain)
+        self.selective_slots: tuple[int, ...] = ()
+        self.selective_cached = 0
+        self.has_candidates = False
+        # (start, end, [(start, end) of each GEMM inside]) per candidate call.
+        self.candidate_spans: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []
         self.module: Optional[torch.nn.Module] = None
         self.new_grads = 0  # bytes of its weights that require grad and have none yet
         self.cached = 0     # bytes its selectively recomputed modules cached (offload.selective)
+        self.rec_start: Any = None  # its recompute in backward (low-memory probe)
+        self.rec_end: Any = None
         # Allocated bytes at the layer's start and end, and its peak above the start (forward);
         # at the start of its backward, and its peak above that (backward). 0 on CPU.
         self.mem_start = self.mem_end = self.forward_peak = 0
@@ -120,10 +147,12 @@ class _LayerRecord:
 
 
 class ProbeStep:
-    """Records one plain step over ``layers``; use :meth:`forward` around its forward.
+    """Records one step over ``layers``; call :meth:`begin` before its forward, :meth:`end_forward`
+    after it and :meth:`end_step` after its backward, then :meth:`profile`.
 
     ``policy`` selects the tensors exactly as the engine would (parameters, marks, sizes).
-    After the step's backward, :meth:`profile` turns the records into a :class:`StepProfile`.
+    ``mode``: ``"plain"`` or ``"recompute"`` (the low-memory probe, see the module notes).
+    ``candidates``: the modules (inside ``layers``) a plan may run under selective recompute.
     """
 
     def __init__(
@@ -133,18 +162,24 @@ class ProbeStep:
         device: torch.device,
         *,
         calibrate_recompute: bool = False,
+        mode: str = PLAIN_PROBE,
+        candidates: Sequence[torch.nn.Module] = (),
     ) -> None:
+        if mode not in PROBES:
+            raise ValueError(f"offload: probe mode must be one of {PROBES}, got {mode!r}")
         self.layers = list(layers)
-        # Calibration: one layer (in the middle, called once) runs under checkpointing, so that
-        # its backward peak with recompute can be measured (see :func:`recompute_factor`).
-        self.calibrating = calibrate_recompute
+        self.mode = mode
+        self.candidates = list(dict.fromkeys(candidates))
+        # Calibration (plain probes only: a recompute probe measures every layer's recompute):
+        # one layer (in the middle, called once) runs under checkpointing, so that its backward
+        # peak with recompute can be measured (see :func:`recompute_factor`).
+        self.calibrating = calibrate_recompute and mode == PLAIN_PROBE
         self.recompute_index: Optional[int] = None
-        if calibrate_recompute:
+        if self.calibrating:
             middle = len(self.layers) // 2
             if self.layers.count(self.layers[middle]) == 1:
                 self.recompute_index = middle
-        self._restore_forward: Optional[Any] = None
-        self._previous_forward: Optional[Any] = None
+        self._wrappers: list[Any] = []
         self.policy = policy
         self.device = device
         self.clock = _Clock(device)
@@ -162,6 +197,7 @@ class ProbeStep:
         self.head_residual = 0      # what the head left allocated when backward reached it
         self.backward_started = False
         self.backward_running: Optional[_LayerRecord] = None  # whose backward segment is open
+        self.inside: Optional[str] = None  # "candidate" / "fixed" while such a module runs
         self.active = False
 
     # -- the forward -------------------------------------------------------------------------------
@@ -169,15 +205,19 @@ class ProbeStep:
         """Start the step: hooks on, clocks and the device's peak counter reset."""
         self.meter.segment()
         self.meter.peak = 0
-        if self.recompute_index is not None:
-            # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
-            module = self.layers[self.recompute_index]
-            plain_forward = module.forward
-            # An instance attribute the caller set (a selective-recompute wrapper) comes back
-            # after the step; otherwise the class's forward does.
-            self._previous_forward = module.__dict__.get("forward")
-            module.forward = lambda *a, **kw: checkpoint(plain_forward, *a, use_reentrant=False, **kw)
-            self._restore_forward = module
+        # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
+        # Innermost first: the selective candidates (and the modules selective already), then
+        # the layers' checkpoints around them; removed in the opposite order.
+        for module in {m: None for layer in self.layers for m in layer.modules() if always_selective(m)}:
+            self._wrappers.append(CandidateForward(self, module, fixed=True))
+        for module in self.candidates:
+            if not always_selective(module):
+                self._wrappers.append(CandidateForward(self, module, fixed=False))
+        if self.mode == RECOMPUTE_PROBE:
+            for module in dict.fromkeys(self.layers):
+                self._wrappers.append(CheckpointedLayer(self, module))
+        elif self.recompute_index is not None:
+            self._wrappers.append(CheckpointedLayer(self, self.layers[self.recompute_index]))
         self.step_start = self.clock.mark()
         me = weakref.ref(self)
         for module in dict.fromkeys(self.layers):
@@ -195,18 +235,13 @@ class ProbeStep:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        if self._restore_forward is not None:
-            if self._previous_forward is not None:
-                self._restore_forward.forward = self._previous_forward
-            else:
-                del self._restore_forward.forward  # the class's forward again
-            self._restore_forward = None
-            self._previous_forward = None
+        for wrapper in reversed(self._wrappers):
+            wrapper.remove()
+        self._wrappers.clear()
+        self.inside = None
         self.forward_end = self.clock.mark()
         for record in self.records + ([self._pending] if self._pending is not None else []):
-            if record.group is not None:
-                record.slots = tuple(record.group.slot_sizes())
-                record.group = None
+            self._close_groups(record)
         self._pending = None
         self._open = None
 
@@ -221,6 +256,21 @@ class ProbeStep:
         if running is not None:  # layer 0's input needed no gradient: its backward ran to here
             running.backward_peak = max(0, peak - running.mem_bwd_start)
 
+    def complete(self) -> bool:
+        """Whether the step ran every layer's forward and backward (a step that raised, or whose
+        backward never ran, did not)."""
+        return bool(self.records) and self.step_end is not None and all(r.bwd_start is not None for r in self.records)
+
+    @staticmethod
+    def _close_groups(record: _LayerRecord) -> None:
+        # Keep the slot sizes, let the groups (and what a retaining group holds) go.
+        if record.group is not None:
+            record.slots = tuple(record.group.slot_sizes())
+            record.group = None
+        if record.selective_group is not None:
+            record.selective_slots = tuple(record.selective_group.slot_sizes())
+            record.selective_group = None
+
     def _passive(self) -> bool:
         return torch._C._current_graph_task_id() != -1  # a checkpoint recomputing in backward
 
@@ -228,7 +278,7 @@ class ProbeStep:
         if not self.active or self._passive():
             return
         index = len(self.records)
-        record = self._pending if self._pending is not None else _LayerRecord(index)
+        record = self._pending if self._pending is not None else self._new_record(index)
         self._pending = None
         self.meter.segment()
         record.mem_start = self.meter.now()
@@ -242,6 +292,9 @@ class ProbeStep:
         self.records.append(record)
         self._open = record
 
+    def _new_record(self, index: int) -> _LayerRecord:
+        return _LayerRecord(index, retain=self.mode == RECOMPUTE_PROBE)
+
     def _after(self, module: torch.nn.Module, output: Any) -> None:
         record = self._open
         if record is None or not self.active or self._passive():
@@ -250,30 +303,87 @@ class ProbeStep:
         record.fwd_end = self.clock.mark()
         record.module = module
         record.new_grads = sum(p.nbytes for p in module.parameters() if p.requires_grad and p.grad is None)
-        record.cached = cached_bytes(module)
         record.forward_peak = max(0, self.meter.segment() - record.mem_start)
+        # In a recompute probe the groups hold the layer's saved tensors until here.
+        self._close_groups(record)
         record.mem_end = self.meter.now()
         grad_output = first_grad_tensor(output)
         if grad_output is not None:
             grad_output.register_hook(_Mark(self, record, "bwd_start"))
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+    def _record_now(self) -> _LayerRecord:
         record = self._open
         if record is None:
             # Between layers: the next layer's, as in the engine (a checkpoint around __call__
             # saves the layer's inputs there).
             if self._pending is None:
-                self._pending = _LayerRecord(len(self.records))
+                self._pending = self._new_record(len(self.records))
             record = self._pending
-        if record.group is not None and self.policy.decide(t) is None:
+        return record
+
+    def count_saved(self, t: torch.Tensor) -> None:
+        """File a tensor the layer saves for backward: in the layer's plain slots unless a module
+        made selective by the user saved it (its inputs stand for it), and in its selective
+        slots unless any candidate saved it."""
+        if not self.active or self.policy.decide(t) is not None:
+            return
+        record = self._record_now()
+        if self.inside != "fixed" and record.group is not None:
             record.group.add(t)
+        if self.inside is None and record.selective_group is not None:
+            record.selective_group.add(t)
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
+        # inputs; the layer's own tensors are counted inside the checkpoint (CountingPack).
+        if self.mode == PLAIN_PROBE or self._open is None:
+            self.count_saved(t)
         # Never the tensor itself: it may be the saving node's own output, and a handle holding
         # it would keep a failed probe step's graph alive for good (see offload.packing).
-        return keep_handle(t, record.index)
+        return keep_handle(t, self._record_now().index if self.active else -1)
 
     @staticmethod
     def _unpack(handle: tuple[torch.Tensor, int, int]) -> torch.Tensor:
         return unpack_kept(handle)
+
+    def run_candidate(self, fn: Callable[..., Any], fixed: bool, args: Any, kwargs: Any) -> Any:
+        """Run a selective candidate (``fixed``: one the user made selective) and file what it
+        saves, its inputs and its GEMM outputs (see :mod:`offload.planner.instrument`)."""
+        if not self.active or self._passive() or self._open is None or self.inside is not None \
+                or not torch.is_grad_enabled():
+            return fn(*args, **kwargs)
+        record = self._open
+        record.has_candidates |= not fixed
+        # What a selective checkpoint saves through the hooks: the positional tensor inputs.
+        for a in args:
+            if isinstance(a, torch.Tensor) and self.policy.decide(a) is None:
+                if fixed and record.group is not None:
+                    record.group.add(a)
+                if record.selective_group is not None:
+                    record.selective_group.add(a)
+        self.inside = "fixed" if fixed else "candidate"
+        counter = ExpensiveOutputs(self.clock.mark)
+        start = self.clock.mark()
+        try:
+            with counter:
+                out = fn(*args, **kwargs)
+        finally:
+            self.inside = None
+        if not fixed:
+            record.candidate_spans.append((start, self.clock.mark(), counter.spans))
+        record.selective_cached += counter.nbytes
+        if fixed:
+            record.cached += counter.nbytes
+        return out
+
+    def mark_recompute(self, start: bool) -> None:
+        """A checkpointed layer's recompute starts or ends (in backward, recompute probes)."""
+        record = self.backward_running
+        if record is not None:
+            if start:
+                record.rec_start = self.clock.mark()
+            else:
+                record.rec_end = self.clock.mark()
 
     # -- the result --------------------------------------------------------------------------------
     def _grad_bytes(self) -> list[int]:
@@ -311,10 +421,27 @@ class ProbeStep:
         held = 0
         g = []
         for r, layer in zip(records, layers):
-            held += layer.saved_bytes + layer.cached_bytes
+            held += self._held_until_backward(layer)
             g.append(max(0, r.mem_bwd_start - self.base_bytes - held))
         growth = [max(0, g[i - 1] - g[i]) for i in range(1, len(g))]
         return g[-1], [layers[0].grad_bytes] + growth
+
+    def _held_until_backward(self, layer: LayerProfile) -> int:
+        # What the probe step itself held of the layer from its forward to its backward: what it
+        # saved, or, checkpointed, its inputs.
+        if self.mode == RECOMPUTE_PROBE:
+            return layer.input_bytes
+        return layer.saved_bytes + layer.cached_bytes
+
+    def _selective_profile(self, r: _LayerRecord) -> Optional[SelectiveProfile]:
+        if not r.has_candidates:
+            return None
+        ms = self.clock.ms
+        # The candidates' forward less their GEMMs: what their backward recomputes.
+        extra = sum(max(0.0, ms(start, end) - sum(ms(a, b) for a, b in gemms))
+                    for start, end, gemms in r.candidate_spans)
+        return SelectiveProfile(slot_bytes=r.selective_slots, cached_bytes=r.selective_cached,
+                                extra_backward_ms=extra)
 
     def profile(
         self,
@@ -340,16 +467,25 @@ class ProbeStep:
             # the end of the step's backward, which post_ms then does not double count.
             bwd_end = r.bwd_end if r.bwd_end is not None else self.step_end
             signature = f"{len(slots)}:{sum(slots)}:{r.input_bytes}"
+            backward_ms = ms(r.bwd_start, bwd_end) if r.bwd_start is not None else 0.0
+            backward_peak = r.backward_peak
+            if self.mode == RECOMPUTE_PROBE:
+                # Measured with the recompute inside: take it out, so that the profile says
+                # what a kept layer's backward costs (a recompute plan adds it back, with a
+                # time and memory factor of 1: this is what it measured).
+                backward_ms = max(0.0, backward_ms - ms(r.rec_start, r.rec_end))
+                backward_peak = max(0, backward_peak - sum(slots) - r.cached)
             layers.append(LayerProfile(
                 slot_bytes=slots,
                 input_bytes=r.input_bytes,
                 forward_ms=ms(r.fwd_start, r.fwd_end),
-                backward_ms=ms(r.bwd_start, bwd_end) if r.bwd_start is not None else 0.0,
+                backward_ms=backward_ms,
                 signature=signature,
                 forward_peak_bytes=r.forward_peak,
-                backward_peak_bytes=r.backward_peak,
+                backward_peak_bytes=backward_peak,
                 grad_bytes=grads[len(layers)],
                 cached_bytes=r.cached,
+                selective=self._selective_profile(r),
             ))
         first, last = records[0], records[-1]
         step_ms = ms(self.step_start, self.step_end)
@@ -364,7 +500,7 @@ class ProbeStep:
             head_residual, growth = measured
             layers = [replace(l, grad_bytes=g) for l, g in zip(layers, growth)]
         factor = time_factor = 1.0
-        if recompute_peak is not None and recompute_peak[0] < len(layers):
+        if recompute_peak is not None and recompute_peak[0] < len(layers) and self.mode == PLAIN_PROBE:
             # Bounded: one calibration layer speaks for all, and a noisy reading must not make
             # recompute look free or ruinous.
             ref = layers[recompute_peak[0]]
@@ -373,13 +509,13 @@ class ProbeStep:
                 factor = min(1.5, max(0.5, recompute_peak[1] / additive))
             if ref.forward_ms > 0 and recompute_peak[2] > 0:
                 time_factor = min(1.5, max(0.3, (recompute_peak[2] - ref.backward_ms) / ref.forward_ms))
-        saved = sum(l.saved_bytes + l.cached_bytes for l in layers)
+        saved = sum(self._held_until_backward(l) for l in layers)
         if self.clock.cuda:
             base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak
         else:
             # No allocator to ask on the host: plan on the activations alone.
             base, peak, head_peak = 0, max(1, saved), saved
-        return StepProfile(
+        profile = StepProfile(
             layers=tuple(layers),
             link=link,
             base_bytes=base,
@@ -395,7 +531,19 @@ class ProbeStep:
             plain_step_ms=plain_step_ms if plain_step_ms is not None else max(step_ms, 1e-6),
             plain_peak_bytes=peak,
             device="cuda" if self.clock.cuda else "cpu",
+            probe=self.mode,
         )
+        if self.mode == RECOMPUTE_PROBE:
+            profile = predict_plain(profile)
+        return profile
+
+
+def predict_plain(profile: StepProfile) -> StepProfile:
+    """``profile`` with its plain step's time and peak as the cost model predicts them (a
+    recompute probe did not run the plain step)."""
+    keep = [LayerPlan(Action.KEEP)] * len(profile.layers)
+    plain = simulate(profile, keep)
+    return replace(profile, plain_step_ms=max(plain.step_ms, 1e-6), plain_peak_bytes=max(1, plain.peak_bytes))
 
 
 class _Mark:

@@ -2,9 +2,11 @@
 
 Every candidate is judged by the cost model (:func:`offload.plan.model.simulate`) at the budget
 the runtime will enforce, since forced releases and prefetch limits depend on it. Candidate
-actions per layer, in order of memory they leave on the GPU (most first): KEEP; OFFLOAD of the
-slots >= each of the ``MAX_THRESHOLDS`` largest distinct slot sizes (largest threshold first);
-OFFLOAD of everything; RECOMPUTE.
+actions per layer: KEEP; for a layer with selective candidates (its MLP), KEEP selective, then
+OFFLOAD selective of the slots >= each of the ``MAX_THRESHOLDS`` largest distinct slot sizes
+(largest threshold first) and of everything; OFFLOAD of the slots >= each threshold and of
+everything (plain); RECOMPUTE. Within each kind, most GPU memory left first; OFFLOAD of
+everything (plain) and RECOMPUTE, the two that leave the least, are always the last two.
 
 Strategy (deterministic):
   * small spaces (at most ``EXHAUSTIVE_LIMIT`` plans) are enumerated;
@@ -33,7 +35,7 @@ import warnings
 from typing import Optional, Sequence, Union
 
 from ..stats import format_bytes
-from .model import held_bytes, offloaded_bytes, resident_bytes, simulate
+from .model import backward_cost_ms, held_bytes, offloaded_bytes, resident_bytes, simulate
 from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile
 
 MAX_THRESHOLDS = 4         # partial-offload thresholds tried per layer (largest distinct sizes)
@@ -53,8 +55,8 @@ MIN_GAIN = 1e-4            # a move must save this fraction of the step (not cha
 PEAK_MODEL_ERROR = 0.04
 
 _KEEP = LayerPlan(Action.KEEP)
+_KEEP_SELECTIVE = LayerPlan(Action.KEEP, selective=True)
 _RECOMPUTE = LayerPlan(Action.RECOMPUTE)
-_OFFLOAD_ALL = LayerPlan(Action.OFFLOAD)
 
 Key = tuple[int, ...]  # per layer, an index into that layer's candidate list
 
@@ -63,18 +65,30 @@ class BudgetError(ValueError):
     """No plan's predicted peak fits the memory budget."""
 
 
-def layer_candidates(layer: LayerProfile) -> list[LayerPlan]:
-    """The actions the search tries for ``layer``, most GPU memory left first."""
-    out = [_KEEP]
-    sizes = sorted({s for s in layer.slot_bytes if s > 0}, reverse=True)
+def _offload_candidates(slots: Sequence[int], selective: bool) -> list[LayerPlan]:
+    """OFFLOAD of the slots >= each of the largest sizes, then of everything (threshold 0)."""
+    out = []
+    sizes = sorted({s for s in slots if s > 0}, reverse=True)
     seen: set[int] = set()
     for t in sizes[:MAX_THRESHOLDS] + [0]:
         # The smallest size as a threshold offloads everything: spell that as 0 ("all").
-        lp = _OFFLOAD_ALL if (t == 0 or t == sizes[-1]) else LayerPlan(Action.OFFLOAD, t)
-        nbytes = offloaded_bytes(layer, lp)
+        threshold = 0 if (t == 0 or t == sizes[-1]) else t
+        nbytes = sum(s for s in slots if s >= threshold)
         if nbytes > 0 and nbytes not in seen:
             seen.add(nbytes)
-            out.append(lp)
+            out.append(LayerPlan(Action.OFFLOAD, threshold, selective=selective))
+    return out
+
+
+def layer_candidates(layer: LayerProfile) -> list[LayerPlan]:
+    """The actions the search tries for ``layer`` (see the module notes for their order): the
+    last is RECOMPUTE, the one before it the plain OFFLOAD of everything when the layer saves
+    anything."""
+    out = [_KEEP]
+    if layer.selective is not None:
+        out.append(_KEEP_SELECTIVE)
+        out += _offload_candidates(layer.selective.slot_bytes, selective=True)
+    out += _offload_candidates(layer.slot_bytes, selective=False)
     out.append(_RECOMPUTE)
     return out
 
@@ -104,9 +118,16 @@ class _Evaluator:
 
 # ------------------------------------------------------------------------------------- families
 
-def _family(cands: list[list[LayerPlan]], o: int, k: int, v: int, shape: str) -> Key:
-    """Key of ``o`` offloaded (variant ``v`` counted from "all"), ``k`` kept last, the rest
-    recomputed, the offloaded ones placed per ``shape``."""
+def _offload_indices(cands: list[list[LayerPlan]]) -> list[list[int]]:
+    """Per layer, the indices of its OFFLOAD candidates (selective ones first, plain "all" last)."""
+    return [[j for j, lp in enumerate(c) if lp.action is Action.OFFLOAD] for c in cands]
+
+
+def _family(cands: list[list[LayerPlan]], offs: list[list[int]], o: int, k: int, v: int, shape: str,
+            keep: int = 0) -> Key:
+    """Key of ``o`` offloaded (their ``v``-th OFFLOAD candidate counted back from plain "all"),
+    ``k`` kept last (the candidate at index ``keep``: 0 plain, 1 selective where a layer has
+    it), the rest recomputed, the offloaded ones placed per ``shape``."""
     n = len(cands)
     r = n - o - k
     head = ["O"] * o + ["R"] * r
@@ -118,13 +139,14 @@ def _family(cands: list[list[LayerPlan]], o: int, k: int, v: int, shape: str) ->
         head = ["R"] * r + ["O"] * o
     key = []
     for i, kind in enumerate(head + ["K"] * k):
-        c = len(cands[i])
+        c = cands[i]
         if kind == "K":
-            key.append(0)
+            key.append(keep if keep < len(c) and c[keep].action is Action.KEEP else 0)
         elif kind == "R":
-            key.append(c - 1)
-        else:  # offload candidates sit at 1 .. c-2, "all" at c-2
-            key.append(max(1, c - 2 - v) if c > 2 else 0)
+            key.append(len(c) - 1)
+        else:
+            ids = offs[i]
+            key.append(ids[max(0, len(ids) - 1 - v)] if ids else 0)
     return tuple(key)
 
 
@@ -142,33 +164,35 @@ def _o_grid(n: int) -> list[int]:
 def _search_families(ev: _Evaluator) -> None:
     cands = ev.cands
     n = len(cands)
-    variants = max(len(c) - 2 for c in cands)
+    offs = _offload_indices(cands)
+    variants = max(len(ids) for ids in offs)
     shapes = ["offload-first", "spread", "recompute-first"] if n <= 32 else ["offload-first", "spread"]
     if n > 32:
         variants = min(variants, 3)
-    for v in range(max(variants, 1)):
-        for shape in shapes:
-            best_step, since_best = float("inf"), 0
-            for o in _o_grid(n):
-                # Largest k that fits: keeping is never slower than recomputing, only bigger.
-                if not ev.fits(_family(cands, o, 0, v, shape)):
-                    step = float("inf")
-                else:
-                    lo, hi = 0, n - o
-                    while lo < hi:
-                        mid = (lo + hi + 1) // 2
-                        if ev.fits(_family(cands, o, mid, v, shape)):
-                            lo = mid
-                        else:
-                            hi = mid - 1
-                    step = ev(_family(cands, o, lo, v, shape)).step_ms
-                if step < best_step:
-                    best_step, since_best = step, 0
-                else:
-                    since_best += 1
-                    # Past the link's capacity more offload only adds stalls: stop this shape.
-                    if best_step < float("inf") and since_best >= 4:
-                        break
+    # Kept layers plainly, and (where layers have candidates) selectively.
+    keeps = [0, 1] if any(len(c) > 1 and c[1].selective for c in cands) else [0]
+    for v, shape, keep in ((v, s, k) for v in range(max(variants, 1)) for s in shapes for k in keeps):
+        best_step, since_best = float("inf"), 0
+        for o in _o_grid(n):
+            # Largest k that fits: keeping is never slower than recomputing, only bigger.
+            if not ev.fits(_family(cands, offs, o, 0, v, shape, keep)):
+                step = float("inf")
+            else:
+                lo, hi = 0, n - o
+                while lo < hi:
+                    mid = (lo + hi + 1) // 2
+                    if ev.fits(_family(cands, offs, o, mid, v, shape, keep)):
+                        lo = mid
+                    else:
+                        hi = mid - 1
+                step = ev(_family(cands, offs, o, lo, v, shape, keep)).step_ms
+            if step < best_step:
+                best_step, since_best = step, 0
+            else:
+                since_best += 1
+                # Past the link's capacity more offload only adds stalls: stop this shape.
+                if best_step < float("inf") and since_best >= 4:
+                    break
 
 
 # ---------------------------------------------------------------------------------- local moves
@@ -192,8 +216,8 @@ def _estimate_cost_ms(profile: StepProfile, i: int, lp: LayerPlan) -> float:
     layer, link = profile.layers[i], profile.link
     nbytes = offloaded_bytes(layer, lp)
     copy_ms = nbytes / (link.d2h_gbps * 1e6) + nbytes / (link.h2d_gbps * 1e6)
-    recompute = layer.forward_ms if lp.action is Action.RECOMPUTE else 0.0
-    return recompute + link.slowdown_one_way * copy_ms
+    return backward_cost_ms(layer, lp, profile.recompute_time_factor) - layer.backward_ms \
+        + link.slowdown_one_way * copy_ms
 
 
 def _greedy(ev: _Evaluator, profile: StepProfile, max_evals: int) -> None:
@@ -405,4 +429,7 @@ def plan_for(profile: StepProfile, actions: Sequence[Union[Action, LayerPlan, st
     if budget_bytes is not None:
         _check_budget(budget_bytes)
     plans = [a if isinstance(a, LayerPlan) else LayerPlan(Action(a)) for a in actions]
+    for i, (layer, lp) in enumerate(zip(profile.layers, plans)):
+        if lp.selective and layer.selective is None:
+            raise ValueError(f"layer {i} is planned selective, but the probe found no selective candidates in it")
     return _to_plan(profile, plans, budget_bytes)

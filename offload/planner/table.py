@@ -17,9 +17,10 @@ _MEASURED_KEYS = ("step_ms", "peak_bytes")
 
 
 def _action_text(lp: LayerPlan) -> str:
+    text = lp.action.value
     if lp.action is Action.OFFLOAD and lp.min_offload_bytes:
-        return f"offload >= {format_bytes(lp.min_offload_bytes)}"
-    return lp.action.value
+        text = f"offload >= {format_bytes(lp.min_offload_bytes)}"
+    return f"{text} selective" if lp.selective else text
 
 
 def _error(predicted: float, measured: float) -> str:
@@ -45,12 +46,12 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
         if unknown or not measured:
             raise ValueError(f"measured takes {list(_MEASURED_KEYS)}, got {sorted(measured)}")
 
-    header = f"{'layer':>5}  {'action':<20} {'offloaded MiB':>13} {'resident MiB':>12} {'fwd ms':>7} {'bwd ms':>7}"
+    header = f"{'layer':>5}  {'action':<30} {'offloaded MiB':>13} {'resident MiB':>12} {'fwd ms':>7} {'bwd ms':>7}"
     lines = [header, "-" * len(header)]
     for i, (layer, lp) in enumerate(zip(profile.layers, plan.layers)):
         # Resident: what stays on the GPU from release to reload (all of it when kept).
         lines.append(
-            f"{i:>5}  {_action_text(lp):<20} {offloaded_bytes(layer, lp) / _MIB:>13.1f} "
+            f"{i:>5}  {_action_text(lp):<30} {offloaded_bytes(layer, lp) / _MIB:>13.1f} "
             f"{resident_bytes(layer, lp) / _MIB:>12.1f} {layer.forward_ms:>7.2f} "
             f"{backward_cost_ms(layer, lp, profile.recompute_time_factor):>7.2f}"
         )
@@ -61,6 +62,9 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
     lines.append(f"plan: {plan.describe()}; budget {budget}")
     if plan.budget_reason:
         lines.append(f"budget: {plan.budget_reason}")
+    if profile.probe_reason or profile.probe != "plain":
+        lines.append(f"probe: {profile.probe_reason or profile.probe}"
+                     + ("; the 'plain' figures are predicted" if profile.probe != "plain" else ""))
     def ms(v: float) -> str:
         return f"{v:.1f} ms"
 

@@ -22,6 +22,12 @@ class Action(str, Enum):
     RECOMPUTE = "recompute"  # non-reentrant checkpoint: only the inputs are saved (and offloaded)
 
 
+# How a probe step ran the layers (StepProfile.probe).
+PLAIN_PROBE = "plain"          # as the model runs: the most exact
+RECOMPUTE_PROBE = "recompute"  # every layer checkpointed: fits wherever checkpointing fits
+PROBES = (PLAIN_PROBE, RECOMPUTE_PROBE)
+
+
 # ---------------------------------------------------------------------------------------- checks
 
 def _check_int(owner: str, name: str, value: Any) -> None:
@@ -68,6 +74,32 @@ def parse_signature(signature: str) -> tuple[int, tuple[str, ...]]:
 # -------------------------------------------------------------------------------------- profiles
 
 @dataclass(frozen=True)
+class SelectiveProfile:
+    """A layer with its selective-recompute candidates (e.g. its MLP) run under selective
+    recompute (:mod:`offload.selective`): what it then saves through the hooks, what the
+    candidates' caches hold outside them, and the backward time the recompute of their cheap
+    ops adds."""
+
+    slot_bytes: tuple[int, ...]  # as LayerProfile.slot_bytes: the candidates' inputs replace their insides
+    cached_bytes: int            # the candidates' kept GEMM outputs (never offloaded)
+    extra_backward_ms: float     # the candidates' forward time less their GEMMs' time
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.slot_bytes, (list, tuple)):
+            raise ValueError(f"SelectiveProfile.slot_bytes must be a tuple of ints, got {self.slot_bytes!r}")
+        object.__setattr__(self, "slot_bytes", tuple(self.slot_bytes))
+        for s in self.slot_bytes:
+            _check_int("SelectiveProfile", "slot_bytes[]", s)
+        _check_int("SelectiveProfile", "cached_bytes", self.cached_bytes)
+        _check_ms("SelectiveProfile", "extra_backward_ms", self.extra_backward_ms)
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes the layer holds for its backward through the hooks when kept selectively."""
+        return sum(self.slot_bytes)
+
+
+@dataclass(frozen=True)
 class LayerProfile:
     """What one layer saves and how long it takes, from the probe step."""
 
@@ -85,8 +117,12 @@ class LayerProfile:
     # the caches of its selectively recomputed modules (offload.selective). A recomputed layer
     # holds none (inside a whole-layer checkpoint they run plainly).
     cached_bytes: int = 0
+    # The layer with its selective-recompute candidates selective (None: it has none).
+    selective: Optional[SelectiveProfile] = None
 
     def __post_init__(self) -> None:
+        if self.selective is not None and not isinstance(self.selective, SelectiveProfile):
+            raise ValueError(f"LayerProfile.selective must be a SelectiveProfile or None, got {self.selective!r}")
         slots = tuple(self.slot_bytes) if isinstance(self.slot_bytes, (list, tuple)) else None
         if slots is None:
             raise ValueError(f"LayerProfile.slot_bytes must be a tuple of ints, got {self.slot_bytes!r}")
@@ -149,6 +185,10 @@ class StepProfile:
     # A recomputed layer's extra backward time over its forward_ms, measured on the same layer
     # (checkpoint's recompute stops early, at the last tensor backward needs).
     recompute_time_factor: float = 1.0
+    # How the probe ran the layers (PROBES). After a "recompute" probe the plain step was not
+    # run: plain_step_ms and plain_peak_bytes are the cost model's prediction of it.
+    probe: str = PLAIN_PROBE
+    probe_reason: str = field(default="", compare=False)  # why that probe, for the report
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)):
@@ -176,6 +216,8 @@ class StepProfile:
         _check_positive("StepProfile", "plain_peak_bytes", self.plain_peak_bytes)
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"StepProfile.device must be 'cuda' or 'cpu', got {self.device!r}")
+        if self.probe not in PROBES:
+            raise ValueError(f"StepProfile.probe must be one of {PROBES}, got {self.probe!r}")
 
     def signature(self) -> str:
         """Fingerprint of the model: layer count and a short hash of each layer's signature."""
@@ -190,8 +232,11 @@ class LayerPlan:
 
     action: Action
     min_offload_bytes: int = 0  # OFFLOAD only: offload slots >= this size, keep the rest resident
+    selective: bool = False     # KEEP / OFFLOAD only: the layer's candidates run selectively
 
     def __post_init__(self) -> None:
+        if not isinstance(self.selective, bool):
+            raise ValueError(f"LayerPlan.selective must be a bool, got {self.selective!r}")
         try:
             object.__setattr__(self, "action", Action(self.action))
         except ValueError:
@@ -204,6 +249,9 @@ class LayerPlan:
                 f"LayerPlan.min_offload_bytes applies to OFFLOAD only, got {self.min_offload_bytes} "
                 f"with {self.action.value}"
             )
+        if self.selective and self.action is Action.RECOMPUTE:
+            # Inside a whole-layer checkpoint the candidates run plainly (offload.selective).
+            raise ValueError("LayerPlan.selective applies to KEEP and OFFLOAD; a recomputed layer recomputes everything")
 
 
 @dataclass(frozen=True)
@@ -284,17 +332,27 @@ class Plan:
 
         return format_plan(self, self.profile, measured)
 
+    def selects(self) -> bool:
+        """Whether any layer runs its candidates under selective recompute."""
+        return any(lp.selective for lp in self.layers)
+
     def describe(self) -> str:
-        """Counts of each action, e.g. ``keep 2, offload 3 (1 partial), recompute 11``."""
-        keep = sum(lp.action is Action.KEEP for lp in self.layers)
+        """Counts of each action, e.g. ``keep 2, offload 3 (1 partial, 3 selective), recompute 11``."""
+        keep = [lp for lp in self.layers if lp.action is Action.KEEP]
         off = [lp for lp in self.layers if lp.action is Action.OFFLOAD]
-        partial = sum(lp.min_offload_bytes > 0 for lp in off)
         rec = sum(lp.action is Action.RECOMPUTE for lp in self.layers)
         parts = []
-        if keep:
-            parts.append(f"keep {keep}")
-        if off:
-            parts.append(f"offload {len(off)}" + (f" ({partial} partial)" if partial else ""))
+        for name, group in (("keep", keep), ("offload", off)):
+            if not group:
+                continue
+            notes = []
+            partial = sum(lp.min_offload_bytes > 0 for lp in group)
+            selective = sum(lp.selective for lp in group)
+            if partial:
+                notes.append(f"{partial} partial")
+            if selective:
+                notes.append(f"{selective} selective")
+            parts.append(f"{name} {len(group)}" + (f" ({', '.join(notes)})" if notes else ""))
         if rec:
             parts.append(f"recompute {rec}")
         return ", ".join(parts)
@@ -303,7 +361,7 @@ class Plan:
         """Plain data (JSON-ready), for saving a plan next to a checkpoint."""
         p = self.prediction
         return {
-            "layers": [[lp.action.value, lp.min_offload_bytes] for lp in self.layers],
+            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective] for lp in self.layers],
             "budget_bytes": self.budget_bytes,
             "signature": self.signature,
             "prediction": {k: getattr(p, k) for k in p.__dataclass_fields__},
@@ -313,7 +371,9 @@ class Plan:
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
         """Inverse of :meth:`to_dict`."""
         return cls(
-            layers=tuple(LayerPlan(Action(a), int(m)) for a, m in data["layers"]),
+            # Plans saved before selective actions existed list two fields per layer.
+            layers=tuple(LayerPlan(Action(a), int(m), bool(sel[0]) if sel else False)
+                         for a, m, *sel in data["layers"]),
             budget_bytes=data["budget_bytes"],
             prediction=Prediction(**data["prediction"]),
             signature=data["signature"],

@@ -48,6 +48,10 @@ class Schedule:
         """Whether ``layer`` runs under checkpointing (planned schedules only)."""
         return False
 
+    def selective(self, layer: int) -> bool:
+        """Whether ``layer`` runs its candidates under selective recompute (planned schedules only)."""
+        return False
+
     def on_step_start(self, engine: "OffloadEngine") -> None:
         """A new step (forward) begins."""
 

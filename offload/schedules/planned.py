@@ -41,7 +41,7 @@ import torch
 from ..group import Group, GroupState
 from ..layout import ALIGNMENT
 from ..planner.model import (
-    PREFETCH_DEPTH, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
+    PREFETCH_DEPTH, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes, resident_bytes, transient_bytes,
 )
 from ..planner.types import Action, Plan, StepProfile
 from .base import Schedule
@@ -106,7 +106,7 @@ class PlannedSchedule(Schedule):
         sizes = []
         for layer, lp in zip(self.profile.layers, self.plan.layers):
             if lp.action is Action.OFFLOAD:
-                slots = [n for n in layer.slot_bytes if n >= lp.min_offload_bytes]
+                slots = [n for n in layer_slots(layer, lp) if n >= lp.min_offload_bytes]
                 sizes.append(sum(slots) + ALIGNMENT * len(slots))
             elif lp.action is Action.RECOMPUTE:
                 sizes.append(layer.input_bytes + ALIGNMENT * 4)  # a layer's few input tensors
@@ -124,6 +124,10 @@ class PlannedSchedule(Schedule):
     def recomputes(self, layer: int) -> bool:
         """Whether ``layer`` runs under checkpointing in this plan."""
         return layer < len(self.actions) and self.actions[layer] is Action.RECOMPUTE
+
+    def selective(self, layer: int) -> bool:
+        """Whether ``layer`` runs its candidates under selective recompute in this plan."""
+        return layer < len(self.actions) and self.plan.layers[layer].selective
 
     # -- accounting ------------------------------------------------------------------------------
     def _holding(self, step: "StepState") -> Holding:

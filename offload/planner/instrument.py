@@ -1,0 +1,155 @@
+"""What a probe step wraps around modules to see inside a layer.
+
+Two wrappers stand in for a module's ``forward`` during probe steps only (installed by
+:class:`~offload.planner.probe.ProbeStep` at its start, removed at its forward's end, innermost
+first out):
+
+- :class:`CandidateForward` around each selective-recompute candidate (a layer's MLP) and each
+  module the user runs under ``offload.selective_recompute`` already. While it runs, the probe
+  files the tensors saved inside it apart (``ProbeStep.inside``), counts its positional tensor
+  inputs (what a selective checkpoint saves through the hooks instead), and counts, with
+  :class:`ExpensiveOutputs`, the GEMM outputs selective recompute would cache and the time their
+  kernels take (the rest of the module's time is what its backward recomputes).
+- :class:`CheckpointedLayer` around every layer in a low-memory ("recompute") probe step: the
+  layer runs under non-reentrant checkpointing, so the step fits wherever checkpointing fits;
+  inside it a :class:`CountingPack` hook sees each tensor the layer saves (and hands it on to the
+  checkpoint's own hook, which drops it), and in backward the recompute is timed, so the plain
+  backward can be told from it.
+
+Both hold the probe weakly: a wrapper left behind by an exception must not keep the probe alive.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from ..selective import EXPENSIVE_OPS
+
+if TYPE_CHECKING:
+    from .probe import ProbeStep
+
+
+class ExpensiveOutputs(TorchDispatchMode):
+    """Counts the distinct storages that :data:`offload.selective.EXPENSIVE_OPS` output (what
+    selective recompute's cache would hold) and marks each such kernel's start and end on the
+    probe's clock.
+
+    It holds the storages it counted until it is dropped: a GEMM output freed inside the module
+    could otherwise give its address to the next one, which would then not be counted.
+    """
+
+    def __init__(self, mark: Callable[[], Any]) -> None:
+        super().__init__()
+        self.mark = mark
+        self.nbytes = 0
+        self.spans: list[tuple[Any, Any]] = []
+        self._storages: dict[int, Any] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in EXPENSIVE_OPS:
+            return func(*args, **(kwargs or {}))
+        start = self.mark()
+        out = func(*args, **(kwargs or {}))
+        self.spans.append((start, self.mark()))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in self._storages:
+                    self._storages[storage.data_ptr()] = storage
+                    self.nbytes += storage.nbytes()
+        return out
+
+
+class _Wrapper:
+    """A module's ``forward`` stand-in that can be taken off again (see :meth:`remove`)."""
+
+    __slots__ = ("probe", "module", "fn", "previous")
+
+    def __init__(self, probe: "ProbeStep", module: torch.nn.Module) -> None:
+        self.probe = weakref.ref(probe)
+        self.module = module
+        self.fn = module.forward
+        # An instance attribute set by other code (a selective wrapper, a plan's recompute
+        # wrapper) comes back at removal; otherwise the class's forward does.
+        self.previous = module.__dict__.get("forward")
+        module.forward = self
+
+    def remove(self) -> None:
+        """Put back what the module's ``forward`` was."""
+        if self.module.__dict__.get("forward") is self:
+            if self.previous is not None:
+                self.module.forward = self.previous
+            else:
+                del self.module.forward
+
+
+class CandidateForward(_Wrapper):
+    """Runs a selective candidate (``fixed``: a module the user made selective already) while
+    the probe files what it saves apart (see the module notes)."""
+
+    __slots__ = ("fixed",)
+
+    def __init__(self, probe: "ProbeStep", module: torch.nn.Module, fixed: bool) -> None:
+        super().__init__(probe, module)
+        self.fixed = fixed
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        probe = self.probe()
+        if probe is None:
+            return self.fn(*args, **kwargs)
+        return probe.run_candidate(self.fn, self.fixed, args, kwargs)
+
+
+class CountingPack:
+    """The saved-tensor pack hook inside a checkpointed layer's forward: the probe counts the
+    tensor, then the checkpoint's own pack hook (the one in force below this one) takes it.
+
+    ``inside_checkpoint`` tells :mod:`offload.selective` that a whole-layer checkpoint is
+    running, so selective modules inside run plainly, as in a recomputed layer."""
+
+    __slots__ = ("probe", "outer")
+    inside_checkpoint = True
+
+    def __init__(self, probe: "ProbeStep", outer: Callable[[torch.Tensor], Any]) -> None:
+        self.probe = probe
+        self.outer = outer
+
+    def __call__(self, t: torch.Tensor) -> Any:
+        self.probe.count_saved(t)
+        return self.outer(t)
+
+
+class CheckpointedLayer(_Wrapper):
+    """Runs a layer under non-reentrant checkpointing for a low-memory probe step (see the
+    module notes). Early stop is off so that the recompute in backward runs the whole forward
+    and its end can be timed."""
+
+    __slots__ = ()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        probe = self.probe()
+        if probe is None or not probe.active:
+            return self.fn(*args, **kwargs)
+        with set_checkpoint_early_stop(False):
+            return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+
+    def _run(self, *args: Any, **kwargs: Any) -> Any:
+        probe = self.probe()
+        if probe is None:
+            return self.fn(*args, **kwargs)
+        if torch._C._current_graph_task_id() != -1:  # the recompute, in backward
+            probe.mark_recompute(start=True)
+            out = self.fn(*args, **kwargs)
+            probe.mark_recompute(start=False)
+            return out
+        outer: Optional[tuple[Any, Any]] = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if outer is None:  # not under the checkpoint's hooks: nothing to count through
+            return self.fn(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(CountingPack(probe, outer[0]), outer[1]):
+            return self.fn(*args, **kwargs)
