@@ -268,7 +268,10 @@ def hf_checkpointing(model: nn.Module) -> Iterator[None]:
         yield
     finally:
         disable()
-        if not had_input_hook and hasattr(model, "disable_input_require_grads"):
+        # Older versions add the hook for PEFT models only, and their disable_input_require_grads
+        # fails without one: remove it only where this enable added it.
+        added = getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None)
+        if added and not had_input_hook:
             model.disable_input_require_grads()
 
 

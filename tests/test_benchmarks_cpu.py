@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -119,12 +120,14 @@ class FakePlanner:
     """Stands in for ``OffloadActivations(layers, memory_budget_bytes=...)``: its plan comes into
     force at the entry of step ``at_entry``, or at the exit of step ``at_exit``."""
 
-    def __init__(self, at_entry: int = 0, at_exit: int = 0) -> None:
-        self.at_entry, self.at_exit = at_entry, at_exit
+    def __init__(self, at_entry: int = 0, at_exit: int = 0, planned_entry_s: float = 0.0) -> None:
+        self.at_entry, self.at_exit, self.planned_entry_s = at_entry, at_exit, planned_entry_s
         self.plan = None
         self.steps = 0
 
     def __enter__(self) -> "FakePlanner":
+        if self.plan is not None:
+            time.sleep(self.planned_entry_s)  # a planned step's entry: not planning any more
         self.steps += 1
         if self.steps == self.at_entry:
             self.plan = "a plan"
@@ -135,7 +138,9 @@ class FakePlanner:
             self.plan = "a plan"
 
 
-@pytest.mark.parametrize("planner, probe_steps", [(dict(at_entry=4), 3), (dict(at_exit=2), 2), (dict(at_entry=1), 0)])
+@pytest.mark.parametrize("planner, probe_steps", [
+    (dict(at_entry=4), 3), (dict(at_exit=2), 2), (dict(at_entry=1), 0), (dict(at_exit=1, planned_entry_s=0.5), 1),
+])
 def test_long_context_counts_the_steps_before_the_plan(planner: dict[str, int], probe_steps: int) -> None:
     lc = bench_module("long_context")
     env = lc.Env(device=torch.device("cpu"), smoke=True, offload_device="cpu", args=None)
@@ -153,7 +158,7 @@ def test_long_context_counts_the_steps_before_the_plan(planner: dict[str, int], 
 
     row = plan(lambda: FakePlanner(**planner))
     assert row["probe_steps"] == probe_steps, row
-    assert row["planning_s"] >= 0
+    assert 0 <= row["planning_s"] < 0.5, "planning time runs on into the first planned step"
     with pytest.raises(RuntimeError, match="no plan after 8 steps"):
         plan(FakePlanner)
 
@@ -224,3 +229,20 @@ def test_llama_step_drops_gradients_when_backward_fails() -> None:
         handle.remove()
     left = [name for name, p in model.named_parameters() if p.grad is not None]
     assert not left, f"a failed step left gradients on {left}"
+
+
+def test_no_selective_is_passed_only_where_offload_takes_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    lc = bench_module("long_context")
+
+    class Taking:
+        def __init__(self, layers: Any = None, *, selective: Any = None, **options: Any) -> None: ...
+
+    class NotTaking:
+        def __init__(self, layers: Any = None, **options: Any) -> None: ...
+
+    monkeypatch.setattr(lc.offload, "OffloadActivations", Taking)
+    assert lc.selective_option(True)[0] == {"selective": False}
+    assert lc.selective_option(False)[0] == {}, "without --no-selective the default candidates apply"
+    monkeypatch.setattr(lc.offload, "OffloadActivations", NotTaking)
+    kw, note = lc.selective_option(True)
+    assert kw == {} and "no effect" in note
