@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
@@ -228,6 +229,49 @@ def time_steps(step: Callable[[], None], env: Env, *, warmup: Optional[int] = No
     return Timing(gpu_ms=gpu, host_ms=host, cpu_ms=cpu, wall_ms=wall, peak_bytes=peak, base_bytes=base)
 
 
+OUT_OF_MEMORY = "out of memory"
+
+
+def failure(exc: BaseException) -> str:
+    """How a failed contender is recorded: ``"out of memory"`` for a CUDA out-of-memory error (the
+    expected end of a step that does not fit), else the exception's type and message."""
+    if isinstance(exc, torch.cuda.OutOfMemoryError):
+        return OUT_OF_MEMORY
+    return f"{type(exc).__name__}: {exc}"
+
+
+def fmt_gib(v: Optional[float]) -> str:
+    """GiB with two decimals, or '-' when not measured."""
+    return "-" if v is None else f"{v:.2f} GiB"
+
+
+def timed_row(env: Env, label: str, step: Callable[[], None], *,
+              before: Optional[Callable[[dict[str, Any]], None]] = None, **extra: Any) -> dict[str, Any]:
+    """One contender's row: ``step`` timed by :func:`time_steps` (median step ms, host ms, peak).
+
+    ``before(row)`` runs first under the same error handling (e.g. a planner's probe steps; it may
+    add its figures to the row). A failure is printed with its traceback and recorded as the row's
+    ``error`` (see :func:`failure`), so that the other contenders still run; memory is freed after,
+    once the exception (whose frames hold the failed step's tensors) is gone.
+    """
+    row: dict[str, Any] = {"variant": label, **extra}
+    try:
+        if before is not None:
+            before(row)
+        timing = time_steps(step, env)
+        row.update(step_ms=timing.median_ms, peak_bytes=timing.peak_bytes, peak_gib=gib(timing.peak_bytes),
+                   host_ms=timing.summary()["host_ms"]["median"])
+    except Exception as exc:  # noqa: BLE001 - one failing contender must not hide the others
+        traceback.print_exc()
+        row["error"] = failure(exc)
+        if row["error"] == OUT_OF_MEMORY:
+            row["detail"] = str(exc).splitlines()[0] if str(exc) else ""
+    free_memory(env)
+    shown = row.get("error") or f"{row['step_ms']:.1f} ms, {fmt_gib(row.get('peak_gib'))}"
+    print(f"  {label:<34} {shown}", flush=True)
+    return row
+
+
 # -- offload helpers ------------------------------------------------------------------------------
 def offload_context(env: Env, num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, Any]:
     """``get_cpu_offload_context(enabled=True, ...)`` on the benchmark's device."""
@@ -277,8 +321,6 @@ def run_variant(
     as ``error`` so that the other variants still run. The context is dropped and memory freed
     before returning.
     """
-    import traceback
-
     row: dict[str, Any] = {"variant": label}
     if offload is not None:
         row["num_layers"] = offload.get("num_layers")

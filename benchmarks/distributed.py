@@ -7,7 +7,7 @@ SDPA), ``fully_shard`` on every decoder layer and at the root. Contenders, one a
 the same processes:
 
   plain              no offload, no checkpointing
-  HF checkpointing   ``gradient_checkpointing_enable(use_reentrant=False)``
+  HF checkpointing   ``workloads.hf_checkpointing`` (non-reentrant)
   offload k=...      ``OffloadActivations(model.model.layers, num_offload_layers=k)`` (``--ks``)
   plan @ ...         the planner (``offload.planner``): rank 0 probes a plain step and plans for
                      checkpointing's peak (and the lowest peak); every rank follows rank 0's plan,
@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Env, exit_status, free_memory, gib, make_parser, print_table, setup, time_steps, write_json,
 )
-from workloads import llama_2b, llama_step, scale_for  # noqa: E402
+from workloads import hf_checkpointing, llama_2b, llama_step, scale_for  # noqa: E402
 
 import offload  # noqa: E402
 
@@ -147,9 +147,8 @@ def run_rank(argv: list[str]) -> int:
         tokens = spec.batch * spec.seq
         layers = model.model.layers
         rows = [measure(env, "plain", llama_step(model, ids), tokens)]
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        rows.append(measure(env, "HF checkpointing", llama_step(model, ids), tokens))
-        model.gradient_checkpointing_disable()
+        with hf_checkpointing(model):
+            rows.append(measure(env, "HF checkpointing", llama_step(model, ids), tokens))
         for k in ks:
             oa = offload.OffloadActivations(layers, num_offload_layers=k, device=env.offload_device)
             rows.append(measure(env, f"offload k={k}", llama_step(model, ids, lambda oa=oa: oa), tokens, k=k,

@@ -19,6 +19,8 @@ and rounded; the number of layers never changes, so a num_layers sweep stays the
   random init (no download), bf16, SDPA attention, no KV cache, vocab 32000. ``LlamaSpec.build``
   returns ``(model, ids)``: the repeated layers are ``model.model.layers``, and the loss is
   ``model(input_ids=ids, labels=ids).loss`` (``llama_step``). Needs ``transformers``.
+  ``hf_checkpointing(model)`` turns HF's own (non-reentrant) checkpointing on inside a ``with``.
+* LONG-1B: LLAMA-1B's model at sequence 49152, batch 1 (plain does not fit on an 80 GB H100).
 * MOE: 8 MoE layers of 64 expert MLPs (Linear 512->1024, GELU, Linear 1024->512), 2048 tokens
   routed by a fixed random top-1 assignment (32 tokens per expert), bf16: a layer saves ~4 small
   tensors per expert (hundreds per layer), the shape where per-tensor CPU cost shows. Not in
@@ -29,8 +31,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -232,13 +235,44 @@ def llama_step(model: nn.Module, ids: torch.Tensor, wrapper: Optional[Callable[[
     params = [p for p in model.parameters() if p.requires_grad]
 
     def step() -> None:
-        with wrapper() if wrapper is not None else contextlib.nullcontext():
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        for p in params:
-            p.grad = None
+        try:
+            with wrapper() if wrapper is not None else contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+        finally:
+            # Also when the step fails: an out-of-memory error in backward leaves some gradients
+            # set, which would count in the next contender's peak.
+            for p in params:
+                p.grad = None
 
     return step
+
+
+@contextlib.contextmanager
+def hf_checkpointing(model: nn.Module) -> Iterator[None]:
+    """HF's own activation checkpointing (non-reentrant) on ``model`` inside the ``with``, off again
+    after it (also when the body raises). transformers 5.24 names it
+    ``activation_checkpointing_enable`` (``gradient_checkpointing_enable`` is its deprecated alias);
+    earlier versions have only ``gradient_checkpointing_enable``. HF's enable also hooks the input
+    embeddings (their output then requires grad, for reentrant checkpointing's sake) and its disable
+    leaves that hook on: it is taken off here too, unless the model had it before."""
+    had_input_hook = bool(getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None))
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None and "activation_checkpointing_kwargs" in inspect.signature(enable).parameters:
+        enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        disable = model.activation_checkpointing_disable
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        disable = model.gradient_checkpointing_disable
+    try:
+        yield
+    finally:
+        disable()
+        # Older versions add the hook for PEFT models only, and their disable_input_require_grads
+        # fails without one: remove it only where this enable added it.
+        added = getattr(model, "_require_grads_hooks", None) or getattr(model, "_require_grads_hook", None)
+        if added and not had_input_hook:
+            model.disable_input_require_grads()
 
 
 class MoELayer(nn.Module):
@@ -318,6 +352,11 @@ def llama_1b(scale: float = 1.0) -> LlamaSpec:
     return LlamaSpec("LLAMA-1B", hidden=2048, intermediate=8192, layers=16, heads=32, kv_heads=8, batch=4, seq=4096).scaled(scale)
 
 
+def long_1b(scale: float = 1.0) -> LlamaSpec:
+    """LLAMA-1B's model at sequence 49152, batch 1 (``scale`` shrinks it as LLAMA-1B's)."""
+    return replace(llama_1b(scale), name="LONG-1B", batch=1, seq=_scaled(49152, scale))
+
+
 def llama_2b(scale: float = 1.0) -> LlamaSpec:
     return LlamaSpec("LLAMA-2B", hidden=4096, intermediate=14336, layers=8, heads=64, kv_heads=16, batch=2, seq=4096).scaled(scale)
 
@@ -343,7 +382,7 @@ def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise"
 
 WORKLOADS: dict[str, Callable[..., Any]] = {
     "gpt_a": gpt_a, "gpt_b": gpt_b, "small": small, "fp8_mlp": fp8_mlp, "llama_1b": llama_1b, "llama_2b": llama_2b,
-    "moe": moe,
+    "long_1b": long_1b, "moe": moe,
 }
 
 
