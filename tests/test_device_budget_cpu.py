@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import offload
+from offload.planner.budget import default_headroom
 from offload.planner import DEVICE_HEADROOM, LayerProfile, LinkProfile, StepProfile, device_budget
 from offload.planner import make as make_mod
 from offload.planner.make import check_device_budget, choose
@@ -35,10 +36,24 @@ def test_device_budget_counts_what_this_process_holds_as_inside_the_budget():
     # 80 GiB device; this process reserves 10 GiB (weights etc.), others hold 6 GiB, 64 GiB free.
     got = device_budget(80 * GiB, 64 * GiB, 10 * GiB)
     assert got.capacity_bytes == 80 * GiB and got.held_by_others_bytes == 6 * GiB
-    assert got.headroom == DEVICE_HEADROOM == 0.05
-    assert got.budget_bytes == int(74 * GiB * 0.95)
-    assert got.describe() == "device (80.0 GiB capacity - 6.0 GiB held by others - 5% headroom = 70.3 GiB)"
+    assert got.headroom == DEVICE_HEADROOM == 0.10
+    assert got.budget_bytes == int(74 * GiB * 0.90)
+    assert got.describe() == "device (80.0 GiB capacity - 6.0 GiB held by others - 10% headroom = 66.6 GiB)"
     assert device_budget(80 * GiB, 64 * GiB, 10 * GiB, headroom=0.0).budget_bytes == 74 * GiB
+
+
+def test_expandable_segments_need_less_headroom(monkeypatch):
+    assert default_headroom("") == DEVICE_HEADROOM
+    assert default_headroom("max_split_size_mb:128,expandable_segments:True") == 0.05
+    assert default_headroom("expandable_segments:False") == DEVICE_HEADROOM
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert device_budget(80 * GiB, 64 * GiB, 10 * GiB).budget_bytes == int(74 * GiB * 0.95)
+
+
+def test_a_per_process_cap_bounds_the_budget():
+    got = device_budget(80 * GiB, 64 * GiB, 10 * GiB, headroom=0.0, cap_bytes=20 * GiB)
+    assert got.budget_bytes == 20 * GiB and got.held_by_others_bytes == 6 * GiB
+    assert "capped at 20.0 GiB for this process" in got.describe()
 
 
 @pytest.mark.parametrize("figures, match", [
