@@ -336,7 +336,7 @@ def plot(spec: LlamaSpec, rows: list[dict[str, Any]], path: Path) -> Optional[Pa
     points = [ParetoPoint(r["variant"], r["peak_bytes"], r["x_ckpt"], kind=r.get("kind", "baseline"))
               for r in rows if r.get("x_ckpt") is not None and r.get("peak_bytes") is not None]
     try:
-        written = plot_pareto({f"{spec.name}, seq {spec.seq}: y = step / HF checkpointing's step": points}, path)
+        written = plot_pareto({f"{spec.name}, seq {spec.seq}": points}, path, baseline="HF checkpointing")
     except (ImportError, ValueError) as exc:  # no matplotlib, or nothing measured
         print(f"no plot: {exc}")
         return None

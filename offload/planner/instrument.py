@@ -127,15 +127,22 @@ class CountingPack:
 
 class CheckpointedLayer(_Wrapper):
     """Runs a layer under non-reentrant checkpointing for a low-memory probe step (see the
-    module notes). Early stop is off so that the recompute in backward runs the whole forward
-    and its end can be timed."""
+    module notes). ``timed``: early stop off, so that the recompute in backward runs the whole
+    forward and its end can be timed (a calibration step keeps torch's early stop, as a plan's
+    recomputed layers run)."""
 
-    __slots__ = ()
+    __slots__ = ("timed",)
+
+    def __init__(self, probe: "ProbeStep", module: torch.nn.Module, timed: bool = True) -> None:
+        super().__init__(probe, module)
+        self.timed = timed
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         probe = self.probe()
         if probe is None or not probe.active:
             return self.fn(*args, **kwargs)
+        if not self.timed:
+            return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
         with set_checkpoint_early_stop(False):
             return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
 

@@ -217,7 +217,7 @@ class ProbeStep:
             for module in dict.fromkeys(self.layers):
                 self._wrappers.append(CheckpointedLayer(self, module))
         elif self.recompute_index is not None:
-            self._wrappers.append(CheckpointedLayer(self, self.layers[self.recompute_index]))
+            self._wrappers.append(CheckpointedLayer(self, self.layers[self.recompute_index], timed=False))
         self.step_start = self.clock.mark()
         me = weakref.ref(self)
         for module in dict.fromkeys(self.layers):

@@ -108,9 +108,9 @@ def plot_memory(curve: MemoryCurve, path: PathLike) -> Path:
     return _save(fig, out)
 
 
-def plot_pareto(panels: Mapping[str, Sequence[ParetoPoint]], path: PathLike) -> Path:
-    """Step time (as a multiple of plain's) against peak memory, one panel per model (the
-    mapping's keys are the panel titles). Returns the path written."""
+def plot_pareto(panels: Mapping[str, Sequence[ParetoPoint]], path: PathLike, *, baseline: str = "plain") -> Path:
+    """Step time (as a multiple of ``baseline``'s, plain's by default) against peak memory, one
+    panel per model (the mapping's keys are the panel titles). Returns the path written."""
     out = _target(path, "plot_pareto")
     panels = {name: points for name, points in panels.items() if points}
     if not panels:
@@ -125,6 +125,6 @@ def plot_pareto(panels: Mapping[str, Sequence[ParetoPoint]], path: PathLike) -> 
             ax.annotate(p.label, (gib, p.step_vs_plain), fontsize=7, xytext=(3, 3), textcoords="offset points")
         ax.set_title(name)
         ax.set_xlabel("peak GiB")
-        ax.set_ylabel("step time / plain")
+        ax.set_ylabel(f"step time / {baseline}")
         ax.grid(alpha=0.3)
     return _save(fig, out)
