@@ -170,9 +170,10 @@ def test_long_context_plot_draws_ratios_to_checkpointing(tmp_path: Path, monkeyp
     lc.add_ratios(rows)
     drawn: dict[str, Any] = {}
     real = lc.plot_pareto
-    monkeypatch.setattr(lc, "plot_pareto", lambda panels, path: drawn.update(panels) or real(panels, path))
+    monkeypatch.setattr(lc, "plot_pareto", lambda panels, path, **kw: drawn.update(panels, **kw) or real(panels, path, **kw))
     written = lc.plot(lc.long_1b(), rows, tmp_path / "long.png")
     assert written is not None and written.stat().st_size > 1000
+    assert drawn.pop("baseline") == "HF checkpointing"
     (points,) = drawn.values()
     by = {p.label: p for p in points}
     assert set(by) == {"HF checkpointing", "offload all but the last", "MLP selective + offload k=4",
