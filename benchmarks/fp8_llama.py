@@ -13,7 +13,8 @@ head stays bf16 in every contender. Per precision:
 Reported per contender: step time (median of ``--steps`` CUDA-event-timed steps after
 ``--warmup``), peak (``max_memory_allocated`` over the timed steps, reset per contender),
 tokens/s, the FP8 weight cache's bytes, ratios to bf16 plain, and the loss of one forward
-(FP8 against bf16: a sanity check, not a tolerance test).
+(FP8 against bf16: a sanity check, not a tolerance test). On the GPU, also what the weight
+cache's one layout costs: the FP8 transposes of a step, Triton kernel against torch's copy.
 
 Targets (docs/benchmarks.md): T18 FP8 plain step <= 0.75x bf16 plain at a peak <= 0.90x;
 T19 FP8 plan at 75% of bf16 plain's peak, step <= 0.80x bf16 plain.
@@ -171,7 +172,44 @@ class Bench:
         plan_row = next((r for r in self.rows if r["variant"].startswith("FP8 plan")), {})
         targets = check_targets(bf16, fp8_plain, plan_row)
         return {"workload": self.spec.describe(), "converted": len(converted.converted), "budget_bytes": budget,
-                "rows": self.rows, "loss": self.loss, "targets": targets, "torchao": note or "eager, tensorwise"}
+                "rows": self.rows, "loss": self.loss, "targets": targets, "torchao": note or "eager, tensorwise",
+                "transposes": transpose_costs(env, self.layers)}
+
+
+def transpose_costs(env: Env, layers: torch.nn.Module, reps: int = 20) -> Optional[dict[str, Any]]:
+    """What one layout costs per step: the FP8 transposes dgrad's operands need (one per weight
+    and backward), by the Triton kernel and by torch's copy of the transposed view, CUDA-event
+    timed per weight shape and summed over the decoder's weights."""
+    if not env.cuda:
+        return None
+    from offload.fp8 import cast
+    from offload.fp8.weights import quantize_weight
+
+    shapes: dict[tuple[int, int], int] = {}
+    for m in layers.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    out: dict[str, Any] = {"shapes": [], "triton_ms_per_step": 0.0, "torch_ms_per_step": 0.0}
+    for shape, count in shapes.items():
+        row = quantize_weight(torch.randn(shape, device=env.device, dtype=torch.bfloat16), "tensorwise").fprop.t()
+        figures = {"shape": list(shape), "count": count}
+        for name, fn in (("triton", cast.transpose), ("torch", lambda t: t.t().contiguous())):
+            fn(row)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn(row)
+            end.record()
+            end.synchronize()
+            ms = start.elapsed_time(end) / reps
+            figures[f"{name}_ms"] = ms
+            figures[f"{name}_gbps"] = 2 * row.numel() / ms / 1e6  # bytes read and written
+            out[f"{name}_ms_per_step"] += ms * count
+        out["shapes"].append(figures)
+    print(f"  one layout's transposes per step: Triton {out['triton_ms_per_step']:.2f} ms, "
+          f"torch copy {out['torch_ms_per_step']:.2f} ms "
+          f"({', '.join(f'{s[0]}x{s[1]}: {f:.0f} GB/s' for s, f in ((f['shape'], f['triton_gbps']) for f in out['shapes']))})")
+    return out
 
 
 def check_targets(bf16: dict[str, Any], fp8_plain: dict[str, Any], fp8_plan: dict[str, Any]) -> list[dict[str, Any]]:

@@ -10,7 +10,7 @@ import torch
 
 import offload
 from offload import fp8
-from offload.fp8 import weights
+from offload.fp8 import cast, weights
 
 from _util import assert_bitwise, cpu_context, oa_step, train_step
 
@@ -174,3 +174,17 @@ def test_layer_contexts_report_the_bytes_of_params_from_and_none_without() -> No
     train_step(layers, x, bare, bare_sync)
     assert bare.stats["weight_cache_bytes"] is None
     assert "FP8 weight copies" not in bare.report()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(16, 48), (4112, 112), (64, 14336), (3, 5), (0, 16)])
+@pytest.mark.parametrize("fp8_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_fp8_transpose_moves_every_byte(device: str, shape: tuple[int, int], fp8_dtype: torch.dtype) -> None:
+    # Every byte pattern, NaNs included: the transpose copies bits, it never converts.
+    bits = torch.arange(shape[0] * shape[1], dtype=torch.int64).remainder(256).to(torch.uint8).view(shape)
+    data = bits.to(device).view(fp8_dtype)
+    got = cast.transpose(data)
+    assert got.dtype == fp8_dtype and got.shape == shape[::-1] and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8).cpu(), bits.t())
+    if device == "cuda" and cast.triton_available():
+        assert cast._transpose_kernels() is not None, "the Triton transpose did not load where Triton runs"

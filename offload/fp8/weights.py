@@ -39,7 +39,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from ..stats import weight_cache_bytes as _cache_bytes
-from .cast import quantize
+from .cast import quantize, transpose
 
 __all__ = [
     "GemmWeight", "WeightCache", "WEIGHT_LAYOUTS", "DEFAULT_WEIGHT_LAYOUTS", "dgrad_operand", "quantize_weight",
@@ -106,10 +106,10 @@ def dgrad_operand(w: GemmWeight) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dgrad is not None and w.dgrad_scale is not None:
         return w.dgrad, w.dgrad_scale
     if w.source is None:
-        # Tensorwise: fprop is row.t(), a (K, N) view of the rowwise (N, K) data; its contiguous
-        # copy is the columnwise (K, N) data, bit for bit what the quantizer writes, and it
-        # shares the one scale.
-        return w.fprop.contiguous().t(), w.fprop_scale
+        # Tensorwise: fprop is row.t(), a (K, N) view of the rowwise (N, K) data; its transpose
+        # is the columnwise (K, N) data, bit for bit what the quantizer writes, and it shares
+        # the one scale.
+        return transpose(w.fprop.t()).t(), w.fprop_scale
     op = quantize(w.source, WEIGHT_FP8, "rowwise", rowwise=False, columnwise=True)
     assert op.col is not None and op.col_scale_inv is not None
     return op.col.t(), op.col_scale_inv.view(1, -1)
