@@ -91,8 +91,12 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
 
 def _transpose_kernels() -> Any:
     """:mod:`.triton_transpose` wherever :func:`_kernels` loads (the same setting and Triton)."""
-    if _kernels() is None:
-        return None
+    return None if _kernels() is None else _import_transpose()
+
+
+@functools.lru_cache(maxsize=1)
+def _import_transpose() -> Any:
+    # Cached: an import statement costs host time on every backward of every weight.
     from . import triton_transpose  # noqa: PLC0415 - needs Triton
 
     return triton_transpose
