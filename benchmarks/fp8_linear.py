@@ -5,7 +5,8 @@ Forward + backward of ``y.sum()`` per call at (M, K, N) = (16, 1024, 1024), (256
 
 * ``bf16``: ``torch.nn.Linear``;
 * ``fp8 tensorwise`` / ``fp8 rowwise``: ``offload.fp8.Linear`` (fused Triton quantization, FP8
-  weight copies cached per weight version);
+  weight copies cached per weight version, one layout: dgrad's transposed in backward);
+  ``fp8 tensorwise, both layouts``: the same caching both layouts (``weight_layouts="both"``);
 * ``torchao ...``: torchao's float8 training (``torchao.float8.convert_to_float8_training``) with
   tensorwise and rowwise recipes, eager and under ``torch.compile`` (how torchao is meant to be
   used), when torchao imports; otherwise the reason is printed and stored.
@@ -37,7 +38,7 @@ import common
 SHAPES = [(16, 1024, 1024), (256, 2048, 2048), (4096, 4096, 4096), (16384, 4096, 16384)]
 SMOKE_SHAPES = [(16, 64, 64), (64, 128, 96)]
 GEMM_KERNEL_MARKS = ("gemm", "nvjet", "cutlass", "sm90_xmma", "scaled_mm", "f8f8bf16")
-QUANT_KERNEL_MARKS = ("_amax", "_cast_")
+QUANT_KERNEL_MARKS = ("_amax", "_cast_", "_transpose")
 
 
 def torchao_factory(recipe: str, compiled: bool) -> tuple[Optional[Callable[[int, int, torch.device], torch.nn.Module]], Optional[str]]:
@@ -63,6 +64,8 @@ def contenders(env: common.Env) -> tuple[dict[str, Callable[[int, int, torch.dev
     makers: dict[str, Callable[[int, int, torch.device], torch.nn.Module]] = {
         "bf16": lambda k, n, d: torch.nn.Linear(k, n, device=d, dtype=torch.bfloat16),
         "fp8 tensorwise": lambda k, n, d: fp8.Linear(k, n, device=d, dtype=torch.bfloat16),
+        # Both FP8 weight layouts cached: no transpose in backward (the default caches one).
+        "fp8 tensorwise, both layouts": lambda k, n, d: fp8.Linear(k, n, device=d, dtype=torch.bfloat16, weight_layouts="both"),
     }
     skipped: dict[str, str] = {}
     if fp8.rowwise_supported(env.device.type):

@@ -20,7 +20,7 @@ What happened:
     StepStats                       the keys of ctx.stats: help(offload.StepStats) has each unit
     plot                            timeline and memory curve of one step (matplotlib optional)
 More:
-    fp8                             FP8 layers that save FP8 activations: Linear, LayerNormLinear, GELU
+    fp8                             FP8 layers that save FP8 activations; fp8.convert(model) swaps nn.Linear
     graphs                          CUDA graphs of a whole step or of layers; CaptureError if unready
     CaptureError                    a capture started before the host blocks existed (one eager step)
     OffloadContext, ManualController   what get_cpu_offload_context returns

@@ -289,8 +289,6 @@ def build_engine(
         selection=selection,
         reserve_host_bytes=arena.claim,
     )
-    if modules:
-        policy.set_module_storages(modules)
     if schedule is not None:
         label = schedule.name
     elif manual_synchronization:
@@ -304,7 +302,7 @@ def build_engine(
     else:
         schedule = ScheduleV2(num_layers, model_layers)  # type: ignore[arg-type]
         label = resolved_mode
-    return OffloadEngine(
+    engine = OffloadEngine(
         policy=policy,
         schedule=schedule,
         transport=transport,
@@ -313,6 +311,9 @@ def build_engine(
         model_layers=model_layers,
         layer_contexts=layer_contexts,
     )
+    if modules:
+        engine.register_module_storages(*modules)
+    return engine
 
 
 class OffloadContext:
@@ -498,7 +499,8 @@ def get_cpu_offload_context(
     ``selection``: "auto" (every eligible tensor) or "marked" (opt-in; v1's default).
     ``params_from``: a module (or modules) whose parameters' and buffers' memory stays on the
     GPU in every form (views, ``.data`` aliases): offloading it would free nothing. Parameters
-    and their views are kept without it.
+    and their views are kept without it. ``stats["weight_cache_bytes"]`` counts their FP8
+    weight copies.
     ``timing``: record CUDA timing events around copies and stalls for the stats: ``True`` for
     every copy, ``False`` for none, ``None`` (default) for copies of 4 MiB or more, where the two
     events cost nothing measurable next to the transfer.

@@ -45,7 +45,7 @@ from .group import Group
 from .lifecycle import StepLifecycleMixin
 from .packing import PackingMixin, StorageHandle
 from .policy import SelectionPolicy
-from .stats import StepCounters, format_report, snapshot
+from .stats import StepCounters, format_report, snapshot, weight_cache_bytes
 from .step import InFlight, StepState
 from .transport import Transport
 
@@ -82,6 +82,9 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
         self.layer_contexts = layer_contexts
         self.step: Optional[StepState] = None
         self.last_finished: Optional[StepCounters] = None
+        # The modules registered with register_module_storages: the stats count their weight
+        # caches (FP8 copies); empty when the context was given none.
+        self.modules: tuple[torch.nn.Module, ...] = ()
         self.open_group: Optional[Group] = None
         # The next layer's group, opened early by a tensor saved between two layers. Strong
         # reference: until its layer runs, no autograd handle may hold it yet.
@@ -111,6 +114,7 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
         Parameters themselves and views of them are kept without this.
         """
         self.policy.set_module_storages(modules)
+        self.modules = modules
 
     def warn_once(self, key: str, message: str) -> None:
         """Warn with ``message`` the first time ``key`` comes up in this engine's life."""
@@ -133,6 +137,7 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
             host_budget_source=self.arena.budget_source,
             host_numa_node=self.arena.numa.node,
             host_numa_source=self.arena.numa.source,
+            weight_cache_bytes=weight_cache_bytes(self.modules) if self.modules else None,
         )
 
     def report(self) -> str:

@@ -8,7 +8,7 @@ path never waits for the GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, TypedDict
+from typing import Any, Iterable, Optional, TypedDict
 
 
 @dataclass
@@ -107,6 +107,10 @@ class StepStats(TypedDict):
       progress).
     - ``captured`` (bool): the step was recorded into a CUDA graph: the figures describe every
       replay, and copy and wait times are not measured.
+    - ``weight_cache_bytes`` (int or None, bytes): GPU (or host) memory held now by the FP8 weight
+      copies of the context's modules (``OffloadActivations``' layers, or ``params_from``), as
+      :func:`offload.fp8.weight_cache_bytes` counts them; None when the context was given no
+      modules. Not activation memory: it is there whether or not anything is offloaded.
     """
 
     step: int
@@ -139,6 +143,22 @@ class StepStats(TypedDict):
     pinned_allocations: int
     finished: bool
     captured: bool
+    weight_cache_bytes: Optional[int]
+
+
+def weight_cache_bytes(modules: Iterable[Any]) -> int:
+    """Bytes held by the weight caches of ``modules`` and their submodules, each module counted
+    once: a module that keeps derived copies of its weights (``offload.fp8``'s layers) has a
+    ``weight_cache`` with an ``nbytes``. Read by attribute so that this floor needs no FP8 code."""
+    seen: set[int] = set()
+    total = 0
+    for root in modules:
+        for module in root.modules():
+            cache = getattr(module, "weight_cache", None)
+            if cache is not None and id(module) not in seen:
+                seen.add(id(module))
+                total += int(getattr(cache, "nbytes", 0))
+    return total
 
 
 def _elapsed_ms(start: Any, end: Any) -> float:
@@ -158,6 +178,7 @@ def snapshot(
     host_budget_source: str,
     host_numa_node: Optional[int] = None,
     host_numa_source: str = "not bound",
+    weight_cache_bytes: Optional[int] = None,
 ) -> StepStats:
     """The step's figures as a plain dict, keys as :class:`StepStats` documents them (reads the
     step's CUDA events; may wait for them)."""
@@ -202,6 +223,7 @@ def snapshot(
         pinned_allocations=c.pinned_allocations,
         finished=c.finished,
         captured=c.captured,
+        weight_cache_bytes=weight_cache_bytes,
     )
 
 
@@ -269,6 +291,8 @@ def format_report(s: StepStats) -> str:
         ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
         ("host NUMA node", f"{'-' if s['host_numa_node'] is None else s['host_numa_node']} ({s['host_numa_source']})"),
     ]
+    if s["weight_cache_bytes"] is not None:
+        rows.append(("FP8 weight copies", f"{format_bytes(s['weight_cache_bytes'])} (held by the modules, not offloaded)"))
     width = max(len(k) for k, _ in rows)
     lines = ["offload report", "-" * (width + 40)]
     lines += [f"{k.ljust(width)}  {v}" for k, v in rows]

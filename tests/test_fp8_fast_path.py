@@ -33,9 +33,9 @@ def _same_with_nans(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(nan, torch.isnan(fb)) and torch.equal(_bits(a)[~nan], _bits(b)[~nan])
 
 
-def _layer(device: str, scaling: str = "tensorwise", k: int = 64, n: int = 32) -> fp8.Linear:
+def _layer(device: str, scaling: str = "tensorwise", k: int = 64, n: int = 32, weight_layouts: str = "one") -> fp8.Linear:
     torch.manual_seed(0)
-    return fp8.Linear(k, n, scaling=scaling, device=device, dtype=torch.bfloat16)
+    return fp8.Linear(k, n, scaling=scaling, device=device, dtype=torch.bfloat16, weight_layouts=weight_layouts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -293,8 +293,9 @@ def test_weight_changed_in_place_between_forward_and_backward_raises(device: str
 @pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU with FP8 (sm_89+)")
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("m", [16, 4096])
-def test_forward_and_backward_never_sync(scaling: str, m: int) -> None:
-    layer = _layer("cuda", scaling, k=1024, n=512)
+@pytest.mark.parametrize("weight_layouts", ["one", "both"])
+def test_forward_and_backward_never_sync(scaling: str, m: int, weight_layouts: str) -> None:
+    layer = _layer("cuda", scaling, k=1024, n=512, weight_layouts=weight_layouts)
     x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     layer(x).sum().backward()  # first call: Triton compiles, the cache fills
     dy = torch.randn(m, 512, device="cuda", dtype=torch.bfloat16)
@@ -311,8 +312,10 @@ def test_forward_and_backward_never_sync(scaling: str, m: int) -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU with FP8 (sm_89+)")
 @pytest.mark.parametrize("scaling", ["tensorwise", "rowwise"])
-def test_captured_step_replays_bitwise_and_sees_weight_updates(scaling: str) -> None:
-    layer = _layer("cuda", scaling, k=256, n=128)
+@pytest.mark.parametrize("weight_layouts", ["one", "both"])
+def test_captured_step_replays_bitwise_and_sees_weight_updates(scaling: str, weight_layouts: str) -> None:
+    # With one layout the graph also records dgrad's transpose (or rowwise requantization).
+    layer = _layer("cuda", scaling, k=256, n=128, weight_layouts=weight_layouts)
     static_x = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     static_dy = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
 

@@ -16,7 +16,7 @@ import torch
 
 from .. import quantized as q
 
-__all__ = ["Operand", "quantize", "dequantize", "triton_available"]
+__all__ = ["Operand", "quantize", "dequantize", "transpose", "triton_available"]
 
 _TRITON_ENV = "OFFLOAD_FP8_TRITON"
 _MAX_TRITON_NUMEL = (1 << 31) - 1
@@ -77,6 +77,29 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dty
         if kernels is not None:
             return _on_device_of(data, kernels.dequantize_tensorwise_fused, data, scale_inv, dtype)
     return q.scaling.dequantize_tensorwise(data, scale_inv, fp8_dtype, dtype)
+
+
+def transpose(data: torch.Tensor) -> torch.Tensor:
+    """The contiguous transpose of contiguous 2-D FP8 ``data``: a tiled Triton kernel on CUDA
+    (:mod:`.triton_transpose`), torch's copy of the transposed view elsewhere; the same bytes."""
+    if data.is_cuda and data.numel() <= _MAX_TRITON_NUMEL and data.is_contiguous():
+        kernels = _transpose_kernels()
+        if kernels is not None:
+            return _on_device_of(data, kernels.transpose_bytes, data)
+    return data.t().contiguous()
+
+
+def _transpose_kernels() -> Any:
+    """:mod:`.triton_transpose` wherever :func:`_kernels` loads (the same setting and Triton)."""
+    return None if _kernels() is None else _import_transpose()
+
+
+@functools.lru_cache(maxsize=1)
+def _import_transpose() -> Any:
+    # Cached: an import statement costs host time on every backward of every weight.
+    from . import triton_transpose  # noqa: PLC0415 - needs Triton
+
+    return triton_transpose
 
 
 def _on_device_of(x: torch.Tensor, fn: Any, *args: Any) -> Any:

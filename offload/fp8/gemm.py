@@ -13,10 +13,19 @@ import torch
 
 from ..quantized import FP8_DTYPES
 
-__all__ = ["GEMM_MULTIPLE", "scaled_mm_supported", "rowwise_supported", "fp8_gemm", "unsupported_reason", "rowwise_out_dtype_reason"]
+__all__ = ["GEMM_MULTIPLE", "features_reason", "scaled_mm_supported", "rowwise_supported", "fp8_gemm", "unsupported_reason", "rowwise_out_dtype_reason"]
 
 # ``_scaled_mm`` (cuBLASLt) needs the contraction dim and both dims of mat2 to be multiples of 16.
 GEMM_MULTIPLE = 16
+
+
+def features_reason(in_features: object, out_features: object) -> Optional[str]:
+    """Why a Linear of these feature counts cannot run its three GEMMs in FP8 (every dim of a
+    weight is a contraction or a ``mat2`` dim in one of them), or None when it can."""
+    for name, n in (("in_features", in_features), ("out_features", out_features)):
+        if not isinstance(n, int) or n <= 0 or n % GEMM_MULTIPLE:
+            return f"{name}={n} must be a positive multiple of {GEMM_MULTIPLE} (torch._scaled_mm requires it)"
+    return None
 
 
 def _device_of(device: Union[torch.device, str, int, None]) -> torch.device:

@@ -46,6 +46,7 @@ from torch import nn
 from ..marks import mark_activation_offload
 from .cast import quantize
 from .linear import GRAD_FP8, Linear, LinearCall, dgrad, fprop, wgrad
+from .weights import DEFAULT_WEIGHT_LAYOUTS
 
 __all__ = ["LayerNormLinear"]
 
@@ -115,8 +116,8 @@ class LayerNormLinear(Linear):
     LayerNorm's input (and its per-row mean/rstd) for backward.
 
     Args:
-        in_features, out_features, bias, scaling, fp8_dtype, device, dtype: as for
-            :class:`~offload.fp8.Linear` (both feature counts multiples of 16; ``fp8_dtype`` is
+        in_features, out_features, bias, scaling, fp8_dtype, weight_layouts, device, dtype: as
+            for :class:`~offload.fp8.Linear` (both feature counts multiples of 16; ``fp8_dtype`` is
             the format of the quantized LayerNorm output).
         eps, elementwise_affine: as for :class:`torch.nn.LayerNorm` over the last dim.
 
@@ -142,11 +143,13 @@ class LayerNormLinear(Linear):
         elementwise_affine: bool = True,
         scaling: str = "tensorwise",
         fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        weight_layouts: str = DEFAULT_WEIGHT_LAYOUTS,
         device: Union[torch.device, str, None] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(
-            in_features, out_features, bias=bias, scaling=scaling, fp8_dtype=fp8_dtype, device=device, dtype=dtype
+            in_features, out_features, bias=bias, scaling=scaling, fp8_dtype=fp8_dtype,
+            weight_layouts=weight_layouts, device=device, dtype=dtype,
         )
         self.normalized_shape = (in_features,)
         self.eps = float(eps)

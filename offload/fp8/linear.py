@@ -46,10 +46,10 @@ import torch
 from ..marks import mark_activation_offload
 from ..quantized import FP8_DTYPES, HIGH_PRECISION
 from .cast import Operand, quantize
-from .gemm import GEMM_MULTIPLE, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
-from .weights import GemmWeight, WeightCache
+from .gemm import GEMM_MULTIPLE, features_reason, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
+from .weights import DEFAULT_WEIGHT_LAYOUTS, GemmWeight, WeightCache, check_weight_layouts, dgrad_operand
 
-__all__ = ["Linear", "SCALINGS", "GRAD_FP8", "LinearCall", "mat2_scale", "fprop", "dgrad", "wgrad"]
+__all__ = ["Linear", "SCALINGS", "GRAD_FP8", "LinearCall", "mat2_scale", "fprop", "dgrad", "wgrad", "check_fp8_options"]
 
 SCALINGS = ("tensorwise", "rowwise")
 # Gradients are always e4m3fn: cuBLASLt has no e5m2 x e5m2 FP8 GEMM, and the rowwise kernels take
@@ -86,11 +86,28 @@ def fprop(xq: Operand, w: GemmWeight, bias: Optional[torch.Tensor], out_dtype: t
 
 
 def dgrad(dyq: Operand, w: GemmWeight, out_dtype: torch.dtype) -> torch.Tensor:
-    """``dY @ W``: the quantized gradient's rowwise data against the weight's dgrad operand."""
+    """``dY @ W``: the quantized gradient's rowwise data against the weight's dgrad operand (made
+    here from forward's copy when the cache keeps one layout: see :mod:`offload.fp8.weights`)."""
+    mat2, scale = dgrad_operand(w)
     return torch._scaled_mm(
-        dyq.row, w.dgrad, scale_a=dyq.row_scale_inv, scale_b=w.dgrad_scale,
+        dyq.row, mat2, scale_a=dyq.row_scale_inv, scale_b=scale,
         out_dtype=out_dtype, use_fast_accum=False,
     )
+
+
+def check_fp8_options(owner: str, scaling: object, fp8_dtype: object, weight_layouts: object) -> None:
+    """Raise a ValueError naming ``owner`` for a scaling, input FP8 format or weight layout
+    setting that :class:`Linear` does not take."""
+    if scaling not in SCALINGS:
+        raise ValueError(f"{owner}: scaling must be one of {SCALINGS}, got {scaling!r}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise ValueError(f"{owner}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    if scaling == "rowwise" and fp8_dtype != torch.float8_e4m3fn:
+        raise ValueError(
+            f"{owner}: scaling='rowwise' supports fp8_dtype=torch.float8_e4m3fn only "
+            "(rowwise-scaled FP8 GEMM kernels take e4m3 operands); use scaling='tensorwise' for e5m2"
+        )
+    check_weight_layouts(owner, weight_layouts)
 
 
 def wgrad(dyq: Operand, x_col: torch.Tensor, x_scale: torch.Tensor, scaling: str, out_dtype: torch.dtype) -> torch.Tensor:
@@ -168,13 +185,18 @@ class Linear(torch.nn.Linear):
         fp8_dtype: FP8 format of the input activation (the tensor saved for backward):
             ``torch.float8_e4m3fn`` or ``torch.float8_e5m2`` (tensorwise only). Weights and
             output gradients are always e4m3fn.
+        weight_layouts: ``"one"`` (default: cache the forward's FP8 weight, one byte per
+            parameter, and make dgrad's in backward) or ``"both"`` (cache both, two bytes per
+            parameter); bitwise the same results (see :mod:`offload.fp8.weights`).
 
     Inputs are ``(..., in_features)`` float32/bfloat16/float16; the output has the input's dtype.
     When the weight gets a gradient, the number of rows ``M`` (the product of the leading dims)
     must be a multiple of 16, since wgrad contracts over it.
 
-    The weight's FP8 copies live in ``weight_cache`` (as many bytes as the bf16 weight) and are
-    remade when the weight changes (see :mod:`offload.fp8.weights`). ``forward``'s
+    The weight's FP8 copies live in ``weight_cache`` (``weight_cache.nbytes``: half the bf16
+    weight's bytes with one layout, as many with both) and are remade when the weight changes
+    (see :mod:`offload.fp8.weights`). :func:`offload.fp8.convert` turns an existing
+    ``nn.Linear`` into this class in place. ``forward``'s
     ``is_first_microbatch=True`` (TransformerEngine's argument) forces a new copy; after writing
     the weight through ``.data``, which autograd's version counter does not see, call
     ``weight_cache.clear()``.
@@ -188,32 +210,29 @@ class Linear(torch.nn.Linear):
         *,
         scaling: str = "tensorwise",
         fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+        weight_layouts: str = DEFAULT_WEIGHT_LAYOUTS,
         device: Union[torch.device, str, None] = None,
         dtype: Optional[torch.dtype] = None,
     ) -> None:
-        if scaling not in SCALINGS:
-            raise ValueError(f"fp8.{type(self).__name__}: scaling must be one of {SCALINGS}, got {scaling!r}")
-        if fp8_dtype not in FP8_DTYPES:
-            raise ValueError(
-                f"fp8.{type(self).__name__}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}"
-            )
-        if scaling == "rowwise" and fp8_dtype != torch.float8_e4m3fn:
-            raise ValueError(
-                f"fp8.{type(self).__name__}: scaling='rowwise' supports fp8_dtype=torch.float8_e4m3fn only "
-                "(rowwise-scaled FP8 GEMM kernels take e4m3 operands); use scaling='tensorwise' for e5m2"
-            )
-        for name, n in (("in_features", in_features), ("out_features", out_features)):
-            if not isinstance(n, int) or n <= 0 or n % GEMM_MULTIPLE:
-                raise ValueError(
-                    f"fp8.{type(self).__name__}: {name}={n} must be a positive multiple of {GEMM_MULTIPLE} "
-                    "(torch._scaled_mm requires it); pad the layer or use torch.nn.Linear"
-                )
+        name = f"fp8.{type(self).__name__}"
+        check_fp8_options(name, scaling, fp8_dtype, weight_layouts)
+        reason = features_reason(in_features, out_features)
+        if reason is not None:
+            raise ValueError(f"{name}: {reason}; pad the layer or use torch.nn.Linear")
         if dtype is not None and dtype not in HIGH_PRECISION:
-            raise ValueError(f"fp8.{type(self).__name__}: dtype must be float32, bfloat16 or float16, got {dtype}")
+            raise ValueError(f"{name}: dtype must be float32, bfloat16 or float16, got {dtype}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._init_fp8_state(scaling, fp8_dtype, weight_layouts)
+
+    # The attributes this class adds to nn.Linear's: what fp8.unconvert removes again.
+    FP8_STATE = ("scaling", "fp8_dtype", "weight_cache", "_checked_kinds")
+
+    def _init_fp8_state(self, scaling: str, fp8_dtype: torch.dtype, weight_layouts: str) -> None:
+        """Set the state this class adds to an ``nn.Linear`` (its :data:`FP8_STATE`); also how
+        :func:`offload.fp8.convert` completes an ``nn.Linear`` whose class it swapped."""
         self.scaling = scaling
         self.fp8_dtype = fp8_dtype
-        self.weight_cache = WeightCache()
+        self.weight_cache = WeightCache(weight_layouts)
         # Input kinds (dtype, device, weight dtype and device) already checked: the checks cost
         # more host time than the GEMM at small sizes, and their answer does not change.
         self._checked_kinds: set[tuple[object, ...]] = set()
@@ -283,4 +302,5 @@ class Linear(torch.nn.Linear):
         return x2, LinearCall(self, need_wgrad, bool(is_first_microbatch))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, scaling={self.scaling}, fp8_dtype={self.fp8_dtype}"
+        return (f"{super().extra_repr()}, scaling={self.scaling}, fp8_dtype={self.fp8_dtype}, "
+                f"weight_layouts={self.weight_cache.weight_layouts}")
