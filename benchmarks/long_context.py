@@ -30,6 +30,7 @@ last a row for the README's results table.
 
     python benchmarks/long_context.py                 # on the H100 (a few minutes)
     python benchmarks/long_context.py --ks 8 --no-selective
+    python benchmarks/long_context.py --allocator expandable   # expandable segments for all
     python benchmarks/long_context.py --cpu-smoke     # tiny check of the script, no GPU
 """
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import os
 import sys
 import time
 from pathlib import Path
@@ -351,6 +353,13 @@ def main() -> int:
     parser.add_argument("--ks", default="4,8,15", help="layers offloaded with every MLP under selective recompute")
     parser.add_argument("--no-selective", action="store_true",
                         help="pass selective=False to the plans (where OffloadActivations takes it)")
+    parser.add_argument("--allocator", choices=("default", "expandable"), default="default",
+                        help="'expandable': PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for every "
+                             "contender (set before CUDA starts; the 'device' budget then leaves 5%%, not 10%%)")
+    early, _ = parser.parse_known_args()
+    if early.allocator == "expandable":
+        # Read by the caching allocator when CUDA first allocates, which has not happened yet.
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     env = setup(parser)
     args = env.args
     spec = long_1b(scale_for(env.smoke))
@@ -371,6 +380,7 @@ def main() -> int:
     targets = check_targets(rows, ckpt, capacity)
     row_md = readme_row(spec, rows)
     write_json("long_context", env, {"workload": spec.describe(), "selective": selective_note,
+                                     "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "default"),
                                      "device_capacity_bytes": capacity, "rows": rows, "targets": targets,
                                      "readme_row": row_md})
     if not args.no_json:
