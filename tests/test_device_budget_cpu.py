@@ -36,9 +36,9 @@ def test_device_budget_counts_what_this_process_holds_as_inside_the_budget():
     # 80 GiB device; this process reserves 10 GiB (weights etc.), others hold 6 GiB, 64 GiB free.
     got = device_budget(80 * GiB, 64 * GiB, 10 * GiB)
     assert got.capacity_bytes == 80 * GiB and got.held_by_others_bytes == 6 * GiB
-    assert got.headroom == DEVICE_HEADROOM == 0.10
-    assert got.budget_bytes == int(74 * GiB * 0.90)
-    assert got.describe() == "device (80.0 GiB capacity - 6.0 GiB held by others - 10% headroom = 66.6 GiB)"
+    assert got.headroom == DEVICE_HEADROOM == 0.15
+    assert got.budget_bytes == int(74 * GiB * 0.85)
+    assert got.describe() == "device (80.0 GiB capacity - 6.0 GiB held by others - 15% headroom = 62.9 GiB)"
     assert device_budget(80 * GiB, 64 * GiB, 10 * GiB, headroom=0.0).budget_bytes == 74 * GiB
 
 
