@@ -1,9 +1,11 @@
 """FP8 end to end on real model code: HF LlamaForCausalLM at the LLAMA-2B shape, bf16 against FP8.
 
 One model, one process. Its decoder Linears run first in bf16, then converted in place by
-``offload.fp8.convert`` (the same Parameters: nothing else changes between the two), then, when
-torchao is importable, as torchao's Float8Linear (``convert_to_float8_training``, eager). The LM
-head stays bf16 in every contender. Per precision:
+``offload.fp8.convert`` (the same Parameters: nothing else changes between the two) with the
+layers' norms and MLPs swapped by ``offload.fp8.convert_llama_ops`` for the FP8-saving
+``fp8.RMSNorm`` and ``fp8.SwiGLUMLP`` (one more FP8 plain row, "Linears only", leaves them out),
+then, when torchao is importable, as torchao's Float8Linear (``convert_to_float8_training``, eager,
+HF's own norms and MLPs). The LM head stays bf16 in every contender. Per precision:
 
   plain; ``OffloadActivations(layers, num_offload_layers=k)`` for each ``--ks``; and the planner
   (``offload.planner``: one probe, then the fastest plan) at one common budget, ``--budget`` x bf16
@@ -58,12 +60,15 @@ def decoder_only(module: torch.nn.Module, name: str) -> bool:
     return name != "lm_head"
 
 
-def to_fp8(model: torch.nn.Module, weight_layouts: str) -> fp8.ConvertSummary:
-    """Our FP8: the decoder Linears as fp8.Linear. The FP8 norm and SwiGLU ops (issue 27's third
-    part) plug in here when they exist."""
+def to_fp8(model: torch.nn.Module, weight_layouts: str, ops: bool = True) -> fp8.ConvertSummary:
+    """Our FP8: the decoder Linears as fp8.Linear and, with ``ops``, the norms and MLPs as the
+    FP8-saving ``fp8.RMSNorm`` and ``fp8.SwiGLUMLP`` (``convert_llama_ops``; idempotent)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the CPU warning, in --cpu-smoke
-        return fp8.convert(model, module_filter_fn=decoder_only, weight_layouts=weight_layouts)
+        summary = fp8.convert(model, module_filter_fn=decoder_only, weight_layouts=weight_layouts)
+    if ops:
+        fp8.convert_llama_ops(model)
+    return summary
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -124,7 +129,9 @@ class Bench:
             from torchao.float8 import convert_to_float8_training
         except ImportError as exc:
             return f"torchao not importable ({exc}); its rows are left out"
-        fp8.unconvert(self.model)  # back to nn.Linear (the same Parameters) for torchao's swap
+        # Back to nn.Linear and HF's own norms and MLPs (the same Parameters) for torchao's swap.
+        fp8.unconvert(self.model)
+        fp8.restore_llama_ops(self.model)
         try:
             convert_to_float8_training(self.layers)
         except Exception as exc:  # noqa: BLE001 - a torchao that refuses this torch/GPU: say so
@@ -146,6 +153,10 @@ class Bench:
         label = f"{env.args.budget:.0%} of {base} plain"
         budget = self.planned(base, int(env.args.budget * measured) if measured else None, label)
 
+        # Part 3's share: the Linears alone first (norms and SwiGLU saving bf16), then every op.
+        to_fp8(self.model, "one", ops=False)
+        self.row("FP8", "plain (Linears only)", weight_layouts="one")
+        fp8.unconvert(self.model)
         converted = to_fp8(self.model, "both")
         self.loss["FP8"] = loss_of(self.model, self.ids)
         self.row("FP8", "plain (both layouts)", weight_layouts="both")
@@ -154,6 +165,7 @@ class Bench:
         fp8_plain = self.row("FP8", "plain", weight_layouts="one")
         self.offloaded("FP8", ks)
         self.planned("FP8", budget, label)
+        llama_ops = str(fp8.convert_llama_ops(self.model))  # idempotent: says what the FP8 rows ran
         note = self.torchao(ks) if with_torchao else "torchao left out (--no-torchao)"
         if note:
             print(f"  {note}")
@@ -171,7 +183,8 @@ class Bench:
         print(f"  loss of one forward: {', '.join(f'{k} {v:.4f}' for k, v in self.loss.items())}")
         plan_row = next((r for r in self.rows if r["variant"].startswith("FP8 plan")), {})
         targets = check_targets(bf16, fp8_plain, plan_row)
-        return {"workload": self.spec.describe(), "converted": len(converted.converted), "budget_bytes": budget,
+        return {"workload": self.spec.describe(), "converted": len(converted.converted), "llama_ops": llama_ops,
+                "budget_bytes": budget,
                 "rows": self.rows, "loss": self.loss, "targets": targets, "torchao": note or "eager, tensorwise",
                 "transposes": transpose_costs(env, self.layers)}
 

@@ -136,3 +136,22 @@ def llama_grads(model: Any, ids: torch.Tensor, wrapper: Any = None) -> list[torc
         loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """Relative L2 error of ``a`` against ``ref``, in float64."""
+    a, ref = a.detach().double(), ref.detach().double()
+    return float((a - ref).norm() / ref.norm())
+
+
+def record_saved(fn: Callable[[], Any]) -> tuple[list[torch.Tensor], Any]:
+    """Run ``fn`` under a pack hook; the tensors autograd saved, and fn's result."""
+    seen: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return seen, out

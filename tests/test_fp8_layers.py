@@ -15,6 +15,8 @@ from offload import quantized as q
 from offload.fp8 import cast
 from offload.fp8 import layernorm_linear as lnl_module
 
+from _util import record_saved, rel_err
+
 CUDA_FP8 = torch.cuda.is_available() and fp8.scaled_mm_supported("cuda")
 CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not CUDA_FP8, reason="needs a CUDA GPU with FP8 (sm_89+)")]
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA_ONLY)]
@@ -32,11 +34,6 @@ def _skip_rowwise_where_unsupported(request):
     name = request.node.name
     if "rowwise" in name and "cpu" in name and not fp8.rowwise_supported("cpu"):
         pytest.skip(f"rowwise _scaled_mm is not available on CPU in torch {torch.__version__}")
-
-
-def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
-    a, ref = a.detach().double(), ref.detach().double()
-    return float((a - ref).norm() / ref.norm())
 
 
 def make_x(shape, device, dtype, seed=1):
@@ -70,19 +67,6 @@ def assert_all_equal(a, b, what):
     assert len(a) == len(b)
     for i, (u, v) in enumerate(zip(a, b)):
         assert torch.equal(u, v), f"{what}: result {i} differs (max abs diff {(u.double() - v.double()).abs().max().item()})"
-
-
-def record_saved(fn):
-    """Run ``fn`` under a pack hook; the tensors autograd saved, and fn's result."""
-    seen = []
-
-    def pack(t):
-        seen.append(t)
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return seen, out
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,5 +1,5 @@
 """benchmarks/fp8_llama.py's code path on the CPU (``--cpu-smoke``: a tiny Llama): every
-contender runs, the FP8 rows come from ``offload.fp8.convert``, the weight cache's two settings
+contender runs, the FP8 rows come from ``offload.fp8.convert`` and ``convert_llama_ops``, the weight cache's two settings
 show their bytes, the targets are judged, and the JSON is written."""
 
 from __future__ import annotations
@@ -26,8 +26,9 @@ def test_fp8_llama_benchmark_runs_every_contender_on_the_cpu(tmp_path: Path, mon
     rows = {r["variant"]: r for r in doc["rows"]}
     assert not [r for r in rows.values() if "error" in r], [r["error"] for r in rows.values() if "error" in r]
     expected = {f"{p} {c}" for p in ("fp32", "FP8") for c in ("plain", "offload k=4", "offload k=7", "plan @ 75% of fp32 plain")}
-    assert expected | {"FP8 plain (both layouts)"} == set(rows)
+    assert expected | {"FP8 plain (both layouts)", "FP8 plain (Linears only)"} == set(rows)
     assert doc["converted"] == 8 * 7, "convert did not swap the 56 decoder Linears"
+    assert "8 Llama-style layers" in doc["llama_ops"] and "24 already converted" in doc["llama_ops"], doc["llama_ops"]
     assert rows["fp32 plain"]["weight_cache_bytes"] == 0
     one, both = rows["FP8 plain"]["weight_cache_bytes"], rows["FP8 plain (both layouts)"]["weight_cache_bytes"]
     assert 0 < one and both == 2 * one  # one layout: half the bytes (data and scale alike, tensorwise)

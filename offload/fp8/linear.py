@@ -39,7 +39,7 @@ repeatable run to run.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
@@ -49,12 +49,19 @@ from .cast import Operand, quantize
 from .gemm import GEMM_MULTIPLE, features_reason, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason
 from .weights import DEFAULT_WEIGHT_LAYOUTS, GemmWeight, WeightCache, check_weight_layouts, dgrad_operand
 
-__all__ = ["Linear", "SCALINGS", "GRAD_FP8", "LinearCall", "mat2_scale", "fprop", "dgrad", "wgrad", "check_fp8_options"]
+__all__ = [
+    "Linear", "SCALINGS", "GRAD_FP8", "INPUT_SOURCE_ATTR", "LinearCall", "mat2_scale", "fprop", "dgrad", "wgrad",
+    "check_fp8_options", "remember_call", "linear_grads",
+]
 
 SCALINGS = ("tensorwise", "rowwise")
 # Gradients are always e4m3fn: cuBLASLt has no e5m2 x e5m2 FP8 GEMM, and the rowwise kernels take
 # e4m3fn only.
 GRAD_FP8 = torch.float8_e4m3fn
+# Set on a tensor by an op that remakes it in backward from tensors it saves anyway (fp8.RMSNorm,
+# fp8.SwiGLU): a Linear called on that tensor saves those instead of an FP8 copy of it (see
+# offload.fp8.input_source).
+INPUT_SOURCE_ATTR = "_offload_fp8_input_source"
 
 
 class LinearCall(NamedTuple):
@@ -143,35 +150,52 @@ class _Fp8LinearFunction(torch.autograd.Function):
             # changed in place since this forward, as it does for nn.Linear.
             ctx.save_for_backward(weight)
         del xq
-        # dgrad uses the FP8 copy this forward used: no cache lookup in backward, and the right
-        # copy even when a later forward (is_first_microbatch=True) has replaced the cached one.
-        ctx.gemm_weight = w
-        ctx.scaling = scaling
-        ctx.fp8_dtype = module.fp8_dtype
-        ctx.x_dtype = x.dtype
-        ctx.bias_dtype = None if bias is None else bias.dtype
+        remember_call(ctx, module, w, x.dtype, bias)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:  # type: ignore[override]
         saved = ctx.saved_tensors  # unpacked even when unused: the weight's version check
-        weight = saved[-1]
-        need_dgrad = ctx.needs_input_grad[0]
         need_wgrad = ctx.needs_input_grad[1] and len(saved) == 3
-        scaling = ctx.scaling
-        dx = dw = db = None
-        if need_dgrad or need_wgrad:
-            dyq = quantize(dy, GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
-            if need_dgrad:
-                dx = dgrad(dyq, ctx.gemm_weight, ctx.x_dtype)
-            if need_wgrad:
-                x_col, x_scale = saved[0], saved[1]
-                if x_col.dtype != ctx.fp8_dtype:
-                    x_col = x_col.view(ctx.fp8_dtype)  # FP8 bits restored as uint8
-                dw = wgrad(dyq, x_col, x_scale, scaling, weight.dtype)
-        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            db = dy.sum(dim=0).to(ctx.bias_dtype)
-        return dx, dw, db, None
+
+        def saved_input() -> tuple[torch.Tensor, torch.Tensor]:
+            x_col = saved[0]
+            # FP8 bits restored as uint8 are viewed as their format again.
+            return (x_col if x_col.dtype == ctx.fp8_dtype else x_col.view(ctx.fp8_dtype)), saved[1]
+
+        return (*linear_grads(ctx, dy, saved[-1], need_wgrad, saved_input), None)
+
+
+def remember_call(ctx: Any, module: "Linear", w: GemmWeight, x_dtype: torch.dtype, bias: Optional[torch.Tensor]) -> None:
+    """Keep on ``ctx`` what :func:`linear_grads` needs besides saved tensors. dgrad uses the FP8
+    weight copy this forward used: no cache lookup in backward, and the right copy even when a
+    later forward (``is_first_microbatch=True``) has replaced the cached one."""
+    ctx.gemm_weight = w
+    ctx.scaling = module.scaling
+    ctx.fp8_dtype = module.fp8_dtype
+    ctx.x_dtype = x_dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
+
+
+def linear_grads(
+    ctx: Any, dy: torch.Tensor, weight: torch.Tensor, need_wgrad: bool,
+    wgrad_input: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``(dx, dw, db)`` of one FP8 Linear call (``ctx`` as :func:`remember_call` left it);
+    ``wgrad_input()`` gives the columnwise FP8 input and its scale, asked only for wgrad."""
+    need_dgrad = ctx.needs_input_grad[0]
+    scaling = ctx.scaling
+    dx = dw = db = None
+    if need_dgrad or need_wgrad:
+        dyq = quantize(dy, GRAD_FP8, scaling, rowwise=need_dgrad, columnwise=need_wgrad)
+        if need_dgrad:
+            dx = dgrad(dyq, ctx.gemm_weight, ctx.x_dtype)
+        if need_wgrad:
+            x_col, x_scale = wgrad_input()
+            dw = wgrad(dyq, x_col, x_scale, scaling, weight.dtype)
+    if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+        db = dy.sum(dim=0).to(ctx.bias_dtype)
+    return dx, dw, db
 
 
 class Linear(torch.nn.Linear):
@@ -284,8 +308,16 @@ class Linear(torch.nn.Linear):
         even when its version did not change (TransformerEngine's argument; ``None``/``False``
         rely on the version check)."""
         x2, call = self._prepare_call(x, is_first_microbatch)
-        y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, call)
+        y = self._sourced(x, x2, call)
+        if y is None:
+            y = _Fp8LinearFunction.apply(x2, self.weight, self.bias, call)
         return y if x.dim() == 2 else y.view(*x.shape[:-1], self.out_features)
+
+    def _sourced(self, x: torch.Tensor, x2: torch.Tensor, call: LinearCall) -> Optional[torch.Tensor]:
+        """The output through the input source that ``x`` carries (see
+        :mod:`offload.fp8.input_source`), or None: no source, or a stale one."""
+        source = getattr(x, INPUT_SOURCE_ATTR, None)
+        return None if source is None else source.linear(x, x2, self.weight, self.bias, call)
 
     def _prepare_call(self, x: torch.Tensor, is_first_microbatch: Optional[bool]) -> tuple[torch.Tensor, LinearCall]:
         """Check the input (once per kind), flatten it to ``(M, in_features)`` and say what the
