@@ -61,14 +61,11 @@ def decoder_only(module: torch.nn.Module, name: str) -> bool:
 
 
 def to_fp8(model: torch.nn.Module, weight_layouts: str, ops: bool = True) -> fp8.ConvertSummary:
-    """Our FP8: the decoder Linears as fp8.Linear and, with ``ops``, the norms and MLPs as the
-    FP8-saving ``fp8.RMSNorm`` and ``fp8.SwiGLUMLP`` (``convert_llama_ops``; idempotent)."""
+    """Our FP8, one call: the decoder Linears as fp8.Linear and, with ``ops`` (convert's
+    default), the norms and MLPs as the FP8-saving ``fp8.RMSNorm`` and ``fp8.SwiGLUMLP``."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the CPU warning, in --cpu-smoke
-        summary = fp8.convert(model, module_filter_fn=decoder_only, weight_layouts=weight_layouts)
-    if ops:
-        fp8.convert_llama_ops(model)
-    return summary
+        return fp8.convert(model, module_filter_fn=decoder_only, weight_layouts=weight_layouts, llama_ops=ops)
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -131,7 +128,6 @@ class Bench:
             return f"torchao not importable ({exc}); its rows are left out"
         # Back to nn.Linear and HF's own norms and MLPs (the same Parameters) for torchao's swap.
         fp8.unconvert(self.model)
-        fp8.restore_llama_ops(self.model)
         try:
             convert_to_float8_training(self.layers)
         except Exception as exc:  # noqa: BLE001 - a torchao that refuses this torch/GPU: say so
@@ -165,7 +161,7 @@ class Bench:
         fp8_plain = self.row("FP8", "plain", weight_layouts="one")
         self.offloaded("FP8", ks)
         self.planned("FP8", budget, label)
-        llama_ops = str(fp8.convert_llama_ops(self.model))  # idempotent: says what the FP8 rows ran
+        llama_ops = str(converted.llama_ops)  # what the FP8 rows ran
         note = self.torchao(ks) if with_torchao else "torchao left out (--no-torchao)"
         if note:
             print(f"  {note}")

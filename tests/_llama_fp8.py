@@ -13,11 +13,12 @@ from offload import fp8
 
 
 def fp8_linears(model: nn.Module, scaling: str = "tensorwise") -> nn.Module:
-    """``offload.fp8.convert`` on every Linear but the LM head; its warning that the CPU is slow
-    is expected in these tests."""
+    """``offload.fp8.convert`` on every Linear but the LM head, the Linears only (the norms and
+    MLPs are swapped by the tests that ask for them); its warning that the CPU is slow is
+    expected in these tests."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        fp8.convert(model, module_filter_fn=lambda _m, name: name != "lm_head", scaling=scaling)
+        fp8.convert(model, module_filter_fn=lambda _m, name: name != "lm_head", scaling=scaling, llama_ops=False)
     return model
 
 

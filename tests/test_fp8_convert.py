@@ -294,3 +294,26 @@ def test_converted_hf_llama_offloads_bitwise(device: str, request: pytest.Fixtur
     assert stats["offloaded_bytes"] > 0, "nothing was offloaded: the comparison proves nothing"
     assert stats["weight_cache_bytes"] == fp8.weight_cache_bytes(model.model.layers) > 0
     oa.close()
+
+
+def test_convert_swaps_llama_norms_and_mlps_too_and_unconvert_puts_them_back() -> None:
+    """One call gives a Llama the FP8-saving norms and MLPs (``llama_ops=True``, the default);
+    unconvert restores the original modules with the same Parameters."""
+    pytest.importorskip("transformers")
+    from _util import tiny_llama
+
+    model, _ = tiny_llama(2)
+    layer = model.model.layers[0]
+    norm, mlp, weight = layer.input_layernorm, layer.mlp, layer.input_layernorm.weight
+    with pytest.warns(UserWarning, match="slow"):
+        summary = fp8.convert(model, module_filter_fn=lambda m, name: name != "lm_head")
+    assert isinstance(layer.input_layernorm, fp8.RMSNorm) and isinstance(layer.mlp, fp8.SwiGLUMLP)
+    assert layer.input_layernorm.weight is weight
+    assert summary.llama_ops is not None and summary.llama_ops.norms == 4 and summary.llama_ops.mlps == 2
+    assert "RMSNorms" in str(summary)
+    back = fp8.unconvert(model)
+    assert layer.input_layernorm is norm and layer.mlp is mlp and norm.weight is weight
+    assert back.restored_ops == 6
+    with pytest.warns(UserWarning, match="slow"):
+        plain = fp8.convert(model, llama_ops=False)
+    assert plain.llama_ops is None and layer.mlp is mlp

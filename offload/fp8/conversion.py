@@ -38,6 +38,7 @@ from torch import nn
 from ..quantized import HIGH_PRECISION
 from .gemm import features_reason, rowwise_supported, unsupported_reason
 from .linear import Linear, check_fp8_options
+from .llama_ops import LlamaOpsSummary, convert_llama_ops, restore_llama_ops
 from .weights import DEFAULT_WEIGHT_LAYOUTS
 
 __all__ = ["ConvertSummary", "ModuleFilter", "convert", "unconvert", "CPU_SLOW_WARNING"]
@@ -62,6 +63,9 @@ class ConvertSummary:
     - ``already``: modules already in the target form, left alone (a second call lists them all).
     - ``filtered``: ``nn.Linear`` modules that ``module_filter_fn`` left out.
     - ``skipped``: modules that could not be converted, each with the reason.
+    - ``llama_ops``: what ``convert(..., llama_ops=True)`` did to Llama-style layers' norms and
+      MLPs (:func:`offload.fp8.convert_llama_ops`), None when not asked; ``restored_ops``: how
+      many of them :func:`unconvert` put back.
     """
 
     action: str
@@ -70,6 +74,8 @@ class ConvertSummary:
     filtered: tuple[str, ...] = ()
     skipped: dict[str, str] = field(default_factory=dict)
     settings: str = ""
+    llama_ops: Optional[LlamaOpsSummary] = None
+    restored_ops: int = 0
 
     @property
     def changed(self) -> bool:
@@ -89,6 +95,10 @@ class ConvertSummary:
             parts.append(f"{len(self.skipped)} skipped")
         lines = [f"{head}; {', '.join(parts)}"]
         lines += [f"  skipped {name or '<root>'}: {reason}" for name, reason in self.skipped.items()]
+        if self.llama_ops is not None and self.llama_ops.layers:
+            lines.append(f"  {self.llama_ops}")
+        if self.restored_ops:
+            lines.append(f"  {self.restored_ops} Llama norm/MLP module(s) restored")
         return "\n".join(lines)
 
 
@@ -129,6 +139,7 @@ def convert(
     fp8_dtype: torch.dtype = torch.float8_e4m3fn,
     weight_layouts: str = DEFAULT_WEIGHT_LAYOUTS,
     allow_fallback: bool = False,
+    llama_ops: bool = True,
 ) -> ConvertSummary:
     """Turn the ``torch.nn.Linear`` modules of ``module`` (itself included) into
     :class:`offload.fp8.Linear`, in place, keeping the module objects and their Parameters.
@@ -142,6 +153,11 @@ def convert(
         allow_fallback: on a device where FP8 GEMMs cannot run (a GPU of compute capability
             below 8.9, or rowwise scaling where ``_scaled_mm`` has none), leave its Linears as
             ``nn.Linear`` with a warning (they are listed in ``skipped``) instead of raising.
+        llama_ops: also swap the RMSNorms and SwiGLU MLPs of Llama-style decoder layers for
+            FP8-saving ones (:func:`offload.fp8.convert_llama_ops`: the norm saves its input and
+            per-row rstd, the Linears it feeds share one quantization and save nothing of their
+            own, the MLP saves FP8 copies of gate and up). Without them an FP8 Llama layer
+            saves about as much as bf16. Models without such layers are left as they are.
 
     Returns a :class:`ConvertSummary`: converted, already FP8, filtered out, and skipped with the
     reason (a feature count that is not a multiple of 16, a weight dtype FP8 Linear does not
@@ -218,6 +234,7 @@ def convert(
     return ConvertSummary(
         "convert", tuple(converted), tuple(already), tuple(filtered), skipped,
         settings=f"scaling={scaling!r}, fp8_dtype={fp8_dtype}, weight_layouts={weight_layouts!r}",
+        llama_ops=convert_llama_ops(module, missing_ok=True) if llama_ops else None,
     )
 
 
@@ -227,13 +244,15 @@ def unconvert(module: nn.Module) -> ConvertSummary:
     the memory of their weight caches) dropped. The inverse of :func:`convert`.
 
     ``fp8.Linear`` subclasses with parameters of their own (``fp8.LayerNormLinear``) have no
-    ``nn.Linear`` form: they are left as they are and listed in ``skipped``. ``nn.Linear``
+    ``nn.Linear`` form: they are left as they are and listed in ``skipped``. Llama norms and
+    MLPs that ``convert`` swapped get their original modules back. ``nn.Linear``
     modules are listed as ``already``. Raises ``ValueError`` when ``module`` holds no Linear.
     Call it between steps (not between a forward and its backward, which still needs the FP8
     copies the forward made: those stay alive with the graph, not with the module).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"offload.fp8.unconvert: expected a torch.nn.Module, got {type(module).__name__}")
+    restored = restore_llama_ops(module)
     converted: list[str] = []
     already: list[str] = []
     skipped: dict[str, str] = {}
@@ -252,4 +271,4 @@ def unconvert(module: nn.Module) -> ConvertSummary:
             already.append(name)
     if not (converted or already or skipped):
         raise _no_linear_error("unconvert", module)
-    return ConvertSummary("unconvert", tuple(converted), tuple(already), (), skipped)
+    return ConvertSummary("unconvert", tuple(converted), tuple(already), (), skipped, restored_ops=restored)
