@@ -45,7 +45,7 @@ from ..group import Group
 from ..packing import keep_handle, unpack_kept
 from ..policy import SelectionPolicy
 from ..selective import always_selective
-from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs
+from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .model import simulate
 from .types import PLAIN_PROBE, PROBES, RECOMPUTE_PROBE, Action, LayerPlan, LayerProfile, LinkProfile, \
     SelectiveProfile, StepProfile
@@ -209,10 +209,10 @@ class ProbeStep:
         # Innermost first: the selective candidates (and the modules selective already), then
         # the layers' checkpoints around them; removed in the opposite order.
         for module in {m: None for layer in self.layers for m in layer.modules() if always_selective(m)}:
-            self._wrappers.append(CandidateForward(self, module, fixed=True))
+            self._wrappers.append(FixedSelectiveInside(self, module.__dict__["forward"]))
         for module in self.candidates:
             if not always_selective(module):
-                self._wrappers.append(CandidateForward(self, module, fixed=False))
+                self._wrappers.append(CandidateForward(self, module))
         if self.mode == RECOMPUTE_PROBE:
             for module in dict.fromkeys(self.layers):
                 self._wrappers.append(CheckpointedLayer(self, module))
