@@ -31,7 +31,8 @@ from .step import first_grad_tensor
 from .planner.make import (
     Budget, check_budget, check_device_budget, choose, probe_policy, read_device_budget, step_figures,
 )
-from .planner.probe import ProbeStep, measure_link
+from .planner.link import measure_link
+from .planner.probe import ProbeStep
 from .planner.sequence import AUTO, ProbeSequence, check_probe
 from .planner.types import Plan
 from .plan_wrappers import install_recompute, install_selective, remove_plan_wrappers

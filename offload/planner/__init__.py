@@ -4,8 +4,11 @@
   predicts a plan's step time and peak (its docstring is the runtime's spec); ``search``: the
   fastest plan under a budget, or the lowest-memory one; ``budget``: what "device" means;
   ``table``: the readable per-layer table. These five are pure Python (no torch).
-- ``probe``: the probe step that measures a model; ``make``: ``offload.plan(...)`` and the
-  helpers ``OffloadActivations`` uses to plan on its first step.
+- ``probe``: the probe step that measures a model (plainly, or with every layer checkpointed),
+  with ``instrument`` (what it wraps around modules to see inside a layer) and ``link`` (the host
+  link's speed); ``sequence``: which probe each planning step runs, so that planning fits
+  wherever checkpointing fits; ``make``: ``offload.plan(...)`` and the helpers
+  ``OffloadActivations`` uses to plan on its first steps.
 """
 
 from .budget import DEVICE, DEVICE_HEADROOM, DeviceBudget, device_budget

@@ -20,7 +20,7 @@ from ..policy import SelectionPolicy
 from ..stats import format_bytes
 from .budget import DEVICE, DeviceBudget, device_budget
 from ..selective import Candidates, selective_candidates
-from .probe import measure_link
+from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe, is_out_of_memory
 from .search import BudgetError, best_plan, lowest_peak
 from .types import LinkProfile, Plan, StepProfile

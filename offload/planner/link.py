@@ -1,0 +1,60 @@
+"""The host link's speed, measured once before a plan is made (:class:`~offload.planner.types.LinkProfile`)."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .types import LinkProfile
+
+
+def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> LinkProfile:
+    """The host link's GB/s each way and both ways at once, on pinned memory (host memcpy on CPU).
+
+    Costs one pinned allocation of ``nbytes`` (tens of ms) and a few copies.
+    """
+    if device.type != "cuda":
+        src = torch.empty(nbytes, dtype=torch.uint8)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src)
+        gbps = nbytes * repeats / (time.perf_counter() - start) / 1e9
+        return LinkProfile(d2h_gbps=gbps, h2d_gbps=gbps, duplex_gbps=gbps, slowdown_one_way=0.0, slowdown_duplex=0.0)
+    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    d2h, h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
+    torch.cuda.synchronize(device)
+
+    def timed(run: Callable[[], None]) -> float:
+        run()  # warm-up
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            run()
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - start) * 1e3 / repeats
+
+    def out() -> None:
+        with torch.cuda.stream(d2h):
+            host_a.copy_(dev_a, non_blocking=True)
+
+    def back() -> None:
+        with torch.cuda.stream(h2d):
+            dev_b.copy_(host_b, non_blocking=True)
+
+    def both() -> None:
+        out()
+        back()
+
+    d2h_ms, h2d_ms, both_ms = timed(out), timed(back), timed(both)
+    return LinkProfile(
+        d2h_gbps=nbytes / d2h_ms / 1e6,
+        h2d_gbps=nbytes / h2d_ms / 1e6,
+        duplex_gbps=2 * nbytes / both_ms / 1e6,
+    )
