@@ -38,7 +38,6 @@ from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from ..step import first_grad_tensor
 from ..group import Group
