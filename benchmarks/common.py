@@ -273,6 +273,27 @@ def timed_row(env: Env, label: str, step: Callable[[], None], *,
 
 
 # -- offload helpers ------------------------------------------------------------------------------
+def plot_rows(panels: dict[str, Sequence[dict[str, Any]]], path: Path, *, ratio: str = "x_plain",
+              baseline: str = "plain") -> Optional[Path]:
+    """Step time (each row's ``ratio``: its step over ``baseline``'s) against peak, one panel per
+    model (``offload.plot.plot_pareto``); a row's ``kind`` (else its first word) picks the marker.
+    Returns the path written, or None with the reason printed (no matplotlib, nothing measured)."""
+    from offload.plot import ParetoPoint, plot_pareto
+
+    points = {
+        name: [ParetoPoint(r["variant"], r["peak_bytes"], r[ratio], kind=r.get("kind") or r["variant"].split()[0])
+               for r in rows if r.get(ratio) is not None and r.get("peak_bytes") is not None]
+        for name, rows in panels.items()
+    }
+    try:
+        written = plot_pareto(points, path, baseline=baseline)
+    except (ImportError, ValueError) as exc:  # ValueError: every contender failed
+        print(f"no plot: {exc}")
+        return None
+    print(f"wrote {written}")
+    return written
+
+
 def offload_context(env: Env, num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, Any]:
     """``get_cpu_offload_context(enabled=True, ...)`` on the benchmark's device."""
     from offload import get_cpu_offload_context

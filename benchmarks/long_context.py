@@ -48,13 +48,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    OUT_OF_MEMORY, RESULTS_DIR, Env, exit_status, fmt_gib, free_memory, gib, make_parser, print_table, setup,
-    timed_row, verdict, write_json,
+    OUT_OF_MEMORY, RESULTS_DIR, Env, exit_status, fmt_gib, free_memory, gib, make_parser, plot_rows, print_table,
+    setup, timed_row, verdict, write_json,
 )
 from workloads import LlamaSpec, hf_checkpointing, llama_step, long_1b, scale_for  # noqa: E402
 
 import offload  # noqa: E402
-from offload.plot import ParetoPoint, plot_pareto  # noqa: E402
 
 SMOKE_SEQ = 64
 # A planner that has not planned after this many steps is reported as a failure, not waited for.
@@ -335,15 +334,7 @@ def readme_row(spec: LlamaSpec, rows: list[dict[str, Any]]) -> str:
 
 def plot(spec: LlamaSpec, rows: list[dict[str, Any]], path: Path) -> Optional[Path]:
     """Step time (as a multiple of HF checkpointing's: plain does not fit) against peak."""
-    points = [ParetoPoint(r["variant"], r["peak_bytes"], r["x_ckpt"], kind=r.get("kind", "baseline"))
-              for r in rows if r.get("x_ckpt") is not None and r.get("peak_bytes") is not None]
-    try:
-        written = plot_pareto({f"{spec.name}, seq {spec.seq}": points}, path, baseline="HF checkpointing")
-    except (ImportError, ValueError) as exc:  # no matplotlib, or nothing measured
-        print(f"no plot: {exc}")
-        return None
-    print(f"wrote {written}")
-    return written
+    return plot_rows({f"{spec.name}, seq {spec.seq}": rows}, path, ratio="x_ckpt", baseline="HF checkpointing")
 
 
 def main() -> int:

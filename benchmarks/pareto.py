@@ -35,13 +35,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS_DIR, Env, free_memory, make_parser, print_table, setup, timed_row, verdict, write_json,
+    RESULTS_DIR, Env, free_memory, make_parser, plot_rows, print_table, setup, timed_row, verdict, write_json,
 )
 from workloads import WORKLOADS, LlamaSpec, hf_checkpointing, llama_step, scale_for  # noqa: E402
 
 import offload  # noqa: E402
 from offload.planner import Action, LayerPlan, plan_for  # noqa: E402
-from offload.plot import ParetoPoint, plot_pareto  # noqa: E402
 
 
 def run_model(env: Env, spec: LlamaSpec, ks: list[int], selective_ks: list[int]) -> dict[str, Any]:
@@ -235,22 +234,9 @@ def check_gradients(env: Env) -> dict[str, Any]:
 
 
 def plot(results: dict[str, Any], path: Path) -> Optional[Path]:
-    """Step time against peak per model (drawn by ``offload.plot.plot_pareto``)."""
-    panels = {
-        name: [ParetoPoint(r["variant"], r["peak_bytes"], r["x_plain"], kind=r["variant"].split()[0])
-               for r in result["rows"] if r.get("x_plain") is not None and r.get("peak_bytes") is not None]
-        for name, result in results.items() if isinstance(result, dict) and result.get("rows")
-    }
-    try:
-        written = plot_pareto(panels, path)
-    except ImportError as exc:
-        print(f"no plot: {exc}")
-        return None
-    except ValueError as exc:  # nothing measured (every contender failed)
-        print(f"no plot: {exc}")
-        return None
-    print(f"wrote {written}")
-    return written
+    """Step time against peak per model (``common.plot_rows``)."""
+    return plot_rows({name: result["rows"] for name, result in results.items()
+                      if isinstance(result, dict) and result.get("rows")}, path)
 
 
 def main() -> None:
