@@ -21,7 +21,7 @@ from ..stats import format_bytes
 from .budget import DEVICE, DeviceBudget, device_budget
 from ..selective import Candidates, selective_candidates
 from .link import measure_link
-from .sequence import AUTO, ProbeSequence, check_probe, is_out_of_memory
+from .sequence import AUTO, ProbeSequence, check_probe
 from .search import BudgetError, best_plan, lowest_peak
 from .types import LinkProfile, Plan, StepProfile
 
@@ -165,8 +165,7 @@ def profile_step(
         except Exception as exc:
             if current is not None:
                 current.end_forward()
-            sequence.step_failed(current, exc)  # out of memory: a lower-memory probe next
-            if not is_out_of_memory(exc):
+            if not sequence.step_failed(current, exc):  # out of memory: a lower-memory probe next
                 raise RuntimeError(
                     f"offload.plan: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
                     "step_fn() as it is (no offload); fix the step so that it runs on its own first"

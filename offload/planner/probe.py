@@ -320,13 +320,14 @@ class ProbeStep:
             record = self._pending
         return record
 
-    def count_saved(self, t: torch.Tensor) -> None:
-        """File a tensor the layer saves for backward: in the layer's plain slots unless a module
-        made selective by the user saved it (its inputs stand for it), and in its selective
-        slots unless any candidate saved it."""
+    def count_saved(self, t: torch.Tensor, record: Optional[_LayerRecord] = None) -> None:
+        """File a tensor the layer (``record``, default the one running) saves for backward: in
+        its plain slots unless a module made selective by the user saved it (its inputs stand for
+        it), and in its selective slots unless any candidate saved it."""
         if not self.active or self.policy.decide(t) is not None:
             return
-        record = self._record_now()
+        if record is None:
+            record = self._record_now()
         if self.inside != "fixed" and record.group is not None:
             record.group.add(t)
         if self.inside is None and record.selective_group is not None:
@@ -335,11 +336,12 @@ class ProbeStep:
     def _pack(self, t: torch.Tensor) -> Any:
         # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
         # inputs; the layer's own tensors are counted inside the checkpoint (CountingPack).
+        record = self._record_now()
         if self.mode == PLAIN_PROBE or self._open is None:
-            self.count_saved(t)
+            self.count_saved(t, record)
         # Never the tensor itself: it may be the saving node's own output, and a handle holding
         # it would keep a failed probe step's graph alive for good (see offload.packing).
-        return keep_handle(t, self._record_now().index if self.active else -1)
+        return keep_handle(t, record.index)
 
     @staticmethod
     def _unpack(handle: tuple[torch.Tensor, int, int]) -> torch.Tensor:

@@ -143,13 +143,14 @@ class ProbeSequence:
             self.reason = (f"low-memory probe: the plain step's predicted peak {format_bytes(predicted)} "
                            f"(+{PEAK_MODEL_ERROR:.0%}) is more than the device's {format_bytes(limit)}")
 
-    def step_failed(self, probe: Optional[ProbeStep], exc: Optional[BaseException]) -> None:
-        """A probe step raised ``exc`` (None: it did not finish its backward). Out of memory in a
-        plain step moves on to the low-memory probe; in a low-memory step it is a
-        :class:`BudgetError`. Other errors are left to the caller."""
+    def step_failed(self, probe: Optional[ProbeStep], exc: Optional[BaseException]) -> bool:
+        """A probe step raised ``exc`` (None: it did not finish its backward). Returns whether the
+        sequence goes on: out of memory in a plain step (or an unfinished step) moves on to the
+        low-memory probe; out of memory in a low-memory step is a :class:`BudgetError`; other
+        errors are the caller's (False)."""
         low_memory = probe is not None and probe.mode == RECOMPUTE_PROBE
         if exc is not None and not is_out_of_memory(exc):
-            return
+            return False
         if low_memory and exc is not None:
             raise BudgetError(
                 "offload: the planner's probe ran out of device memory even with every layer "
@@ -160,3 +161,4 @@ class ProbeSequence:
             self.mode = RECOMPUTE_PROBE
             self.todo = ["measure"]
             self.reason = "low-memory probe: the plain probe step ran out of device memory"
+        return True
