@@ -376,3 +376,20 @@ def test_hf_llama_low_memory_plan_on_cpu() -> None:
     for _ in range(2):
         assert_bitwise(expected, llama_grads(model, ids, oa))
     oa.close()
+
+
+def test_offload_plan_moves_to_the_low_memory_probe_when_a_plain_step_runs_out_of_memory(model) -> None:
+    layers, x = model
+    expected = step(layers, x)
+    grads = []
+
+    def step_fn() -> None:
+        # A checkpointed probe step wraps the layers' forward; a plain one does not.
+        if "forward" not in layers[0].__dict__:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        grads.append(step(layers, x))
+
+    made = offload.plan(layers, step_fn, "lowest", device="cpu", probe="plain", link=LINK, min_offload_bytes=0)
+    assert made.profile.probe == "recompute" and "ran out of device memory" in made.profile.probe_reason
+    assert len(grads) == 1
+    assert_bitwise(expected, grads[0])
