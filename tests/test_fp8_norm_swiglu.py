@@ -14,6 +14,7 @@ from torch import nn
 from offload import fp8
 from offload.fp8 import cast
 from offload.fp8 import input_source as source_module
+from offload.fp8 import rmsnorm as rmsnorm_module
 from offload.fp8 import swiglu as swiglu_module
 
 from _util import record_saved, rel_err
@@ -85,9 +86,21 @@ def norm_step(norm, lins, x, retain_graph=False):
 # ---------------------------------------------------------------------------------------------
 
 
+def assert_hfs_output(device, got, expected):
+    """Bit for bit on the torch path (CPU). From the fused CUDA kernel, whose mean square sums in
+    its own order (see offload.fp8.rmsnorm), within two roundings of the output's dtype: a last-bit
+    change in rstd can move the normalized x by one rounding and the weight's product by another."""
+    if device == "cpu":
+        assert torch.equal(got, expected)
+        return
+    assert got.dtype == expected.dtype and got.shape == expected.shape
+    rtol = 2.0 ** -6 if got.dtype == torch.bfloat16 else 2.0 ** -20
+    assert torch.allclose(got.float(), expected.float(), rtol=rtol, atol=0.0), (got.float() - expected.float()).abs().max()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_rmsnorm_output_is_hf_llama_rmsnorms_bit_for_bit(device, dtype):
+def test_rmsnorm_output_is_hf_llama_rmsnorms(device, dtype):
     transformers = pytest.importorskip("transformers")
     hf = transformers.models.llama.modeling_llama.LlamaRMSNorm(K, eps=1e-5).to(device=device, dtype=dtype)
     ours_ref = reference_norm(device, dtype)
@@ -98,9 +111,11 @@ def test_rmsnorm_output_is_hf_llama_rmsnorms_bit_for_bit(device, dtype):
     assert list(ours.state_dict()) == list(hf.state_dict())
     x = rand((2, 32, K), device, dtype, scale=3.0)
     with torch.no_grad():
-        assert torch.equal(ours(x), hf(x)) and torch.equal(ours_ref(x), hf(x))
+        assert torch.equal(ours_ref(x), hf(x))
+        assert torch.equal(rmsnorm_module.rms_norm_torch(x, hf.weight, 1e-5)[0], hf(x))
+        assert_hfs_output(device, ours(x), hf(x))
     # With autograd on too (the autograd Function's path).
-    assert torch.equal(ours(x.requires_grad_(True)), hf(x))
+    assert_hfs_output(device, ours(x.requires_grad_(True)), hf(x))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -130,19 +145,36 @@ def test_rmsnorm_gradients_close_to_float64(device, dtype):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling,fp8_dtype", CONFIGS)
 def test_norm_then_fp8_linears_bitwise_those_of_plain_fp8_linears(device, scaling, fp8_dtype):
-    """Outputs and every Linear's gradients bit for bit those of HF's norm feeding plain
-    fp8.Linears (which quantize and save their own copies): the shared quantization and the
-    remade wgrad operand change what is saved, not one bit. The norm's own gradients come from
-    its closed form: within NORM_TOL of autograd's."""
+    """Outputs and every Linear's gradients bit for bit those of the same norm's output, copied
+    (so without its input source), feeding plain fp8.Linears, which quantize and save their own
+    copies: the shared quantization and the remade wgrad operand change what is saved, not one
+    bit. The norm's own gradients come from its closed form: within NORM_TOL of autograd's graph
+    of HF's ops."""
     ref = reference_norm(device)
     ours = fp8.RMSNorm.from_module(ref)
     lins = linears(device, scaling, fp8_dtype)
     x = rand((2, 32, K), device, torch.bfloat16, scale=3.0)
-    out_ref, dx_ref, dw_ref, lin_ref = norm_step(ref, lins, x)
+    out_copy, dx_copy, dw_copy, lin_copy = norm_step(CopiedOutput(ours), lins, x)
     out, dx, dw, lin = norm_step(ours, lins, x)
-    for a, b in zip(out + lin, out_ref + lin_ref):
+    for a, b in zip(out + lin, out_copy + lin_copy):
         assert torch.equal(a, b), "a Linear's output or weight gradient differs from plain fp8.Linears'"
+    assert torch.equal(dx, dx_copy) and torch.equal(dw, dw_copy)
+    _, dx_ref, dw_ref, _ = norm_step(ref, lins, x)
     assert rel_err(dx, dx_ref) < NORM_TOL and rel_err(dw, dw_ref) < NORM_TOL
+
+
+class CopiedOutput(nn.Module):
+    """``norm``'s output copied: the same values and gradients, and no input source on it."""
+
+    def __init__(self, norm: nn.Module) -> None:
+        super().__init__()
+        self.norm = norm
+        self.weight = norm.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x).clone()
+        assert not hasattr(y, fp8.linear.INPUT_SOURCE_ATTR)
+        return y
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -315,23 +347,58 @@ def test_down_proj_saves_no_copy_and_its_wgrad_is_from_the_remade_product(device
     assert torch.equal(mlp.down_proj.weight.grad, expected)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_swiglu_backward_reuses_the_parts_down_proj_made(device, monkeypatch):
-    """down_proj's backward dequantizes gate and up for its wgrad operand; the SwiGLU's backward,
-    next, takes those (same bits) instead of dequantizing again."""
-    calls = []
+def torch_path(monkeypatch, module):
+    """Send ``module``'s op (offload.fp8.rmsnorm or .swiglu) to its torch implementation."""
+    monkeypatch.setattr(module, "_fused", lambda *tensors: None)
 
-    def counting(*args, **kw):
-        calls.append(1)
-        return cast.dequantize(*args, **kw)
 
-    monkeypatch.setattr(swiglu_module, "dequantize", counting)
-    x = rand((64, K), device, torch.bfloat16)
-    for down_fp8 in (True, False):  # an nn.Linear down_proj makes no parts: the SwiGLU makes its own
-        mlp = swiglu_mlp(device, down_fp8)
-        calls.clear()
-        (mlp(x.clone().requires_grad_(True)).float() ** 2).sum().backward()
-        assert len(calls) == 2, f"gate and up dequantized {len(calls)} times in one backward (down_proj fp8: {down_fp8})"
+@pytest.mark.cuda
+@pytest.mark.skipif(not (CUDA_FP8 and cast.triton_available()), reason="needs an FP8 GPU and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("rows", [64, 1000])
+def test_fused_swiglu_gives_the_torch_ops_bits(monkeypatch, dtype, rows):
+    """The Triton kernels (forward with its FP8 copies, the remade product, backward) against the
+    torch ops they replace: the same bits."""
+    gate, up = gate_up("cuda", dtype, rows)
+    gate[0, :3] = torch.tensor([30.0, -30.0, -100.0])  # exp's far range: 1 + exp(100) is inf
+    dp = rand((rows, I), "cuda", dtype, seed=6)
+    fused = swiglu_module.swiglu_forward(gate, up)
+    remade = swiglu_module.remake_product(fused[1], dtype)
+    grads = swiglu_module.swiglu_grads(dp, fused[1])
+    torch_path(monkeypatch, swiglu_module)
+    plain = swiglu_module.swiglu_forward(gate, up)
+    assert torch.equal(fused[0], plain[0]) and torch.equal(fused[0], F.silu(gate) * up), "forward product"
+    for a, b in zip(fused[1], plain[1]):
+        assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
+                                                  b.view(torch.uint8) if b.dtype != torch.float32 else b)
+    assert torch.equal(remade, swiglu_module.remake_product(plain[1], dtype)), "remade product"
+    for a, b in zip(grads, swiglu_module.swiglu_grads(dp, plain[1])):
+        assert torch.equal(a, b), "backward"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not (CUDA_FP8 and cast.triton_available()), reason="needs an FP8 GPU and Triton")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("width", [K, 4096, 5000])
+def test_fused_rmsnorm_against_the_torch_ops(monkeypatch, dtype, width):
+    """The Triton norm: its rstd within float32 roundings of torch's, its output within two
+    roundings, the remade output bit for bit the forward's, and its gradients within float32
+    summation order of the torch closed form's (given the same rstd)."""
+    x = rand((3, 333, width), "cuda", dtype, scale=3.0)
+    weight = (1 + 0.3 * rand((width,), "cuda", dtype, seed=7))
+    dy = rand((3, 333, width), "cuda", dtype, seed=2)
+    y, rstd = rmsnorm_module.rms_norm(x, weight, 1e-6)
+    assert rstd.shape == (3, 333, 1) and rstd.dtype == torch.float32
+    assert torch.equal(rmsnorm_module.normalize(x, rstd, weight), y), "the remade output is not forward's"
+    dx, dw = rmsnorm_module.rms_norm_backward(dy, x, rstd, weight, True, True)
+    torch_path(monkeypatch, rmsnorm_module)
+    y_t, rstd_t = rmsnorm_module.rms_norm(x, weight, 1e-6)
+    assert torch.allclose(rstd, rstd_t, rtol=2e-6, atol=0)
+    assert_hfs_output("cuda", y, y_t)
+    dx_t, dw_t = rmsnorm_module.rms_norm_backward(dy, x, rstd, weight, True, True)
+    assert dx.dtype == dx_t.dtype == dtype and dw.dtype == dw_t.dtype == dtype
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+    assert rel_err(dx, dx_t) < tol and rel_err(dw, dw_t) < tol, (rel_err(dx, dx_t), rel_err(dw, dw_t))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,9 +5,10 @@
 * :class:`LayerNormLinear`: LayerNorm fused with an FP8 Linear's input quantization; saves only
   the LayerNorm input (and its per-row mean/rstd), recomputing the FP8 wgrad operand in backward.
 * :class:`GELU`: ``nn.GELU``'s output, with its input saved in FP8 e4m3 for backward.
-* :class:`RMSNorm`: HF ``LlamaRMSNorm``'s output bit for bit, saving only its input and per-row
-  rstd; the ``fp8.Linear``s it feeds (q, k, v; gate, up) share one FP8 quantization of its output
-  and remake their wgrad operand from that input in backward instead of each saving a copy.
+* :class:`RMSNorm`: HF ``LlamaRMSNorm``'s output (one fused Triton kernel each way on CUDA),
+  saving only its input and per-row rstd; the ``fp8.Linear``s it feeds (q, k, v; gate, up) share
+  one FP8 quantization of its output and remake their wgrad operand from that input in backward
+  instead of each saving a copy.
 * :class:`SwiGLU`, :class:`SwiGLUMLP`: ``silu(gate) * up`` saving only FP8 copies of ``gate`` and
   ``up``, from which the ``fp8.Linear`` it feeds (``down_proj``) remakes its wgrad operand.
 * :func:`convert` / :func:`unconvert`: a model's ``nn.Linear`` modules to :class:`Linear` in
@@ -19,7 +20,8 @@
 
 Submodules, one job each: :mod:`.gemm` (where FP8 GEMMs run, the checked GEMM call), :mod:`.cast`
 (quantizing an operand: Triton kernels on CUDA, torch elsewhere), :mod:`.triton_cast` (the
-kernels), :mod:`.weights` (FP8 weight copies cached per weight version, in one layout or two),
+kernels), :mod:`.triton_transpose`, :mod:`.triton_norm` and :mod:`.triton_swiglu` (the transpose,
+RMSNorm and SwiGLU kernels), :mod:`.weights` (FP8 weight copies cached per weight version, in one layout or two),
 :mod:`.linear`, :mod:`.layernorm_linear`, :mod:`.gelu`, :mod:`.conversion` (convert, unconvert),
 :mod:`.input_source` (a Linear input remade in backward by the op that produced it),
 :mod:`.rmsnorm`, :mod:`.swiglu`, :mod:`.llama_ops` (convert_llama_ops, restore_llama_ops).

@@ -9,6 +9,7 @@ torch path is :mod:`offload.quantized`'s; it runs on CPU, where Triton is absent
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 from typing import Any, NamedTuple, Optional
 
@@ -16,7 +17,9 @@ import torch
 
 from .. import quantized as q
 
-__all__ = ["Operand", "quantize", "dequantize", "transpose", "triton_available"]
+__all__ = [
+    "Operand", "quantize", "dequantize", "transpose", "triton_available", "triton_module", "fusable", "on_device_of",
+]
 
 _TRITON_ENV = "OFFLOAD_FP8_TRITON"
 _MAX_TRITON_NUMEL = (1 << 31) - 1
@@ -59,7 +62,7 @@ def quantize(
     if x.is_cuda and x.numel() <= _MAX_TRITON_NUMEL:
         kernels = _kernels()
         if kernels is not None:
-            return _on_device_of(x, _quantize_fused, kernels, x, fp8_dtype, scaling, rowwise, columnwise)
+            return on_device_of(x, _quantize_fused, kernels, x, fp8_dtype, scaling, rowwise, columnwise)
     if scaling == "tensorwise":
         s = q.quantize_tensorwise(x, fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         return Operand(s.rowwise_data, s.scale_inv, s.columnwise_data, s.scale_inv)
@@ -75,7 +78,7 @@ def dequantize(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dty
     if data.is_cuda and data.is_contiguous() and data.numel() <= _MAX_TRITON_NUMEL:
         kernels = _kernels()
         if kernels is not None:
-            return _on_device_of(data, kernels.dequantize_tensorwise_fused, data, scale_inv, dtype)
+            return on_device_of(data, kernels.dequantize_tensorwise_fused, data, scale_inv, dtype)
     return q.scaling.dequantize_tensorwise(data, scale_inv, fp8_dtype, dtype)
 
 
@@ -83,26 +86,30 @@ def transpose(data: torch.Tensor) -> torch.Tensor:
     """The contiguous transpose of contiguous 2-D FP8 ``data``: a tiled Triton kernel on CUDA
     (:mod:`.triton_transpose`), torch's copy of the transposed view elsewhere; the same bytes."""
     if data.is_cuda and data.numel() <= _MAX_TRITON_NUMEL and data.is_contiguous():
-        kernels = _transpose_kernels()
+        kernels = triton_module("triton_transpose")
         if kernels is not None:
-            return _on_device_of(data, kernels.transpose_bytes, data)
+            return on_device_of(data, kernels.transpose_bytes, data)
     return data.t().contiguous()
 
 
-def _transpose_kernels() -> Any:
-    """:mod:`.triton_transpose` wherever :func:`_kernels` loads (the same setting and Triton)."""
-    return None if _kernels() is None else _import_transpose()
+def fusable(*tensors: torch.Tensor) -> bool:
+    """Whether CUDA tensors this size can go to a fused Triton kernel (32-bit offsets)."""
+    return all(t.is_cuda and t.numel() <= _MAX_TRITON_NUMEL for t in tensors)
 
 
-@functools.lru_cache(maxsize=1)
-def _import_transpose() -> Any:
-    # Cached: an import statement costs host time on every backward of every weight.
-    from . import triton_transpose  # noqa: PLC0415 - needs Triton
-
-    return triton_transpose
+def triton_module(name: str) -> Any:
+    """The Triton kernels module ``offload.fp8.<name>`` wherever :func:`_kernels` loads (the same
+    ``OFFLOAD_FP8_TRITON`` setting and Triton), else None."""
+    return None if _kernels() is None else _import_kernels(name)
 
 
-def _on_device_of(x: torch.Tensor, fn: Any, *args: Any) -> Any:
+@functools.lru_cache(maxsize=None)
+def _import_kernels(name: str) -> Any:
+    # Cached: an import statement costs host time on every call of an op that asks.
+    return importlib.import_module(f"{__package__}.{name}")
+
+
+def on_device_of(x: torch.Tensor, fn: Any, *args: Any) -> Any:
     """``fn(*args)`` with ``x``'s device current: the kernels launch into the current device's
     context, as Triton's own launcher does."""
     if torch._C._cuda_getDevice() == x.device.index:

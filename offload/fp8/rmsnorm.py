@@ -8,11 +8,11 @@ quantization of its output among the ``fp8.Linear``s it feeds.
 Under autograd those ops save ``float32(x)`` (4 bytes per element), ``rstd``, and the bf16
 normalized ``x`` (2 bytes) for the weight's gradient; each Linear it feeds then saves its input
 (bf16, or a columnwise FP8 copy per Linear with ``fp8.Linear``). :class:`RMSNorm` computes the
-same output with the same ops, bit for bit, and saves only ``x`` (the residual stream, bf16) and
-``rstd`` (float32, one per row): 2 bytes per element instead of 6, and its output carries an
+same output and saves only ``x`` (the residual stream, bf16) and ``rstd`` (float32, one per
+row): 2 bytes per element instead of 6, and its output carries an
 :class:`~offload.fp8.input_source.InputSource` (see there), so the ``fp8.Linear``s it feeds
 quantize it once and save nothing of their own: in backward they remake it from ``x`` and
-``rstd`` with the same ops (bitwise forward's output) and quantize its columnwise copy once for
+``rstd`` (bitwise forward's output) and quantize its columnwise copy once for
 all of them. Both saved tensors are tagged with :func:`~offload.marks.mark_activation_offload`,
 so the opt-in v1 schedule moves them.
 
@@ -25,6 +25,13 @@ It treats the cast to ``x``'s dtype as the identity, as autograd does, and sums 
 autograd's graph of ``LlamaRMSNorm`` rounds its products to bf16 first: the gradients agree with
 ``LlamaRMSNorm``'s to bf16 rounding (tested against a float64 reference), deterministic, so
 bitwise equal with and without offload.
+
+Two implementations of the same arithmetic. On CUDA, one Triton kernel each way
+(:mod:`.triton_norm`: the torch ops below moved about 1.2 GB forward and 4 GB backward per norm
+at 8192 x 4096 bf16, against 0.13 and 0.2 GB); its mean square sums in a different order than
+torch's, so its output can differ from ``LlamaRMSNorm``'s in the last bits (tested: within two
+roundings). Elsewhere, and for rows wider than the kernel takes, ``LlamaRMSNorm``'s own ops
+(:func:`rms_norm_torch`), bit for bit.
 """
 
 from __future__ import annotations
@@ -36,28 +43,62 @@ from torch import nn
 
 from ..marks import mark_activation_offload
 from ..quantized import HIGH_PRECISION
+from .cast import fusable, on_device_of, triton_module
 from .input_source import Recipe, attach_source
 
-__all__ = ["RMSNorm", "rms_norm", "normalize"]
+__all__ = ["RMSNorm", "rms_norm", "normalize", "rms_norm_torch", "normalize_torch", "rms_norm_backward"]
+
+# The widest row the fused kernels hold in one program's registers (triton_norm.MAX_WIDTH; not
+# imported from there, which would import Triton).
+_MAX_FUSED_WIDTH = 16384
 
 
-def normalize(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _fused(x: torch.Tensor) -> Any:
+    """The Triton norm kernels when they take ``x`` (CUDA, rows they fit), else None."""
+    if not fusable(x) or x.shape[-1] > _MAX_FUSED_WIDTH:
+        return None
+    return triton_module("triton_norm")
+
+
+def normalize_torch(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``weight * (float32(x) * rstd).to(x.dtype)``: ``LlamaRMSNorm``'s output from its rstd."""
     return weight * (x.to(torch.float32) * rstd).to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``LlamaRMSNorm``'s output, op for op (so bit for bit), and its float32 per-row ``rstd``."""
     variance = x.to(torch.float32).pow(2).mean(-1, keepdim=True)
     rstd = torch.rsqrt(variance + eps)
-    return normalize(x, rstd, weight), rstd
+    return normalize_torch(x, rstd, weight), rstd
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``LlamaRMSNorm``'s output and its float32 per-row ``rstd`` (``(..., 1)``): the fused
+    kernel where it runs (module docstring), :func:`rms_norm_torch` elsewhere."""
+    kernels = _fused(x)
+    if kernels is None:
+        return rms_norm_torch(x, weight, eps)
+    return on_device_of(x, kernels.rms_norm_forward, x, weight, eps)
+
+
+def normalize(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The output :func:`rms_norm` made, remade bitwise from its ``rstd``."""
+    kernels = _fused(x)
+    if kernels is None:
+        return normalize_torch(x, rstd, weight)
+    return on_device_of(x, kernels.rms_norm_forward, x, weight, 0.0, rstd)[0]
 
 
 def rms_norm_backward(
     dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_dx: bool, need_dweight: bool
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-    """The closed-form gradients of :func:`rms_norm` (module docstring), in float32. In-place
-    steps keep the float32 transients at three of ``x``'s size: this runs at backward's peak."""
+    """The closed-form gradients of :func:`rms_norm` (module docstring), in float32."""
+    kernels = _fused(x)
+    if kernels is not None and fusable(dy):
+        dx, dweight = on_device_of(x, kernels.rms_norm_backward, dy, x, rstd, weight, need_dweight)
+        return (dx if need_dx else None), dweight
+    # In-place steps keep the float32 transients at three of ``x``'s size: this runs at
+    # backward's peak.
     xhat = x.to(torch.float32) * rstd
     dyf = dy.to(torch.float32)
     dweight = None
@@ -100,9 +141,10 @@ class _RMSNormFunction(torch.autograd.Function):
 
 
 class RMSNorm(nn.Module):
-    """``LlamaRMSNorm`` (same parameter ``weight``, same ``variance_epsilon``, same output bit for
-    bit) that saves only its input and per-row rstd, and whose output the ``fp8.Linear``s it feeds
-    quantize once and remake in backward instead of saving (module docstring).
+    """``LlamaRMSNorm`` (same parameter ``weight``, same ``variance_epsilon``, the same output: bit
+    for bit on the torch path, within two roundings from the fused kernels) that saves only its input
+    and per-row rstd, and whose output the ``fp8.Linear``s it feeds quantize once and remake in
+    backward instead of saving (module docstring).
 
     Args:
         hidden_size: the normalized (last) dimension.

@@ -13,15 +13,19 @@ wgrad operand from the same two FP8 copies instead of saving one: ``silu(g~) * u
 per unit per token (3 against 2: at the LLAMA-2B shape, ``I = 14336``, 14 KiB per token per layer,
 0.9 GiB over 8 layers of 8192 tokens) for a less approximate wgrad operand.
 
-Numerics. The output is ``F.silu(gate) * up`` bit for bit. The gradients are those of the
-SwiGLU at the FP8-rounded inputs, with autograd's own ops (``du = dp * silu(g~)``,
+Numerics. The output is ``F.silu(gate) * up``. The gradients are those of the SwiGLU at the
+FP8-rounded inputs, with autograd's own ops (``du = dp * silu(g~)``,
 ``dg = silu_backward(dp * u~, g~)``); ``down_proj``'s fprop multiplies forward's exact product,
 its wgrad the remade one, quantized again (e4m3 keeps 3 mantissa bits: up to 1/16 relative per
 rounding, below that in the subnormal range; the tests bound the gradients' error against bf16).
 Every step is deterministic, so gradients are bitwise equal with and without offload. The FP8
 data and scales are tagged with :func:`~offload.marks.mark_activation_offload` (the v1 schedule
-moves them). ``down_proj``'s backward (which runs first) keeps the dequantized ``g~``, ``u~`` and
-``silu(g~)`` it made for :class:`SwiGLU`'s backward, which runs next.
+moves them).
+
+Two implementations of the same arithmetic: on CUDA one Triton kernel per step
+(:mod:`.triton_swiglu`, with torch's ``silu`` and roundings, so the same bits as the torch ops
+where libdevice's ``expf`` is CUDA's); elsewhere those torch ops. Neither keeps anything between
+``down_proj``'s backward and the SwiGLU's: each remakes what it needs from the FP8 copies.
 """
 
 from __future__ import annotations
@@ -34,44 +38,22 @@ from torch import nn
 
 from ..marks import mark_activation_offload
 from ..quantized import HIGH_PRECISION
-from .cast import dequantize, quantize
+from .cast import dequantize, fusable, on_device_of, quantize, triton_module
 from .input_source import Recipe, attach_source
 
-__all__ = ["SwiGLU", "SwiGLUMLP"]
+__all__ = ["SwiGLU", "SwiGLUMLP", "swiglu_forward", "remake_product", "swiglu_grads"]
 
 # e4m3, as for fp8.GELU's saved input: one more mantissa bit than e5m2, and current scaling fits
 # the tensor's range.
 _SAVED_FP8 = torch.float8_e4m3fn
 
-_Parts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+_Saved = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-class _SwiGLURecipe(Recipe):
-    """Dequantizes the saved ``(g8, g_scale, u8, u_scale)``; remakes the product for
-    ``down_proj``'s wgrad and keeps the parts for the SwiGLU's own backward."""
-
-    def __init__(self, shape: torch.Size, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.shape = shape
-        self.dtype = dtype
-        self._parts: Optional[_Parts] = None
-
-    def parts(self, saved: Sequence[torch.Tensor]) -> _Parts:
-        """``(g~, u~, silu(g~))`` in the inputs' dtype and shape."""
-        g8, g_scale, u8, u_scale = saved
-        g = dequantize(g8, g_scale, _SAVED_FP8, self.dtype).view(self.shape)
-        u = dequantize(u8, u_scale, _SAVED_FP8, self.dtype).view(self.shape)
-        return g, u, F.silu(g)
-
-    def remake(self, saved: Sequence[torch.Tensor]) -> torch.Tensor:
-        g, u, a = self._parts = self.parts(saved)
-        return (a * u).view(-1, self.shape[-1])
-
-    def take_parts(self, saved: Sequence[torch.Tensor]) -> _Parts:
-        """The parts ``down_proj``'s backward made, or new ones (``down_proj`` is not an
-        ``fp8.Linear``, or needed no wgrad)."""
-        parts, self._parts = self._parts, None
-        return parts if parts is not None else self.parts(saved)
+def _fused(*tensors: torch.Tensor) -> Any:
+    """The Triton SwiGLU kernels when they take ``tensors`` (CUDA), else None."""
+    return triton_module("triton_swiglu") if fusable(*tensors) else None
 
 
 def _quantize_saved(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,26 +63,69 @@ def _quantize_saved(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.row, q.row_scale_inv
 
 
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, _Saved]:
+    """``F.silu(gate) * up`` and the saved ``(g8, g_scale_inv, u8, u_scale_inv)``: e4m3 copies
+    ``(rows, width)`` of both inputs with their ``(1,)`` float32 scales."""
+    kernels = _fused(gate, up)
+    if kernels is None:
+        product = F.silu(gate) * up
+        return product, (*_quantize_saved(gate), *_quantize_saved(up))
+    width = gate.shape[-1]
+    product, g8, g_sinv, u8, u_sinv = on_device_of(gate, kernels.swiglu_forward, gate.contiguous(), up.contiguous())
+    return product, (g8.view(-1, width), g_sinv, u8.view(-1, width), u_sinv)
+
+
+def _dequantized(saved: Sequence[torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g8, g_scale, u8, u_scale = saved
+    return dequantize(g8, g_scale, _SAVED_FP8, dtype), dequantize(u8, u_scale, _SAVED_FP8, dtype)
+
+
+def remake_product(saved: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """``F.silu(g~) * u~`` ``(rows, width)`` from the saved FP8 copies."""
+    g8, g_scale, u8, u_scale = saved
+    kernels = _fused(g8)
+    if kernels is None:
+        g, u = _dequantized(saved, dtype)
+        return F.silu(g) * u
+    return on_device_of(g8, kernels.swiglu_remake, g8, g_scale, u8, u_scale, dtype).view(g8.shape)
+
+
+def swiglu_grads(dp: torch.Tensor, saved: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)`` shaped as ``dp``: the SwiGLU's gradients at the dequantized saved copies."""
+    g8, g_scale, u8, u_scale = saved
+    kernels = _fused(dp, g8)
+    if kernels is None:
+        g, u = (t.view(dp.shape) for t in _dequantized(saved, dp.dtype))
+        return torch.ops.aten.silu_backward(dp * u, g), dp * F.silu(g)
+    dg, du = on_device_of(dp, kernels.swiglu_backward, dp.contiguous(), g8, g_scale, u8, u_scale)
+    return dg.view(dp.shape), du.view(dp.shape)
+
+
+class _SwiGLURecipe(Recipe):
+    """Remakes the product for ``down_proj``'s wgrad from the saved ``(g8, g_scale, u8, u_scale)``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.dtype = dtype
+
+    def remake(self, saved: Sequence[torch.Tensor]) -> torch.Tensor:
+        return remake_product(saved, self.dtype)
+
+
 class _SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        product = F.silu(gate) * up
-        g8, g_scale = _quantize_saved(gate)
-        u8, u_scale = _quantize_saved(up)
-        mark_activation_offload(g8, g_scale, u8, u_scale)
-        ctx.save_for_backward(g8, g_scale, u8, u_scale)
-        recipe = _SwiGLURecipe(gate.shape, gate.dtype)
-        ctx.recipe = recipe
+        product, saved = swiglu_forward(gate, up)
+        mark_activation_offload(*saved)
+        ctx.save_for_backward(*saved)
         # One consumer (down_proj): its rowwise operand is not worth keeping on the output.
-        attach_source(product, (g8, g_scale, u8, u_scale), recipe, share_forward=False)
+        attach_source(product, saved, _SwiGLURecipe(gate.dtype), share_forward=False)
         return product
 
     @staticmethod
     def backward(ctx: Any, dp: torch.Tensor) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:  # type: ignore[override]
-        g, u, a = ctx.recipe.take_parts(ctx.saved_tensors)
-        du = dp * a if ctx.needs_input_grad[1] else None
-        dg = torch.ops.aten.silu_backward(dp * u, g) if ctx.needs_input_grad[0] else None
-        return dg, du
+        dg, du = swiglu_grads(dp, ctx.saved_tensors)
+        return (dg if ctx.needs_input_grad[0] else None), (du if ctx.needs_input_grad[1] else None)
 
 
 def _check_inputs(gate: Any, up: Any) -> None:

@@ -36,13 +36,16 @@ try:
 except ImportError:  # older Triton: every launch goes through Triton's own dispatch
     knobs = None
 
-__all__ = ["SMALL_NUMEL", "quantize_tensorwise_fused", "quantize_rowwise_fused", "dequantize_tensorwise_fused"]
+__all__ = [
+    "SMALL_NUMEL", "MAX_PARTS", "amax_partials", "scale_from_parts", "quantize_tensorwise_fused",
+    "quantize_rowwise_fused", "dequantize_tensorwise_fused",
+]
 
 # Up to this many elements, one program does the whole tensorwise quantization (one launch).
 SMALL_NUMEL = 1 << 16
 # Programs of the partial-amax kernel: few enough that every cast program can re-reduce them
 # (1 KiB read from L2) instead of paying a separate launch for the final reduction.
-_MAX_PARTS = 256
+MAX_PARTS = 256
 _AMAX_ROWS = 8
 _AMAX_COLS = 256
 _TILE_M = 64
@@ -128,6 +131,14 @@ def _scale_from_amax(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def scale_from_parts(PART, n_parts, FP8_MAX: tl.constexpr, MAX_PARTS: tl.constexpr):
+    """The current tensorwise scale from :func:`amax_partials`' partials: every program reduces
+    them again (at most 1 KiB from L2) instead of paying a launch for the final reduction."""
+    parts = tl.load(PART + tl.arange(0, MAX_PARTS), mask=tl.arange(0, MAX_PARTS) < n_parts, other=0.0)
+    return _scale_from_amax(tl.max(parts, axis=0), FP8_MAX)
+
+
+@triton.jit
 def _cast(x, scale, FP8_MAX: tl.constexpr, out_ty):
     v = x.to(tl.float32) * scale
     # Saturate by comparison: NaN compares false both ways and passes through as NaN.
@@ -179,9 +190,7 @@ def _cast_tensorwise_kernel(
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     WRITE_ROW: tl.constexpr, WRITE_COL: tl.constexpr,
 ):
-    parts = tl.load(PART + tl.arange(0, MAX_PARTS), mask=tl.arange(0, MAX_PARTS) < n_parts, other=0.0)
-    amax = tl.max(parts, axis=0)
-    scale = _scale_from_amax(amax, FP8_MAX)
+    scale = scale_from_parts(PART, n_parts, FP8_MAX, MAX_PARTS)
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -299,6 +308,24 @@ def _current_stream(x: torch.Tensor) -> int:
     return torch._C._cuda_getCurrentRawStream(x.device.index)
 
 
+def amax_partials(x: torch.Tensor, key: tuple[Any, ...], stream: int) -> tuple[torch.Tensor, int]:
+    """``(partials, count)``: the finite amax of each band of rows of the 2-D CUDA tensor ``x``, at
+    most :data:`MAX_PARTS` of them, for a kernel that reduces them again (:func:`scale_from_parts`).
+    ``key`` names ``x``'s specialization (see :class:`_Launcher`)."""
+    m, k = x.shape
+    # One band of rows per program, rows a multiple of the tile.
+    rows_per_prog = _cdiv(_cdiv(m, MAX_PARTS), _AMAX_ROWS) * _AMAX_ROWS
+    n_parts = _cdiv(m, rows_per_prog)
+    parts = torch.empty(n_parts, dtype=torch.float32, device=x.device)
+    _launch_amax_partials(
+        key, stream, (n_parts, 1),
+        (x, parts, m, k, x.stride(0), x.stride(1), rows_per_prog),
+        {"BLOCK_M": _AMAX_ROWS, "BLOCK_K": _AMAX_COLS},
+        num_warps=8,
+    )
+    return parts, n_parts
+
+
 def quantize_tensorwise_fused(
     x: torch.Tensor, fp8_dtype: torch.dtype, rowwise: bool, columnwise: bool
 ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor], torch.Tensor]:
@@ -324,20 +351,11 @@ def quantize_tensorwise_fused(
             num_warps=4,
         )
         return row, col, scale_inv
-    # One band of rows per program, at most _MAX_PARTS programs, rows a multiple of the tile.
-    rows_per_prog = _cdiv(_cdiv(m, _MAX_PARTS), _AMAX_ROWS) * _AMAX_ROWS
-    n_parts = _cdiv(m, rows_per_prog)
-    parts = torch.empty(n_parts, dtype=torch.float32, device=dev)
-    _launch_amax_partials(
-        key, stream, (n_parts, 1),
-        (x, parts, m, k, stride_m, stride_k, rows_per_prog),
-        {"BLOCK_M": _AMAX_ROWS, "BLOCK_K": _AMAX_COLS},
-        num_warps=8,
-    )
+    parts, n_parts = amax_partials(x, key, stream)
     _launch_cast_tensorwise(
         key, stream, (_cdiv(m, _TILE_M), _cdiv(k, _TILE_K)),
         (x, row_arg, col_arg, parts, n_parts, scale_inv, m, k, stride_m, stride_k),
-        {"FP8_MAX": fmax, "MAX_PARTS": _MAX_PARTS, "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
+        {"FP8_MAX": fmax, "MAX_PARTS": MAX_PARTS, "BLOCK_M": _TILE_M, "BLOCK_K": _TILE_K,
          "WRITE_ROW": rowwise, "WRITE_COL": columnwise},
         num_warps=4,
     )

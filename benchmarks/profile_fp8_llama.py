@@ -1,0 +1,137 @@
+"""Where an FP8 LLAMA-2B step spends its time: wall, host and GPU kernel time per variant, and
+the kernels that take it (torch.profiler), bf16 against FP8.
+
+    python benchmarks/profile_fp8_llama.py [--variants bf16,fp8_linears,fp8] [--top 25]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workloads import llama_2b, llama_step  # noqa: E402
+
+from offload import fp8  # noqa: E402
+
+
+def host_ms(step, reps: int = 3) -> float:
+    """Host time of one step: the GPU is held busy by a long sleep first, so the step's launches
+    queue behind it and the host never waits on the GPU (unless the step syncs)."""
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second on an H100
+        t0 = time.perf_counter()
+        step()
+        out.append((time.perf_counter() - t0) * 1e3)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def wall_ms(step, reps: int = 5) -> float:
+    out = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(out)
+
+
+def kernels(step, top: int, steps: int = 2) -> None:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    total = 0.0
+    for e in prof.key_averages():
+        t = getattr(e, "self_device_time_total", None)
+        if t is None:
+            t = e.self_cuda_time_total
+        if t <= 0:
+            continue
+        total += t
+        rows.append((t, e.count, e.key))
+    rows.sort(reverse=True)
+    print(f"  GPU kernel time per step: {total / steps / 1e3:.1f} ms")
+    for t, n, key in rows[:top]:
+        print(f"    {t / steps / 1e3:8.2f} ms  {n // steps:5d}x  {key[:110]}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--variants", default="bf16,fp8_linears,fp8_linears_both,fp8")
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--linear", action="store_true", help="host profile of one fp8.Linear instead")
+    args = p.parse_args()
+    if args.linear:
+        for shape in ((16, 1024, 1024), (4096, 4096, 4096)):
+            linear_host(shape)
+        return
+    spec = llama_2b()
+    model, ids = spec.build(torch.device("cuda"))
+    step = llama_step(model, ids)
+    warnings.simplefilter("ignore")
+    for v in args.variants.split(","):
+        fp8.unconvert(model) if v != "bf16" and hasattr(fp8, "unconvert") else None
+        if v == "fp8_linears":
+            fp8.convert(model, module_filter_fn=lambda m, n: n != "lm_head", llama_ops=False)
+        elif v == "fp8_linears_both":
+            fp8.convert(model, module_filter_fn=lambda m, n: n != "lm_head", llama_ops=False, weight_layouts="both")
+        elif v == "fp8":
+            fp8.convert(model, module_filter_fn=lambda m, n: n != "lm_head")
+        for _ in range(3):
+            step()
+        torch.cuda.reset_peak_memory_stats()
+        w = wall_ms(step)
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        h = host_ms(step)
+        print(f"\n== {v}: wall {w:.1f} ms, host {h:.1f} ms, peak {peak:.2f} GiB", flush=True)
+        kernels(step, args.top)
+        sys.stdout.flush()
+
+
+
+
+def linear_host(shape: tuple[int, int, int], calls: int = 50) -> None:
+    """Host time per fwd+bwd call of fp8.Linear and nn.Linear at ``shape``, and a cProfile of the
+    FP8 one (GPU held busy by a sleep so no call waits)."""
+    import cProfile
+    import pstats
+
+    m, k, n = shape
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    for name, mod in (("bf16", torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)),
+                      ("fp8", fp8.Linear(k, n, device="cuda", dtype=torch.bfloat16))):
+        def call() -> None:
+            mod(x).sum().backward()
+        for _ in range(5):
+            call()
+        def many() -> None:
+            for _ in range(calls):
+                call()
+        h = host_ms(many) / calls
+        print(f"  {shape} {name}: host {h * 1e3:.0f} us/call", flush=True)
+        if name == "fp8":
+            torch.cuda.synchronize()
+            torch.cuda._sleep(4_000_000_000)
+            pr = cProfile.Profile()
+            pr.enable()
+            many()
+            pr.disable()
+            torch.cuda.synchronize()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
