@@ -1,7 +1,11 @@
-"""Where an FP8 LLAMA-2B step spends its time: wall, host and GPU kernel time per variant, and
-the kernels that take it (torch.profiler), bf16 against FP8.
+"""Where an FP8 LLAMA-2B step spends its time: wall and GPU kernel time per variant and the
+kernels that take it (torch.profiler), bf16 against FP8; with ``--linear``, the host time of one
+``fp8.Linear`` call against ``nn.Linear``'s and a cProfile of it.
 
-    python benchmarks/profile_fp8_llama.py [--variants bf16,fp8_linears,fp8] [--top 25]
+    python benchmarks/profile_fp8_llama.py [--variants bf16,fp8_linears,fp8_linears_both,fp8] [--top 25]
+    python benchmarks/profile_fp8_llama.py --linear
+
+(The Llama step's host time is not reported: HF's loss syncs with the GPU inside the step.)
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import sys
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -22,9 +27,10 @@ from workloads import llama_2b, llama_step  # noqa: E402
 from offload import fp8  # noqa: E402
 
 
-def host_ms(step, reps: int = 3) -> float:
-    """Host time of one step: the GPU is held busy by a long sleep first, so the step's launches
-    queue behind it and the host never waits on the GPU (unless the step syncs)."""
+def host_ms(step: Callable[[], None], reps: int = 3) -> float:
+    """Host time of ``step``: the GPU is held busy by a long sleep first, so the launches queue
+    behind it and the host never waits on the GPU (unless ``step`` syncs; keep it under about a
+    thousand launches, the depth of the launch queue)."""
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -36,7 +42,8 @@ def host_ms(step, reps: int = 3) -> float:
     return statistics.median(out)
 
 
-def wall_ms(step, reps: int = 5) -> float:
+def wall_ms(step: Callable[[], None], reps: int = 5) -> float:
+    """Median wall time of ``step``, synchronized before and after."""
     out = []
     for _ in range(reps):
         torch.cuda.synchronize()
@@ -47,7 +54,8 @@ def wall_ms(step, reps: int = 5) -> float:
     return statistics.median(out)
 
 
-def kernels(step, top: int, steps: int = 2) -> None:
+def kernels(step: Callable[[], None], top: int, steps: int = 2) -> None:
+    """Print the GPU kernel time per step and the ``top`` kernels by self time."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step()
@@ -69,6 +77,7 @@ def kernels(step, top: int, steps: int = 2) -> None:
 
 
 def main() -> None:
+    """Parse the options and profile each variant (or one Linear)."""
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="bf16,fp8_linears,fp8_linears_both,fp8")
     p.add_argument("--top", type=int, default=25)
@@ -83,7 +92,8 @@ def main() -> None:
     step = llama_step(model, ids)
     warnings.simplefilter("ignore")
     for v in args.variants.split(","):
-        fp8.unconvert(model) if v != "bf16" and hasattr(fp8, "unconvert") else None
+        if v != "bf16":
+            fp8.unconvert(model)  # back to bf16 (the same Parameters) before the next conversion
         if v == "fp8_linears":
             fp8.convert(model, module_filter_fn=lambda m, n: n != "lm_head", llama_ops=False)
         elif v == "fp8_linears_both":
@@ -95,15 +105,14 @@ def main() -> None:
         torch.cuda.reset_peak_memory_stats()
         w = wall_ms(step)
         peak = torch.cuda.max_memory_allocated() / 2**30
-        h = host_ms(step)
-        print(f"\n== {v}: wall {w:.1f} ms, host {h:.1f} ms, peak {peak:.2f} GiB", flush=True)
+        print(f"\n== {v}: wall {w:.1f} ms, peak {peak:.2f} GiB", flush=True)
         kernels(step, args.top)
         sys.stdout.flush()
 
 
 
 
-def linear_host(shape: tuple[int, int, int], calls: int = 50) -> None:
+def linear_host(shape: tuple[int, int, int], calls: int = 20) -> None:
     """Host time per fwd+bwd call of fp8.Linear and nn.Linear at ``shape``, and a cProfile of the
     FP8 one (GPU held busy by a sleep so no call waits)."""
     import cProfile
@@ -111,6 +120,15 @@ def linear_host(shape: tuple[int, int, int], calls: int = 50) -> None:
 
     m, k, n = shape
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    # The floor: one GEMM launch alone, bf16 torch.mm against torch._scaled_mm.
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    x8, w8 = x.detach().to(torch.float8_e4m3fn), w.to(torch.float8_e4m3fn)
+    one = torch.ones((), device="cuda")
+    reps = 100
+    mm = host_ms(lambda: [torch.mm(x.detach(), w.t()) for _ in range(reps)]) / reps
+    smm = host_ms(lambda: [torch._scaled_mm(x8, w8.t(), scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+                           for _ in range(reps)]) / reps
+    print(f"  {shape} one GEMM's host time: torch.mm {mm * 1e3:.0f} us, torch._scaled_mm {smm * 1e3:.0f} us", flush=True)
     for name, mod in (("bf16", torch.nn.Linear(k, n, device="cuda", dtype=torch.bfloat16)),
                       ("fp8", fp8.Linear(k, n, device="cuda", dtype=torch.bfloat16))):
         def call() -> None:
