@@ -87,7 +87,8 @@ def remake_product(saved: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.T
     if kernels is None:
         g, u = _dequantized(saved, dtype)
         return F.silu(g) * u
-    return on_device_of(g8, kernels.swiglu_remake, g8, g_scale, u8, u_scale, dtype).view(g8.shape)
+    # (contiguous(): the kernels read flat data; restored copies normally are, at no cost.)
+    return on_device_of(g8, kernels.swiglu_remake, g8.contiguous(), g_scale, u8.contiguous(), u_scale, dtype).view(g8.shape)
 
 
 def swiglu_grads(dp: torch.Tensor, saved: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +98,7 @@ def swiglu_grads(dp: torch.Tensor, saved: Sequence[torch.Tensor]) -> tuple[torch
     if kernels is None:
         g, u = (t.view(dp.shape) for t in _dequantized(saved, dp.dtype))
         return torch.ops.aten.silu_backward(dp * u, g), dp * F.silu(g)
-    dg, du = on_device_of(dp, kernels.swiglu_backward, dp.contiguous(), g8, g_scale, u8, u_scale)
+    dg, du = on_device_of(dp, kernels.swiglu_backward, dp.contiguous(), g8.contiguous(), g_scale, u8.contiguous(), u_scale)
     return dg.view(dp.shape), du.view(dp.shape)
 
 

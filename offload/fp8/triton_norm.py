@@ -126,8 +126,10 @@ def rms_norm_forward(
     if m:
         block, warps = _block(n)
         w = weight if weight.is_contiguous() else weight.contiguous()
+        # A saved rstd may come back from offload as a view at any 4-byte offset: its alignment,
+        # which Triton specializes on, is part of the key too.
         key = (x.device.index, n, x2.stride(0), x.dtype, w.dtype, out_dtype, have_rstd,
-               x2.data_ptr() & 15 == 0, w.data_ptr() & 15 == 0)
+               x2.data_ptr() & 15 == 0, w.data_ptr() & 15 == 0, rstd_out.data_ptr() & 15 == 0)
         _launch_fwd(key, _current_stream(x), (m, 1), (x2, w, y, rstd_out, n, x2.stride(0), float(eps)),
                     {"BLOCK_N": block, "HAVE_RSTD": have_rstd}, num_warps=warps)
     return y, rstd_out
@@ -148,10 +150,11 @@ def rms_norm_backward(
         block, warps = _block(n)
         w = weight if weight.is_contiguous() else weight.contiguous()
         # m is a kernel argument (Triton specializes on it), so it is part of the key.
+        rstd = rstd.contiguous()
         key = (x.device.index, m, n, x2.stride(0), dy2.stride(0), x.dtype, dy.dtype, w.dtype, need_dweight,
-               x2.data_ptr() & 15 == 0, dy2.data_ptr() & 15 == 0, w.data_ptr() & 15 == 0)
+               x2.data_ptr() & 15 == 0, dy2.data_ptr() & 15 == 0, w.data_ptr() & 15 == 0, rstd.data_ptr() & 15 == 0)
         _launch_bwd(key, _current_stream(x), (programs, 1),
-                    (dy2, x2, w, rstd.contiguous(), dx, parts, m, n, dy2.stride(0), x2.stride(0)),
+                    (dy2, x2, w, rstd, dx, parts, m, n, dy2.stride(0), x2.stride(0)),
                     {"ROWS": ROWS_PER_PROGRAM, "BLOCK_N": block, "NEED_DW": need_dweight}, num_warps=warps)
     dweight = None
     if need_dweight:

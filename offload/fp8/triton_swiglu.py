@@ -148,7 +148,9 @@ def swiglu_remake(
     their device current) dequantized: ``F.silu(g~) * u~``."""
     n = g8.numel()
     out = torch.empty(n, dtype=dtype, device=g8.device)
-    key = (g8.device.index, n, dtype, *_aligned(g8, u8))
+    # Saved tensors may come back from offload as views at any offset: every pointer's alignment
+    # is in the key (Triton specializes on it).
+    key = (g8.device.index, n, dtype, *_aligned(g8, g_sinv, u8, u_sinv))
     _launch_remake(key, _current_stream(g8), (_cdiv(n, _BLOCK), 1),
                    (g8.view(_SAVED_FP8), g_sinv, u8.view(_SAVED_FP8), u_sinv, out, n), {"BLOCK": _BLOCK}, num_warps=8)
     return out
@@ -162,7 +164,7 @@ def swiglu_backward(
     n = dp.numel()
     dg = torch.empty(n, dtype=dp.dtype, device=dp.device)
     du = torch.empty(n, dtype=dp.dtype, device=dp.device)
-    key = (dp.device.index, n, dp.dtype, *_aligned(dp, g8, u8))
+    key = (dp.device.index, n, dp.dtype, *_aligned(dp, g8, g_sinv, u8, u_sinv))
     _launch_bwd(key, _current_stream(dp), (_cdiv(n, _BLOCK), 1),
                 (dp, g8.view(_SAVED_FP8), g_sinv, u8.view(_SAVED_FP8), u_sinv, dg, du, n), {"BLOCK": _BLOCK}, num_warps=8)
     return dg, du
