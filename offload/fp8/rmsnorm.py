@@ -48,16 +48,12 @@ from .input_source import Recipe, attach_source
 
 __all__ = ["RMSNorm", "rms_norm", "normalize", "rms_norm_torch", "normalize_torch", "rms_norm_backward"]
 
-# The widest row the fused kernels hold in one program's registers (triton_norm.MAX_WIDTH; not
-# imported from there, which would import Triton).
-_MAX_FUSED_WIDTH = 16384
 
 
 def _fused(x: torch.Tensor) -> Any:
     """The Triton norm kernels when they take ``x`` (CUDA, rows they fit), else None."""
-    if not fusable(x) or x.shape[-1] > _MAX_FUSED_WIDTH:
-        return None
-    return triton_module("triton_norm")
+    kernels = triton_module("triton_norm") if fusable(x) else None
+    return kernels if kernels is not None and x.shape[-1] <= kernels.MAX_WIDTH else None
 
 
 def normalize_torch(x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
