@@ -34,7 +34,9 @@ try:
 except ImportError:  # older Triton
     from triton.language.extra.cuda import libdevice
 
-from .triton_cast import MAX_PARTS, _cast, _cdiv, _current_stream, _FP8_MAX, _Launcher, amax_partials, scale_from_parts
+from .triton_cast import (
+    MAX_PARTS, _cast, _cdiv, _current_stream, _FP8_MAX, _launch_key, _Launcher, amax_partials, scale_from_parts,
+)
 
 __all__ = ["swiglu_forward", "swiglu_remake", "swiglu_backward"]
 
@@ -127,8 +129,9 @@ def swiglu_forward(
     dev = gate.device
     stream = _current_stream(gate)
     g2, u2 = gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
-    g_parts, n_g = amax_partials(g2, (dev.index, g2.shape, g2.dtype, *_aligned(g2), "amax"), stream)
-    u_parts, n_u = amax_partials(u2, (dev.index, u2.shape, u2.dtype, *_aligned(u2), "amax"), stream)
+    # The key the quantizer would use for a rowwise e4m3 cast of each: the same partials kernel.
+    g_parts, n_g = amax_partials(g2, _launch_key(g2, _SAVED_FP8, True, False), stream)
+    u_parts, n_u = amax_partials(u2, _launch_key(u2, _SAVED_FP8, True, False), stream)
     product = torch.empty_like(gate)
     g8 = torch.empty(n, dtype=_SAVED_FP8, device=dev)
     u8 = torch.empty(n, dtype=_SAVED_FP8, device=dev)
