@@ -19,8 +19,12 @@ Only modules whose type is exactly ``nn.Linear`` are converted: a subclass may h
 forward (LoRA, quantized or parametrized Linears, ``nn.MultiheadAttention``'s ``out_proj``,
 whose weight the attention reads directly), which FP8's forward would silently replace. Shapes
 FP8 GEMMs cannot take (a feature count that is not a multiple of 16) and weights of other dtypes
-than float32/bfloat16/float16 are skipped, each with its reason in the summary. Convert before
-``torch.compile`` and ``fully_shard`` (both act on the module classes they find).
+than float32/bfloat16/float16 are skipped, each with its reason in the summary. So is a Linear
+that already holds something (an attribute, Parameter, buffer or submodule) under a name of
+``fp8.Linear.FP8_STATE`` (``scaling``, ...): convert would overwrite it and unconvert delete it,
+and the user's code would read FP8's setting in its place (issue 32); it is left as it is, with a
+warning. Convert before ``torch.compile`` and ``fully_shard`` (both act on the module classes
+they find).
 
 (This module is ``conversion``, not ``convert``: ``offload.fp8.convert`` is the function, and a
 submodule of that name would be shadowed by it.)
@@ -120,6 +124,29 @@ def _weight_reason(linear: nn.Linear) -> Optional[str]:
     return None
 
 
+def _held_names(module: nn.Module, names: tuple[str, ...]) -> list[str]:
+    """Those of ``names`` that ``module`` itself holds: a plain attribute, Parameter, buffer or
+    submodule (``nn.Module`` keeps the last three outside ``__dict__``)."""
+    stores = (vars(module), module._parameters, module._buffers, module._modules)
+    return [n for n in names if any(n in store for store in stores)]
+
+
+def _state_clash_reason(linear: nn.Linear) -> Optional[str]:
+    """Why converting this ``nn.Linear`` would overwrite something of its own, or None. The FP8
+    state is set on the module object (:attr:`fp8.Linear.FP8_STATE`) and deleted by
+    :func:`unconvert`; a value the user keeps under one of those names would be replaced while
+    converted and lost after."""
+    held = _held_names(linear, Linear.FP8_STATE)
+    if not held:
+        return None
+    return (
+        f"it already has {', '.join(repr(n) for n in held)} of its own, a name fp8.Linear uses for "
+        f"its FP8 state ({', '.join(Linear.FP8_STATE)}): converting would overwrite it and unconvert "
+        "would delete it. Rename that attribute to convert this Linear, or leave it out with "
+        "module_filter_fn to keep it as it is"
+    )
+
+
 def _device_reason(device: torch.device, scaling: str) -> Optional[str]:
     """Why FP8 GEMMs of this scaling cannot run on ``device``, or None. A meta model (not yet
     materialized) can be converted: the check happens at its first call."""
@@ -161,7 +188,8 @@ def convert(
 
     Returns a :class:`ConvertSummary`: converted, already FP8, filtered out, and skipped with the
     reason (a feature count that is not a multiple of 16, a weight dtype FP8 Linear does not
-    take, a subclass of ``nn.Linear``, a device without FP8 GEMMs). Calling it again converts
+    take, a subclass of ``nn.Linear``, a device without FP8 GEMMs, an attribute of the module's
+    own under a name of ``fp8.Linear.FP8_STATE``, which also warns). Calling it again converts
     nothing and lists every converted module as ``already``; those keep their own settings.
 
     Raises ``ValueError`` when ``module`` holds no Linear at all, for options ``fp8.Linear`` does
@@ -181,6 +209,7 @@ def convert(
     already: list[str] = []
     filtered: list[str] = []
     skipped: dict[str, str] = {}
+    clashes: list[str] = []  # skipped because they hold a name of FP8_STATE: warned about below
     for name, m in module.named_modules():
         if isinstance(m, Linear):
             already.append(name)
@@ -189,10 +218,14 @@ def convert(
                 filtered.append(name)
                 continue
             reason = _weight_reason(m)
-            if reason is None:
-                chosen.append((name, m))
-            else:
+            clash = None if reason is not None else _state_clash_reason(m)
+            if clash is not None:
+                skipped[name] = clash
+                clashes.append(name)
+            elif reason is not None:
                 skipped[name] = reason
+            else:
+                chosen.append((name, m))
         elif isinstance(m, nn.Linear):
             skipped[name] = (
                 f"{type(m).__name__} is a subclass of torch.nn.Linear, whose forward may differ from "
@@ -200,6 +233,15 @@ def convert(
             )
     if not (chosen or already or filtered or skipped):
         raise _no_linear_error("convert", module)
+    if clashes:
+        # Once per call, not per module: a model may hold many such Linears.
+        warnings.warn(
+            f"{api}: {len(clashes)} Linear module(s) left as torch.nn.Linear because they hold an "
+            f"attribute named like fp8.Linear's state ({', '.join(Linear.FP8_STATE)}), which "
+            f"converting would overwrite: {', '.join(n or '<root>' for n in clashes)}; the "
+            "summary's 'skipped' says which name, and what to do",
+            stacklevel=2,
+        )
 
     # Every device is judged before any module changes: an error leaves the model as it was.
     verdicts = {dev: _device_reason(dev, scaling) for dev in {m.weight.device for _, m in chosen}}

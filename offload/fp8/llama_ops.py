@@ -18,6 +18,16 @@ state dict keys do not change. The order with :func:`offload.fp8.convert` (``nn.
 
 :func:`restore_llama_ops` puts the original modules back (with the current Parameters and
 projection modules).
+
+Nothing of the user's is written over or deleted. The swap adds and removes no attribute on a
+model's own modules: it replaces the layer's norm and MLP entries, keeping the originals
+unregistered and untouched, and puts them back with their attributes, setting only the names they
+already hold (``weight``; the projections) to the objects the model holds by then. While
+converted, code that reads ``layer.mlp`` sees the replacement, and hooks on the originals do not
+run. A norm or MLP holding Parameters or buffers that the replacement would not hold (anything
+beyond the norm's ``weight`` or the three projections: an adapter, a scale) is left alone, with
+the reason in the summary: swapped, they would drop out of the model's parameters and state dict
+while converted, and the replacement's forward would ignore them.
 """
 
 from __future__ import annotations
@@ -91,8 +101,24 @@ def _probe(like: torch.Tensor, width: int) -> torch.Tensor:
     return torch.randn(_PROBE_ROWS, width, generator=g).to(device=like.device, dtype=like.dtype)
 
 
+def _unkept_state(module: nn.Module, kept: tuple[str, ...], replacement: str) -> Optional[str]:
+    """Why swapping ``module`` for ``replacement``, which holds only its entries ``kept``, would
+    drop Parameters or buffers of it (the names, and what that would do), or None."""
+    tensors = list(module.named_parameters()) + list(module.named_buffers())
+    dropped = [name for name, _ in tensors if name.split(".", 1)[0] not in kept]
+    if not dropped:
+        return None
+    return (
+        f"it holds {', '.join(dropped)}, which {replacement} would not: swapped, they would leave the "
+        "model's parameters and state dict, and its forward would not use them"
+    )
+
+
 def _norm_mismatch(norm: nn.Module) -> Optional[str]:
     """Why ``norm`` cannot become an :class:`RMSNorm`, or None."""
+    reason = _unkept_state(norm, ("weight",), "fp8.RMSNorm")
+    if reason is not None:
+        return reason
     try:
         ours = RMSNorm.from_module(norm)
     except ValueError as e:
@@ -111,6 +137,9 @@ def _norm_mismatch(norm: nn.Module) -> Optional[str]:
 
 def _mlp_mismatch(mlp: nn.Module) -> Optional[str]:
     """Why ``mlp`` cannot become a :class:`SwiGLUMLP`, or None."""
+    reason = _unkept_state(mlp, _MLP, "fp8.SwiGLUMLP")
+    if reason is not None:
+        return reason
     act = getattr(mlp, "act_fn", None)
     if not callable(act):
         return "it has no act_fn"

@@ -2,10 +2,22 @@
 
 A weight does not change between micro-batches, nor between forward and backward, so quantizing
 it on every call (as TransformerEngine does unless told ``is_first_microbatch``) wastes a read of
-the weight and two kernels per GEMM. The cache is keyed on the parameter's version counter, which
-every in-place update through autograd-visible ops bumps (optimizer steps, ``copy_`` under
-``no_grad``, ``load_state_dict``), and on its storage address, so a stale copy cannot be used.
-Writes through ``.data`` bypass the version counter: after one, call :meth:`WeightCache.clear`.
+the weight and two kernels per GEMM.
+
+The cache key is the weight tensor itself (a weak reference: the cache does not keep it alive),
+its version counter, its storage address, dtype and shape, and the scaling and layouts.
+
+* The tensor object: an address is not an identity. ``torch.func.functional_call`` passes a
+  fresh tensor per call, and a fresh tensor often lands where the previous one was freed, with the
+  same version (0): keyed on the address alone, it got the dead weight's FP8 copy (issue 32). A
+  dead or different tensor object is a miss, whatever its address.
+* The version counter: every in-place update through autograd-visible ops bumps it (optimizer
+  steps, ``copy_`` under ``no_grad``, ``load_state_dict``).
+* The address: ``param.data = other`` keeps the Parameter object and its version but swaps its
+  memory.
+
+Writes through ``.data`` (``param.data.mul_(2)``) bypass the version counter and keep the address:
+after one, call :meth:`WeightCache.clear`.
 
 While a CUDA graph is being captured the cache is neither read nor written: the captured kernels
 must quantize the weight on every replay, since the optimizer changes it between replays.
@@ -34,6 +46,7 @@ bandwidth; ``benchmarks/fp8_llama.py`` measures both settings in one process).
 
 from __future__ import annotations
 
+import weakref
 from typing import NamedTuple, Optional
 
 import torch
@@ -116,17 +129,16 @@ def dgrad_operand(w: GemmWeight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class WeightCache:
-    """The FP8 operands of one weight, remade when the weight's version or storage changes.
-    ``weight_layouts`` (``"one"`` or ``"both"``, see the module docstring) says which are kept;
-    :attr:`nbytes` is what they hold."""
+    """The FP8 operands of one weight, remade when the weight tensor, its version or its storage
+    changes (see the module docstring). ``weight_layouts`` (``"one"`` or ``"both"``) says which
+    are kept; :attr:`nbytes` is what they hold."""
 
-    __slots__ = ("_key", "_value", "weight_layouts")
+    __slots__ = ("_ref", "_key", "_value", "weight_layouts")
 
     def __init__(self, weight_layouts: str = DEFAULT_WEIGHT_LAYOUTS) -> None:
         check_weight_layouts("fp8.WeightCache", weight_layouts)
-        self._key: Optional[tuple[object, ...]] = None
-        self._value: Optional[GemmWeight] = None
         self.weight_layouts = weight_layouts
+        self.clear()
 
     @property
     def nbytes(self) -> int:
@@ -135,8 +147,18 @@ class WeightCache:
 
     def clear(self) -> None:
         """Forget the cached copy (the next call quantizes again)."""
-        self._key = None
-        self._value = None
+        self._ref: Optional[weakref.ref[torch.Tensor]] = None  # the weight the copy was made of
+        self._key: Optional[tuple[object, ...]] = None
+        self._value: Optional[GemmWeight] = None
+
+    def __getstate__(self) -> str:
+        # A weak reference cannot be pickled, and an unpickled (or deep-copied) weight is a new
+        # tensor anyway: a copy of the cache starts empty.
+        return self.weight_layouts
+
+    def __setstate__(self, weight_layouts: str) -> None:
+        self.weight_layouts = weight_layouts
+        self.clear()
 
     def get(self, weight: torch.Tensor, scaling: str, refresh: bool = False) -> GemmWeight:
         """The FP8 operands of ``weight``, from the cache when it is current. ``refresh`` forces a
@@ -145,12 +167,15 @@ class WeightCache:
         if weight.is_cuda and torch._C._cuda_isCurrentStreamCapturing():
             return quantize_weight(weight, scaling, self.weight_layouts)
         key = (weight._version, weight.data_ptr(), weight.dtype, weight.shape, scaling, self.weight_layouts)
-        if refresh or key != self._key or self._value is None:
-            # Drop the old copy before making the new one: the two never coexist in the cache
-            # (a forward still waiting for its backward keeps its own through ctx.gemm_weight).
-            self._value = None
-            self._value = quantize_weight(weight, scaling, self.weight_layouts)
-            self._key = key
+        ref = self._ref
+        # The same tensor object, alive, first: an address is no identity (the module docstring).
+        if not refresh and ref is not None and ref() is weight and key == self._key and self._value is not None:
+            return self._value
+        # Drop the old copy before making the new one: the two never coexist in the cache
+        # (a forward still waiting for its backward keeps its own through ctx.gemm_weight).
+        self.clear()
+        self._value = quantize_weight(weight, scaling, self.weight_layouts)
+        self._ref, self._key = weakref.ref(weight), key
         return self._value
 
 
