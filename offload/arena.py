@@ -30,6 +30,13 @@ would overrun it keeps the excess tensors on the GPU instead of failing later. A
 refuses (out of memory, locked-memory limit) is the same as the budget saying no: the group stays
 on the GPU, counted under ``kept["budget"]``, and nothing is lost.
 
+Every arena of the process also charges one ledger (``offload.host_ledger``), whose budget
+bounds all of them together: a block is charged before it is allocated or queued, adjusted to
+its real bytes, and refunded when it is freed (or when a dropped arena is collected). A charge
+the ledger refuses is a budget refusal like the arena's own (``kept["budget"]``, warned once
+per context). A freed block is given back at once: after the arena frees blocks it empties
+torch's pinned-memory cache, where the fallback allocator's blocks would otherwise stay pinned.
+
 CUDA-graph capture: a captured copy names its host address once, and every replay copies to and
 from that address again, with no Python running. So a region acquired under capture
 (``acquire(..., captured=True)``) is *owned by the graph*: when its group is freed it is not put
@@ -44,18 +51,19 @@ from __future__ import annotations
 
 import bisect
 import concurrent.futures
-import os
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Optional
 
-import psutil
 import torch
 
+from . import native
+from .host_ledger import HostLedger, default_host_budget, process_ledger
 from .layout import align_up
 from .numa import NumaPlacement
-from .pinning import Allocator, BackgroundPinner, allocate_host_block
+from .pinning import Allocator, BackgroundPinner, allocate_host_block, expected_held_bytes, release_cached_pinned
 
 # Blocks are sized in whole 64 KiB pages, so regions of nearly equal size share blocks.
 BLOCK_GRANULE = 64 * 1024
@@ -71,37 +79,6 @@ GUESS_HEADROOM = 1 / 8
 def with_headroom(nbytes: int) -> int:
     """``nbytes`` plus the headroom of a guessed block, in whole granules."""
     return align_up(nbytes + int(nbytes * GUESS_HEADROOM), BLOCK_GRANULE)
-
-
-HOST_BUDGET_FRACTION = 0.75
-LOCAL_RANKS_ENV_VAR = "LOCAL_WORLD_SIZE"  # set by torchrun (and most launchers) on every rank
-
-
-def default_host_budget(environ: Optional[Mapping[str, str]] = None) -> tuple[int, str]:
-    """The host budget of a context given none, and where it came from.
-
-    Three quarters of the host's *total* RAM, divided among the processes of this node
-    (``LOCAL_WORLD_SIZE``, 1 when unset). Total, not available: what happens to be free when a
-    process starts depends on what ran before it, and eight ranks each taking 75% of what is
-    free would together lock more than the node has (pinned memory cannot be swapped out).
-    """
-    environ = os.environ if environ is None else environ
-    text = environ.get(LOCAL_RANKS_ENV_VAR, "").strip()
-    ranks = 1
-    if text:
-        try:
-            ranks = int(text)
-        except ValueError:
-            ranks = 0
-        if ranks < 1:
-            raise ValueError(
-                f"offload: {LOCAL_RANKS_ENV_VAR}={text!r} is not a number of processes >= 1; fix the "
-                "launcher's environment, or pass host_budget_bytes explicitly"
-            )
-    total = psutil.virtual_memory().total
-    budget = int(total * HOST_BUDGET_FRACTION) // ranks
-    gib = total / (1 << 30)
-    return budget, f"{HOST_BUDGET_FRACTION:.0%} of total RAM ({gib:.1f} GiB) / {LOCAL_RANKS_ENV_VAR}={ranks}"
 
 
 class CaptureError(RuntimeError):
@@ -130,6 +107,7 @@ class ArenaCounters:
     failures: int = 0             # requests refused (budget or allocation failure)
     freed_blocks: int = 0
     graph_owned_blocks: int = 0   # blocks kept for captured CUDA graphs (never reused eagerly)
+    process_refusals: int = 0     # claims and requests refused by the process's ledger
 
 
 class HostArena:
@@ -145,6 +123,7 @@ class HostArena:
         allocate: Optional[Allocator] = None,
         numa: Optional[NumaPlacement] = None,
         keep_while_pinning: Optional[Callable[[int], bool]] = None,
+        ledger: Optional[HostLedger] = None,
     ) -> None:
         self.pinned = pinned
         # Asked on a miss that would wait for pinning: may the group stay on the device instead?
@@ -155,6 +134,14 @@ class HostArena:
         placement = self.numa
         # ``allocate(nbytes) -> (block, bytes held)``; tests replace it to make the host refuse.
         self.allocate: Allocator = allocate or (lambda n: allocate_host_block(n, pinned=pinned, placement=placement))
+        # What a block of a request will really hold, charged to the ledger before it exists
+        # (then adjusted to its real bytes). A given allocator's rounding is not known: its
+        # request is charged, and the adjustment follows once the block exists.
+        native_live = native.extension() is not None
+        self._expect: Callable[[int], int] = (
+            (lambda n: expected_held_bytes(n, pinned=pinned, native_live=native_live)) if allocate is None
+            else (lambda n: n)
+        )
         # The pinner's thread holds the arena weakly: queued blocks must not keep a dropped
         # context's arena alive, and dropping it cancels them.
         arena_ref = weakref.ref(self)
@@ -177,6 +164,12 @@ class HostArena:
         if self.budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, got {budget_bytes}")
         self.retain = retain
+        # This arena's share of the process's ledger; refunded in full when the arena is
+        # collected (its blocks go with it), so a context dropped without close() leaks no budget.
+        self.ledger = ledger if ledger is not None else process_ledger()
+        self._account = self.ledger.open_account()
+        weakref.finalize(self, self._account.close)
+        self._warned_process = False
         self.counters = ArenaCounters()
         self.claimed = 0  # bytes promised at pack time to tensors of groups not yet laid out
         # Idle blocks sorted by size: parallel lists for bisect.
@@ -193,11 +186,36 @@ class HostArena:
 
     # -- pack-time budget ------------------------------------------------------------------------
     def claim(self, nbytes: int) -> bool:
-        """Promise ``nbytes`` of host space to a tensor being packed; False if over budget."""
-        if self.counters.bytes_in_use + self.claimed + nbytes > self.budget_bytes:
+        """Promise ``nbytes`` of host space to a tensor being packed; False if over this arena's
+        budget, or over what it holds plus what the process's ledger has free."""
+        counters = self.counters
+        wanted = counters.bytes_in_use + self.claimed + nbytes
+        if wanted > self.budget_bytes:
+            return False
+        # The blocks this arena holds are reused first; beyond them it can only grow into what
+        # the process has free. (Unlocked reads: the charge at acquire is the exact check.)
+        if wanted > counters.bytes_held + counters.bytes_pending + self.ledger.free_bytes:
+            self._refused_by_process(nbytes)
             return False
         self.claimed += nbytes
         return True
+
+    def _refused_by_process(self, nbytes: int) -> None:
+        # Off the fast path (a refusal): count it, and say why once per arena.
+        self.counters.process_refusals += 1
+        if self._warned_process:
+            return
+        self._warned_process = True
+        ledger = self.ledger
+        warnings.warn(
+            f"offload: {nbytes} more bytes of host memory would take this process over its host "
+            f"budget of {ledger.budget_bytes} bytes ({ledger.budget_source}), shared by every "
+            f"offload context of the process ({ledger.held_bytes} held, "
+            f"{self.counters.bytes_held} of them by this context): what does not fit stays on the "
+            "GPU (stats kept['budget']). close() the contexts you are done with (or drop them), "
+            "or raise the budget with offload.host_ledger.set_process_host_budget(nbytes).",
+            stacklevel=3,
+        )
 
     def unclaim(self, nbytes: int) -> None:
         """Return a promise made by :meth:`claim` (the group got its region, or gave up)."""
@@ -213,20 +231,36 @@ class HostArena:
         """
         blocks = [align_up(max(int(n), 1), BLOCK_GRANULE) for n in sizes]
         total = sum(blocks)
+        charges = [self._expect(size) for size in blocks]
         with self._lock:
             held = self.counters.bytes_held + self.counters.bytes_pending
-        if held + total > self.budget_bytes:
-            raise ValueError(
-                f"offload: reserving {total} bytes of pinned host memory would hold {held + total} "
-                f"bytes, over the host budget of {self.budget_bytes} bytes (host_budget_bytes; "
-                f"{held} held already). Reserve less, or raise host_budget_bytes."
-            )
-        for size in blocks:
+            if held + total > self.budget_bytes:
+                raise ValueError(
+                    f"offload: reserving {total} bytes of pinned host memory would hold {held + total} "
+                    f"bytes, over the host budget of {self.budget_bytes} bytes (host_budget_bytes; "
+                    f"{held} held already). Reserve less, or raise host_budget_bytes."
+                )
+            if not self._account.try_charge(sum(charges)):
+                ledger = self.ledger
+                raise ValueError(
+                    f"offload: reserving {total} bytes of pinned host memory would take this process "
+                    f"over its host budget of {ledger.budget_bytes} bytes ({ledger.budget_source}), "
+                    f"shared by every offload context ({ledger.held_bytes} held). Reserve less, "
+                    "close() the contexts you are done with, or raise the budget with "
+                    "offload.host_ledger.set_process_host_budget(nbytes)."
+                )
+        # Charged for all of them: each is queued, or allocated and adjusted to its real bytes.
+        for i, (size, charge) in enumerate(zip(blocks, charges)):
             if background:
-                self._queue(size)
+                self._queue(size, charged=True)
                 continue
-            block, pinned_bytes = self.allocate(size)
+            try:
+                block, pinned_bytes = self.allocate(size)
+            except BaseException:
+                self._account.refund(sum(charges[i:]))
+                raise
             with self._lock:
+                self._account.adjust(pinned_bytes - charge)
                 self._add_idle(Region(block=block, pinned_bytes=pinned_bytes))
         return total
 
@@ -245,7 +279,11 @@ class HostArena:
             total += size
         return sizes
 
-    def _queue(self, size: int) -> concurrent.futures.Future:
+    def _queue(self, size: int, *, charged: bool) -> Optional[concurrent.futures.Future]:
+        # ``charged``: the ledger was charged for this block already; else it is charged here,
+        # and None returned (nothing queued) when the process has no room for it.
+        if not charged and not self._account.try_charge(self._expect(size)):
+            return None
         future = self._pinner.submit(size)
         with self._lock:
             self.counters.bytes_pending += size
@@ -312,9 +350,11 @@ class HostArena:
             with self._lock:
                 self.counters.bytes_pending -= pending_size
                 self.counters.failures += 1
+                self._account.refund(self._expect(pending_size))
             return None
         with self._lock:
             self.counters.bytes_pending -= pending_size
+            self._account.adjust(pinned_bytes - self._expect(pending_size))
             self._count_pinned(pinned_bytes, block.numel())
             self.counters.waited_for_pinning += 1
         return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
@@ -323,9 +363,12 @@ class HostArena:
         # Called with the lock held, for a finished (or cancelled) background block.
         self.counters.bytes_pending -= size
         if future.cancelled() or future.exception() is not None:
-            self.counters.failures += 1
+            # (Cancelled: close() or free_idle() gave it up before it started; not a failure.)
+            self.counters.failures += not future.cancelled()
+            self._account.refund(self._expect(size))
             return
         block, pinned_bytes = future.result()
+        self._account.adjust(pinned_bytes - self._expect(size))
         # Counted as the latest acquiring step's: it was queued for that step's groups (a
         # forecast, or a group kept on the device while it pinned), and may finish only after
         # that step has ended; the trim at the step's end must not take it back unused.
@@ -346,7 +389,9 @@ class HostArena:
         does this itself on a miss); ``wait=True`` first waits for every queued block."""
         if wait:
             with self._lock:
-                pending = [future for _, future in self._pending]
+                # Not the cancelled ones: a future the executor's shutdown cancelled in its
+                # queue is never notified, and concurrent.futures.wait would wait for it forever.
+                pending = [future for _, future in self._pending if not future.cancelled()]
             concurrent.futures.wait(pending)
         with self._lock:
             self._settle_finished()
@@ -401,24 +446,41 @@ class HostArena:
             region = self._from_pinner(size, step, keep_while_pinning)
             if region is not None or self.counters.kept_while_pinning != kept:
                 return region
+        charge = self._expect(size)
+        ledger = self.ledger
         with self._lock:
-            # Make room from idle blocks, largest first, before giving up on the budget.
-            while self._free and self._committed() + size > self.budget_bytes:
-                self._drop_free(len(self._free) - 1)
+            # Make room from idle blocks, largest first, before giving up on the budget (this
+            # arena's, or the process's: a freed block is refunded to the ledger).
+            dropped = self._free_over_budget(size, charge)
             if self._committed() + size > self.budget_bytes:
                 self.counters.failures += 1
-                return None
-            # Host blocks that are not pinned cost no more than any allocation: no forecast.
-            more = expected_more() if self.pinned and expected_more is not None and not self._pending else 0
-            guess = with_headroom(size)
-            room = (self.budget_bytes - self._committed() - size) // guess
-            forecast = max(0, min(more, room))
+                charged = False
+            else:
+                charged = self._account.try_charge(charge)
+                if not charged:
+                    self.counters.failures += 1
+            if charged:
+                # Host blocks that are not pinned cost no more than any allocation: no forecast.
+                more = expected_more() if self.pinned and expected_more is not None and not self._pending else 0
+                guess = with_headroom(size)
+                room = min(
+                    (self.budget_bytes - self._committed() - size) // guess,
+                    ledger.free_bytes // self._expect(guess),
+                )
+                forecast = max(0, min(more, room))
+        if dropped:
+            self._give_back_dropped()
+        if not charged:
+            if self.counters.bytes_held + self.counters.bytes_pending + size <= self.budget_bytes:
+                self._refused_by_process(size)
+            return None
         for _ in range(forecast):
-            self._queue(guess)
+            if self._queue(guess, charged=False) is None:
+                break
         if keep_while_pinning is not None and keep_while_pinning(size):
-            # Pin this one in the background too (it fits the budget: checked above), for the
+            # Pin this one in the background too (it fits both budgets: charged above), for the
             # next step; this step keeps its group on the GPU.
-            future = self._queue(size)
+            future = self._queue(size, charged=True)
             with self._lock:
                 self._promised.add(id(future))
                 self.counters.kept_while_pinning += 1
@@ -427,11 +489,29 @@ class HostArena:
             block, pinned_bytes = self.allocate(size)
         except RuntimeError:
             with self._lock:
+                self._account.refund(charge)
                 self.counters.failures += 1
             return None
         with self._lock:
+            self._account.adjust(pinned_bytes - charge)
             self._count_pinned(pinned_bytes, size)
         return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
+
+    def _free_over_budget(self, size: int, charge: int) -> bool:
+        # Called with the lock held: drop idle blocks, largest first, while a new block of
+        # ``size`` (``charge`` to the ledger) would not fit this arena's budget or the
+        # process's. For the process's, only if dropping them all would make room: other
+        # contexts may hold the rest, and this arena's blocks would be lost for nothing.
+        # Whether any was dropped.
+        ledger = self.ledger
+        reachable = ledger.free_bytes + sum(region.pinned_bytes for region in self._free) >= charge
+        dropped = False
+        while self._free and (
+            self._committed() + size > self.budget_bytes or (reachable and ledger.free_bytes < charge)
+        ):
+            self._drop_free(len(self._free) - 1)
+            dropped = True
+        return dropped
 
     def _committed(self) -> int:
         # Called with the lock held: bytes held plus bytes being pinned.
@@ -466,20 +546,37 @@ class HostArena:
         first = finished_step if first_step is None else first_step
         if self.retain or self._last_acquiring_step < first:
             return
+        dropped = False
         with self._lock:
             for i in range(len(self._free) - 1, -1, -1):
                 if self._free[i].used_in_step < first:
                     self._drop_free(i)
+                    dropped = True
+        if dropped:
+            self._give_back_dropped()
 
     def free_idle(self) -> int:
-        """Free every idle block (blocks lent to groups still alive, and those CUDA graphs own,
-        stay); returns the bytes freed. For a context that is done with: the next step pins
-        again."""
+        """Free every idle block, and those queued or being pinned in the background (blocks
+        lent to groups still alive, and those CUDA graphs own, stay); returns the bytes freed.
+        For a context that is done with: the next step pins again. A block being pinned cannot
+        be stopped halfway: this waits for it, then frees it."""
+        self._pinner.close()  # cancels the queued blocks
+        self.settle(wait=True)
         with self._lock:
             held = self.counters.bytes_held
             for i in range(len(self._free) - 1, -1, -1):
                 self._drop_free(i)
-            return held - self.counters.bytes_held
+            freed = held - self.counters.bytes_held
+        self._give_back_dropped()
+        return freed
+
+    def _give_back_dropped(self) -> None:
+        # Called without the lock, once dropped regions are gone. torch's pinned allocator (the
+        # fallback without the extension) keeps a freed block pinned in its cache until emptied:
+        # empty it, so that the bytes refunded to the ledger are really unpinned. (The
+        # extension's blocks unpin in their destructor; host blocks need nothing.)
+        if self.pinned:
+            release_cached_pinned()
 
     def _drop_free(self, i: int) -> None:
         # Called with the lock held. A dropped block may still be the source of an H2D copy in
@@ -489,5 +586,6 @@ class HostArena:
         self._free_sizes.pop(i)
         if region.ready is not None:
             region.ready.synchronize()
+        self._account.refund(region.pinned_bytes)
         self.counters.bytes_held -= region.pinned_bytes
         self.counters.freed_blocks += 1

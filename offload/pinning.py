@@ -25,7 +25,15 @@ driver's submission cost depends on the pages: a 1 MiB copy is submitted in 5-6 
 rounds a block up by at most 2 MiB, under 25% from that size on, 3% from 64 MiB), and smaller
 ones ``cuMemHostAlloc`` (slow to pin, but a small block pins in a few milliseconds, once).
 Without the extension, torch's pinned allocator is the fallback, and its power-of-two rounding
-is what is counted as held.
+is what is counted as held. That allocator *caches*: a pinned block whose tensor dies stays
+pinned in its cache (shared memory, to the kernel) until ``torch._C._host_emptyCache()``, and
+is reused only for a request of the same power of two. An arena that freed its blocks would
+leave them all pinned, and contexts one after another (other sizes, other powers of two) would
+pile up pinned memory that no budget counts, until the OOM killer ends the process. So the
+arena empties that cache after it frees blocks (:func:`release_cached_pinned`), and the
+fallback empties it before each pin (blocks of an arena dropped without ``close()``): the
+fallback's blocks then hold their bytes exactly while they live, as the extension's do, and
+the process-wide ledger (``offload.host_ledger``) counts what is really pinned.
 
 Background allocation (:class:`BackgroundPinner`): one worker thread allocates blocks queued ahead
 (``HostArena.preallocate(..., background=True)``, and the growth forecast on a step's first miss),
@@ -55,6 +63,35 @@ def _power_of_two_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def expected_held_bytes(nbytes: int, *, pinned: bool, native_live: bool) -> int:
+    """The bytes :func:`allocate_host_block` will really hold for ``nbytes``, known before it
+    runs (so that a budget can be charged first): the extension's page rounding (2 MiB huge
+    pages from ``HUGE_PAGE_MIN_BYTES``, 4 KiB below), torch's power of two, or the request."""
+    if not pinned:
+        return nbytes
+    if not native_live:
+        return _power_of_two_at_least(nbytes)
+    return _round_up(nbytes, 2 << 20 if nbytes >= HUGE_PAGE_MIN_BYTES else 4096)
+
+
+def release_cached_pinned() -> None:
+    """Unpin the blocks torch's caching host allocator keeps for tensors that died.
+
+    Only blocks whose copies are done are freed (the allocator checks their events), and
+    ``cudaFreeHost`` may synchronise the device: call this where blocks are given back (a
+    trim, ``close()``), never on the per-step path and never under CUDA-graph capture. A no-op
+    without CUDA, or while torch has not initialised it (then nothing was pinned).
+    """
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is None or not torch.cuda.is_initialized() or torch.cuda.is_current_stream_capturing():
+        return
+    empty()
+
+
 def allocate_host_block(
     nbytes: int, *, pinned: bool, placement: Optional[NumaPlacement] = None
 ) -> tuple[torch.Tensor, int]:
@@ -70,6 +107,9 @@ def allocate_host_block(
         return torch.empty(nbytes, dtype=torch.uint8), nbytes
     ext = native.extension()
     if ext is None:
+        # The cache may still hold blocks that died since the last trim (an arena dropped
+        # without close()): unpin them first, so that what is pinned is what the ledger counts.
+        release_cached_pinned()
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), _power_of_two_at_least(nbytes)
     method = "register_huge" if nbytes >= HUGE_PAGE_MIN_BYTES else "host_alloc"
     node = placement.node if placement is not None else None
