@@ -346,7 +346,7 @@ def main() -> int:
                         help="pass selective=False to the plans (where OffloadActivations takes it)")
     parser.add_argument("--allocator", choices=("default", "expandable"), default="default",
                         help="'expandable': PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True for every "
-                             "contender (set before CUDA starts; the 'device' budget then leaves 5%%, not 10%%)")
+                             "contender (set before CUDA starts; the 'device' budget then leaves 5%%, not 15%%)")
     early, _ = parser.parse_known_args()
     if early.allocator == "expandable":
         # Read by the caching allocator when CUDA first allocates, which has not happened yet.

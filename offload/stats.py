@@ -54,7 +54,7 @@ class StepStats(TypedDict):
     - ``mode`` (str): the schedule: ``"v1"``, ``"v2"``, ``"planned"``, with ``" (manual)"`` for
       ``manual_synchronization=True``; ``"auto"`` for ``OffloadActivations()`` without layers
       (groups found by bytes); ``"disabled"`` for a context made with ``enabled=False`` (every
-      figure then 0).
+      figure then 0 but ``weight_cache_bytes``).
     - ``transport`` (str): ``"cuda"`` (side-stream copies to pinned memory) or ``"cpu"`` (host
       copies, ``device="cpu"``); ``"none"`` for a graphed layer without an engine or a disabled
       context.
@@ -84,10 +84,13 @@ class StepStats(TypedDict):
     - ``d2h_ms`` / ``h2d_ms`` (float, milliseconds): the *timed* copies' summed durations (CUDA
       events on the copy streams; host clock on the ``cpu`` transport). Which copies are timed
       is the ``timing`` option: all, none, or (default) those of 4 MiB or more. 0 when none was
-      timed (graph capture, ``timing=False``, only small copies).
+      timed (graph capture, ``timing=False``, only small copies). On the ``cpu`` transport the
+      copy back writes into a buffer allocated for it, so ``h2d_ms`` includes the first touch of
+      every page of that buffer (the kernel zero-fills it), not only the copy.
     - ``timed_bytes_d2h`` / ``timed_bytes_h2d`` (int, bytes): the bytes of the timed copies.
     - ``d2h_gbps`` / ``h2d_gbps`` (float or None, GB/s = 1e9 bytes per second): timed bytes over
-      timed time, None when no copy was timed.
+      timed time, None when no copy was timed (on the ``cpu`` transport ``h2d_gbps`` is therefore
+      no copy rate, and the report does not show it).
     - ``wait_ms`` (float, milliseconds): time the compute stream waited for timed copies (release
       waits on a D2H, use waits on an H2D): the part of the copies not hidden under compute.
     - ``pinned_bytes_held`` (int, bytes): host memory the arena holds now, as really locked
@@ -109,8 +112,9 @@ class StepStats(TypedDict):
       replay, and copy and wait times are not measured.
     - ``weight_cache_bytes`` (int or None, bytes): GPU (or host) memory held now by the FP8 weight
       copies of the context's modules (``OffloadActivations``' layers, or ``params_from``), as
-      :func:`offload.fp8.weight_cache_bytes` counts them; None when the context was given no
-      modules. Not activation memory: it is there whether or not anything is offloaded.
+      :func:`offload.fp8.weight_cache_bytes` counts them, with ``enabled=False`` too; None when
+      the context was given no modules. Not activation memory: it is there whether or not
+      anything is offloaded.
     """
 
     step: int
@@ -230,14 +234,24 @@ def snapshot(
 DISABLED_REPORT = "offload report: disabled (enabled=False): nothing is offloaded"
 
 
-def disabled_stats() -> StepStats:
+def disabled_stats(modules: Any = ()) -> StepStats:
     """The figures of a context made with ``enabled=False``: every key of :class:`StepStats`,
     ``mode`` ``"disabled"``, transport ``"none"``, every count 0. A disabled context answers
-    ``stats`` like an enabled one, so code that logs the figures runs with offloading off."""
+    ``stats`` like an enabled one, so code that logs the figures runs with offloading off.
+
+    ``modules``: the modules the context was given (a module, or an iterable of them: its layers
+    or ``params_from``). ``weight_cache_bytes`` is then what their FP8 weight copies hold now,
+    the figure an enabled context reports (those copies exist whether or not anything is
+    offloaded); None when no module was given, as for an enabled context."""
+    # A module is one root (weight_cache_bytes walks its submodules); anything else is a
+    # collection of roots, made a tuple so that "no module given" can be told (a generator is
+    # always truthy).
+    roots = (modules,) if callable(getattr(modules, "modules", None)) else tuple(modules)
     return snapshot(
         StepCounters(step=0, mode="disabled"), pinned_bytes_held=0, native=False, transport="none",
         host_budget_bytes=0, host_budget_source="offloading disabled (enabled=False)",
         host_numa_source="offloading disabled (enabled=False)",
+        weight_cache_bytes=weight_cache_bytes(roots) if roots else None,
     )
 
 
@@ -259,11 +273,48 @@ _REPORT_WORDS = {
             "back": "host copy back", "kept_groups": "groups kept in place", "held": "host arena held"},
 }
 
+# What each schedule (``StepStats["mode"]``) does, in a few words, so that the report's first
+# lines read without the docs.
+_SCHEDULE_WORDS = {
+    "v2": "offloaded layers copied out as they end, reloaded ahead of their backward",
+    "v1": "TransformerEngine v1's group windows, one group in flight",
+    "planned": "per layer keep, offload or recompute, as the plan says",
+    "auto": "no layers given: groups cut by bytes saved",
+    "disabled": "enabled=False: nothing offloaded",
+}
+_MANUAL = " (manual)"
+
+_TRANSPORT_WORDS = {
+    "cuda": "side-stream copies to pinned host memory",
+    "cpu": 'host-to-host copies, device="cpu"',
+    "none": "no copies",
+}
+
+
+def _schedule_row(mode: str) -> str:
+    """``mode`` with what it means, e.g. ``v2 (offloaded layers copied out as they end, ...)``."""
+    base, manual = (mode[: -len(_MANUAL)], True) if mode.endswith(_MANUAL) else (mode, False)
+    words = _SCHEDULE_WORDS.get(base)
+    if manual:
+        words = "manual_synchronization=True: the caller starts each copy"
+    return f"{base} ({words})" if words else mode
+
+
+def _transport_row(transport: str, native: bool) -> str:
+    """The transport with what it copies between, and by which path."""
+    words = _TRANSPORT_WORDS.get(transport)
+    path = "native batched copies" if native else "torch copy_, offload._C not in use"
+    if transport == "none":
+        return f"none ({words})"
+    return f"{transport} ({words}; {path})" if words else f"{transport} ({path})"
+
 
 def format_report(s: StepStats) -> str:
     """A readable table of one :func:`snapshot`, worded for its transport (GPU and D2H/H2D on
-    ``cuda``; host copies and the host arena on ``cpu``)."""
-    words = _REPORT_WORDS["cpu" if s["transport"] == "cpu" else "cuda"]
+    ``cuda``; host copies and the host arena on ``cpu``). The FP8 weight copies' line is shown
+    only when they hold memory."""
+    host = s["transport"] == "cpu"
+    words = _REPORT_WORDS["cpu" if host else "cuda"]
 
     def rate(v: Optional[float]) -> str:
         return f"{v:.1f} GB/s" if v is not None else "-"
@@ -275,23 +326,35 @@ def format_report(s: StepStats) -> str:
             return " (not timed: timing=True times every copy)"
         return f" ({format_bytes(timed_bytes)} timed: {ms:.2f} ms)"
 
+    # On the host transport each copy back writes into a buffer allocated for it (torch.empty:
+    # fresh pages), so its time includes the kernel zero-filling every page on first touch
+    # (measured on a 2-core VM: all 2048 pages of an 8 MiB reload faulted, and the copy back ran
+    # at 1.5-4 GB/s against 6-12 GB/s into a pre-touched buffer). The copy out goes into the
+    # arena's reused, already touched region, and a GPU's reload buffer comes from the caching
+    # allocator: those are copy rates; this one is not, so it is not shown.
+    back_rate = "" if host else f", {rate(s['h2d_gbps'])}"
+    reloads = f"{s['reloads']} reloads, {s['reloads_on_demand']} on demand"
+    if host and s["timed_bytes_h2d"]:
+        reloads += "; no GB/s: the time includes the new buffers' first-touch page faults"
     kept = ", ".join(f"{k}={v}" for k, v in sorted(s["kept"].items())) or "none"
     rows = [
         ("step", f"{s['step']} ({'finished' if s['finished'] else 'in progress'}"
                  f"{', captured in a CUDA graph: times not measured' if s['captured'] else ''})"),
-        ("mode / transport", f"{s['mode']} / {s['transport']} ({'native' if s['native'] else 'python'} copies)"),
+        ("schedule", _schedule_row(s["mode"])),
+        ("transport", _transport_row(s["transport"], s["native"])),
         ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} groups"),
         ("bytes offloaded", f"{format_bytes(s['offloaded_bytes'])} ({format_bytes(s['released_bytes'])} {words['released']})"),
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         (words["kept_groups"], str(s["groups_kept"])),
         (words["out"], f"{format_bytes(s['bytes_d2h'])}{timed(s['timed_bytes_d2h'], s['bytes_d2h'], s['d2h_ms'])}, {rate(s['d2h_gbps'])}"),
-        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}, {rate(s['h2d_gbps'])} ({s['reloads']} reloads, {s['reloads_on_demand']} on demand)"),
+        (words["back"], f"{format_bytes(s['bytes_h2d'])}{timed(s['timed_bytes_h2d'], s['bytes_h2d'], s['h2d_ms'])}{back_rate} ({reloads})"),
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
         ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
         ("host NUMA node", f"{'-' if s['host_numa_node'] is None else s['host_numa_node']} ({s['host_numa_source']})"),
     ]
-    if s["weight_cache_bytes"] is not None:
+    # Only a figure to show: 0 B (modules without FP8 layers) or None (no modules) says nothing.
+    if s["weight_cache_bytes"]:
         rows.append(("FP8 weight copies", f"{format_bytes(s['weight_cache_bytes'])} (held by the modules, not offloaded)"))
     width = max(len(k) for k, _ in rows)
     lines = ["offload report", "-" * (width + 40)]
