@@ -14,13 +14,13 @@ can still be copied or saved.
 from __future__ import annotations
 
 import threading
-import time
+import warnings
 import weakref
 from typing import Any, Iterable, Optional
 
 import torch
 
-from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_unknown_options
+from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_option_values, check_unknown_options
 from .layer_args import (
     COMPILED_FIRST, check_offload_count, check_torchtune_options, dynamo_compiled_code, layer_list,
 )
@@ -28,16 +28,12 @@ from .schedules.auto import ScheduleAuto
 from .stats import DISABLED_REPORT, StepStats, disabled_stats
 from .eager import run_eagerly
 from .step import first_grad_tensor
-from .planner.make import (
-    Budget, check_budget, check_device_budget, choose, probe_policy, read_device_budget, step_figures,
-)
-from .planner.link import measure_link
-from .planner.probe import ProbeStep
-from .planner.sequence import AUTO, ProbeSequence, check_probe
+from .planner.make import Budget, check_budget
+from .planner.sequence import AUTO, check_probe
 from .planner.types import Plan
-from .plan_wrappers import install_recompute, install_selective, remove_plan_wrappers
-from .selective import Candidates, selective_candidates
-from .schedules.planned import PlannedSchedule
+from .plan_steps import PlannedSteps
+from .plan_wrappers import install_plan_wrappers, remove_plan_wrappers
+from .selective import Candidates, describe_candidates, selective_candidates
 
 
 class _LayerHook:
@@ -172,7 +168,7 @@ class OffloadActivations:
         plan: Optional[Plan] = None,
         memory_budget_bytes: Budget = None,
         measure_peak: bool = False,
-        probe: str = AUTO,
+        probe: Optional[str] = None,
         selective: Candidates = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
@@ -199,21 +195,23 @@ class OffloadActivations:
         self.enabled = enabled
         self.auto = layers is None
         self.measure_peak = measure_peak
-        self.plan: Optional[Plan] = None
-        self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
-        self._probe: Optional[ProbeStep] = None
-        self._probing = False  # this step is one of the probe sequence's (measured or not)
-        self._sequence: Optional[ProbeSequence] = None
+        # Plans and probe steps (with layers, given a plan or a budget, and enabled).
+        self._planned: Optional[PlannedSteps] = None
+        self._probe_step = False  # the step in progress runs under a probe, not the engine
+        self._budget: Budget = None  # as given (a disabled context keeps it too)
         self._candidates: list[torch.nn.Module] = []
-        self._step_mark: Any = None
         self.active = False
         self._tracking = False  # this forward is tracked (grad enabled at entry)
         self._handles: list[Any] = []
         self._boundary: Any = None  # the global module hook of the no-layers form, while open
         self._thread = 0
+        # Disabled: the modules whose FP8 weight copies stats counts (params_from's, as enabled).
+        self._weight_modules: list[torch.nn.Module] = []
         if self.auto:
-            self._init_auto(num_offload_layers, plan, memory_budget_bytes, group_bytes, keep_last_groups,
-                            max_fwd_stash_size, options)
+            planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
+                       "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak}
+            self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
+                            keep_last_groups, max_fwd_stash_size, options)
             return
         for name, value in (("group_bytes", group_bytes), ("keep_last_groups", keep_last_groups),
                             ("max_fwd_stash_size", max_fwd_stash_size)):
@@ -225,13 +223,13 @@ class OffloadActivations:
                 )
         self.layers = layer_list(layers)
         count = len(self.layers)
-        self.budget = check_budget(memory_budget_bytes, "OffloadActivations:")
-        probe = check_probe(probe, "OffloadActivations:")
+        self._budget = check_budget(memory_budget_bytes, "OffloadActivations:")
+        probe = check_probe(AUTO if probe is None else probe, "OffloadActivations:")
         self._candidates = selective_candidates(self.layers, selective)
         if plan is not None and plan.selects() and not self._candidates:
             raise ValueError(
                 "offload: the plan runs some layers' candidates under selective recompute, but "
-                f"selective={selective!r} finds none here; pass the selective= given to offload.plan"
+                f"selective={describe_candidates(selective)} finds none here; pass the selective= given to offload.plan"
             )
         # num_layers is accepted as an alias (TransformerEngine's name): errors name the one given.
         name, count_given = "num_offload_layers", num_offload_layers
@@ -241,9 +239,9 @@ class OffloadActivations:
                 raise ValueError("offload: OffloadActivations takes num_offload_layers or num_layers, not both")
             if num_offload_layers is None:
                 name, count_given = "num_layers", alias
-        planned = plan is not None or self.budget is not None
+        planned = plan is not None or self._budget is not None
         if planned:
-            if plan is not None and self.budget is not None:
+            if plan is not None and self._budget is not None:
                 raise ValueError("offload: OffloadActivations takes plan or memory_budget_bytes, not both")
             if count_given is not None:
                 raise ValueError(
@@ -258,36 +256,36 @@ class OffloadActivations:
             count_given = 0  # until the plan's schedule takes over
         elif count_given is None:
             count_given = count - 1
+            if count_given == 0 and self.enabled:
+                warnings.warn(
+                    "offload: OffloadActivations got one layer, and by default it offloads all "
+                    "layers but the last (backward needs the last one's activations first), so it "
+                    "offloads nothing. Pass all the model's repeated layers (e.g. model.layers), or "
+                    "OffloadActivations() without layers to find group boundaries by bytes",
+                    UserWarning, stacklevel=2,
+                )
         else:
             check_offload_count(name, count_given, count, options)
         options["num_layers"] = count_given
         options.setdefault("model_layers", count)
         # The layers' parameters and buffers (and views of them) are never copied.
         options.setdefault("params_from", self.layers)
+        if not self.enabled:  # checked all the same: a wrong value must not wait for enabled=True
+            self._weight_modules = check_option_values(api, **options)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
-        if self.engine is not None:
-            device = self.engine.transport.device
-            check_device_budget(self.budget, device, "OffloadActivations:")
-            if plan is not None:
-                self._follow(plan)
-            elif self.budget is not None:
-                self._sequence = ProbeSequence(
-                    self.layers, probe_policy(device, self.engine.policy.min_offload_bytes, self.engine.policy.selection),
-                    device, probe=probe, candidates=self._candidates, link=lambda: measure_link(device),
-                    device_limit=(lambda: read_device_budget(device).budget_bytes) if device.type == "cuda" else None,
-                )
+        if self.engine is not None and planned:
+            self._planned = PlannedSteps(
+                self.engine, self.layers, self._candidates, budget=self._budget, plan=plan, probe=probe,
+                measure_peak=measure_peak, on_plan=self._install_plan_wrappers,
+            )
 
     def _init_auto(
-        self, num_offload_layers: Optional[int], plan: Optional[Plan], memory_budget_bytes: Budget,
-        group_bytes: Optional[int], keep_last_groups: Optional[int], stash: Optional[int],
-        options: dict[str, Any],
+        self, num_offload_layers: Optional[int], planner_options: list[str], group_bytes: Optional[int],
+        keep_last_groups: Optional[int], stash: Optional[int], options: dict[str, Any],
     ) -> None:
         api = "OffloadActivations"
-        refused = [
+        refused = ["num_offload_layers"] * (num_offload_layers is not None) + planner_options + [
             name for name, given in (
-                ("num_offload_layers", num_offload_layers is not None),
-                ("plan", plan is not None),
-                ("memory_budget_bytes", memory_budget_bytes is not None),
                 ("num_layers", "num_layers" in options),
                 ("model_layers", "model_layers" in options),
                 ("manual_synchronization", bool(options.get("manual_synchronization"))),
@@ -306,10 +304,11 @@ class OffloadActivations:
         _check_int(api, "keep_last_groups", keep_last_groups, 1)
         self.group_bytes = group_bytes
         self.layers = []
-        self.budget = None
         schedule = ScheduleAuto(
             tail=keep_last_groups, stash=DEFAULT_STASH_GROUPS if stash is None else stash
         )
+        if not self.enabled:
+            self._weight_modules = check_option_values(api, **options)
         self.engine = (
             build_engine(num_layers=0, model_layers=1, layer_contexts=False, schedule=schedule, **options)
             if self.enabled else None
@@ -325,17 +324,11 @@ class OffloadActivations:
         if self.auto:
             self._enter_auto()
             return self
-        planning = self.budget is not None or self.plan is not None
-        if planning and torch.is_grad_enabled():
-            self._between_steps()
-            if self.plan is None and self._sequence is not None:
-                # A probe step (offload.planner.sequence): None runs it plainly, unmeasured.
-                self._probing = True
-                self._probe = self._sequence.next_step()
-                if self._probe is not None:
-                    self._probe.begin()
-                    self._tracking = True
-                return self
+        if self._planned is not None and torch.is_grad_enabled() and self._planned.enter():
+            # A probe step (offload.plan_steps): its forward runs under the probe, measured or
+            # (a warm-up) plainly.
+            self._tracking = self._probe_step = self._planned.probe is not None
+            return self
         if not self._handles:
             self._register_hooks()
         self._tracking = self.engine.begin_forward()
@@ -354,13 +347,9 @@ class OffloadActivations:
         if self.auto:
             self._exit_auto(failed=exc_type is not None)
             return
-        if self._probe is not None and self.plan is None:
-            self._probe.end_forward()
-            if exc_type is not None:
-                probe, self._probe, self._probing = self._probe, None, False
-                # Out of memory moves on to a lower-memory probe (or is a BudgetError at the
-                # lowest); the step is probed again either way.
-                self._sequence.step_failed(probe, exc)  # type: ignore[union-attr]
+        if self._probe_step:
+            self._probe_step = False
+            self._planned.end_forward(exc if exc_type is not None else None)  # type: ignore[union-attr]
             return
         if exc_type is not None:
             self.engine.abort_step()
@@ -424,50 +413,33 @@ class OffloadActivations:
                 engine.attach_backward_marker(marked, layer)  # type: ignore[union-attr]
 
     # -- plans -------------------------------------------------------------------------------------
-    def _between_steps(self) -> None:
-        # Called at the entry of a planned step: the previous step (forward, backward and
-        # whatever the loop did after it) is over, so its figures are final.
-        device = self.engine.transport.device  # type: ignore[union-attr]
-        cuda = device.type == "cuda"
-        mark = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
-        if cuda:
-            mark.record()
-        probe, self._probe = self._probe, None
-        if self._probing:
-            self._probing = False
-            if probe is not None:
-                probe.end_step()
-            profile = self._sequence.step_done(probe)  # type: ignore[union-attr]
-            if profile is not None:
-                self._follow(choose(profile, self.budget, device))
-        elif self._step_mark is not None:
-            # Read lazily (plan_report): reading the events now would make the host wait.
-            peak = torch.cuda.max_memory_allocated(device) if cuda and self.measure_peak else None
-            self._last_step = (self._step_mark, mark, peak)
-        if cuda and self.measure_peak:
-            torch.cuda.reset_peak_memory_stats(device)
-        self._step_mark = mark
+    @property
+    def plan(self) -> Optional[Plan]:
+        """The plan in force (None before the probe steps end, or without a plan or budget)."""
+        return self._planned.plan if self._planned is not None else None
 
-    def _follow(self, plan: Plan) -> None:
-        if plan.profile is None:
-            raise ValueError("offload: this plan carries no profile; make it with offload.plan(...)")
-        self.plan = plan
-        schedule = PlannedSchedule(plan, plan.profile)
-        self.engine.schedule = schedule  # type: ignore[union-attr]
-        self.engine.model_layers = len(plan.layers)  # type: ignore[union-attr]
-        self.engine.mode = "planned"  # type: ignore[union-attr]
-        if plan.recomputes():
-            install_recompute(self, self.layers)
-        if plan.selects():
-            install_selective(self, self._candidates)
-        # The plan says what each layer will copy: pin those blocks now, on the arena's
-        # background thread, so the first planned step does not stall on pinning.
-        arena = self.engine.arena  # type: ignore[union-attr]
-        if arena.pinned and not arena.has_idle_blocks():
-            try:
-                arena.preallocate(schedule.region_bytes(), background=True)
-            except ValueError:
-                pass  # over the host budget: the step keeps what does not fit on the GPU
+    @property
+    def budget(self) -> Budget:
+        """The memory budget plans are made for (``memory_budget_bytes``, or :meth:`set_budget`'s)."""
+        return self._planned.budget if self._planned is not None else self._budget
+
+    def set_budget(self, memory_budget_bytes: Budget) -> None:
+        """Plan for another budget (bytes, ``"device"`` or ``"lowest"``) from the figures already
+        measured, between steps: no probe step runs again. Raises :class:`BudgetError` when no
+        plan fits it, and the context stays as it was; before the probe steps are over, the
+        plan they lead to is made for the new budget."""
+        where = "OffloadActivations.set_budget:"
+        if self.active:
+            raise RuntimeError(f"offload: {where} call it between steps, not inside the `with`")
+        if self.budget is None and self.plan is None:
+            raise ValueError(
+                f"offload: {where} this OffloadActivations offloads a fixed number of layers; make "
+                "it with memory_budget_bytes=... (or plan=...) to follow plans"
+            )
+        if self._planned is not None:
+            self._planned.set_budget(memory_budget_bytes, where)
+        else:  # enabled=False: nothing to plan, the budget is kept
+            self._budget = check_budget(memory_budget_bytes, where) or self._budget
 
     @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
     def _recompute_current(self) -> bool:
@@ -490,11 +462,18 @@ class OffloadActivations:
     @property
     def measured(self) -> Optional[dict[str, Any]]:
         """The last whole planned step's time (entry to next entry) and peak (``measure_peak``)."""
-        if self._last_step is None:
-            return None
-        return step_figures(*self._last_step)
+        return self._planned.measured() if self._planned is not None else None
+
+    def _install_plan_wrappers(self) -> None:
+        # Only what the plan uses: a wrapper costs a Python call per module call.
+        plan = self.plan
+        if plan is not None:
+            install_plan_wrappers(self, self.layers if plan.recomputes() else (),
+                                  self._candidates if plan.selects() else ())
 
     def _register_hooks(self) -> None:
+        # After close() the plan's wrappers are gone with the hooks: both come back together.
+        self._install_plan_wrappers()
         # One pair of hooks per distinct module: a module listed twice is called twice.
         for module in dict.fromkeys(self.layers):
             _prune_dead_hooks(module)
@@ -509,7 +488,7 @@ class OffloadActivations:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        remove_plan_wrappers(self.layers, self._candidates)
+        remove_plan_wrappers(self, self.layers, self._candidates)
 
     def _refuse_second_entry(self) -> None:
         # One engine runs one forward at a time: a second forward inside the first (or beside
@@ -562,12 +541,28 @@ class OffloadActivations:
             self.engine.attach_backward_marker(marked, layer)  # type: ignore[union-attr]
 
     # -- figures -----------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        # What a user checks first, offload_trainer's users above all: which layers were found,
+        # and what is done with them.
+        if self.auto:
+            what = f"no layers: groups of {self.group_bytes} bytes"
+        else:
+            kinds = sorted({type(m).__name__ for m in self.layers})
+            what = f"{len(self.layers)} layer{'' if len(self.layers) == 1 else 's'} ({', '.join(kinds[:3])}{', ...' if len(kinds) > 3 else ''})"
+            if self.plan is not None:
+                what += f", plan: {self.plan.describe()}"
+            elif self.budget is not None:
+                what += f", memory_budget_bytes={self.budget!r} (planning)"
+            elif self.engine is not None:
+                what += f", offloading {self.engine.schedule.num_layers} of them"
+        return f"OffloadActivations({what}{'' if self.enabled else ', disabled'})"
+
     @property
     def stats(self) -> StepStats:
         """Figures of the last finished step (or of the step in progress if none finished): every
         key, its unit and meaning in :class:`offload.stats.StepStats`; with ``enabled=False``
-        the same keys, ``mode`` ``"disabled"`` and every figure 0."""
-        return self.engine.stats() if self.engine is not None else disabled_stats()
+        the same keys, ``mode`` ``"disabled"`` and every figure 0 but ``weight_cache_bytes``."""
+        return self.engine.stats() if self.engine is not None else disabled_stats(self._weight_modules)
 
     def report(self) -> str:
         """A readable table of :attr:`stats`."""

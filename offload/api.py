@@ -187,6 +187,37 @@ def _check_counts(
         )
 
 
+def check_option_values(api: str, **options: Any) -> list[torch.nn.Module]:
+    """Check the type and range of each engine option given (:data:`ENGINE_OPTIONS`, by name),
+    naming ``api`` and the option; returns the modules of ``params_from``. Enabled or not, an
+    entry point checks these up front: a wrong value must not wait until offloading is turned on.
+    What depends on offloading being on (the layer counts against each other, the device being
+    there) is :func:`build_engine`'s."""
+    given = options.get
+    _check_choice(api, "mode", given("mode"), MODES, f"follow {MODE_ENV_VAR}")
+    for name in ("offload_activations", "offload_weights", "double_buffering", "manual_synchronization",
+                 "retain_pinned_cpu_buffers", "wait_for_pinning"):
+        if name in options:
+            _check_bool(api, name, options[name])
+    if "model_layers" in options:
+        _check_int(api, "model_layers", options["model_layers"], 1)
+    if given("num_layers") is not None or ("num_layers" in options and not given("manual_synchronization")):
+        _check_int(api, "num_layers", options["num_layers"], 0)
+    if "min_offload_bytes" in options:
+        _check_int(api, "min_offload_bytes", options["min_offload_bytes"], 0, "an integer number of bytes")
+    if given("host_budget_bytes") is not None:
+        _check_int(api, "host_budget_bytes", options["host_budget_bytes"], 0, "None or an integer number of bytes")
+    if given("timing") is not None:
+        _check_bool(api, "timing", options["timing"])
+    _check_choice(api, "selection", given("selection"), SELECTIONS, "'marked' for v1, 'auto' for v2")
+    stream, device = given("offload_stream"), given("device")
+    if stream is not None and not isinstance(stream, torch.cuda.Stream):
+        raise TypeError(f"offload: {api}: offload_stream must be a torch.cuda.Stream or None, got {_got(stream)}")
+    if device is not None and not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"offload: {api}: device must be None, a torch.device, a string or an index, got {_got(device)}")
+    return _modules_of(api, given("params_from"))
+
+
 def build_engine(
     *,
     num_layers: Optional[int],
@@ -221,30 +252,10 @@ def build_engine(
     """
     api = _api or ("get_cpu_offload_context" if layer_contexts else "OffloadActivations")
     check_unknown_options(api, unknown)
-    _check_choice(api, "mode", mode, MODES, f"follow {MODE_ENV_VAR}")
-    _check_bool(api, "manual_synchronization", manual_synchronization)
+    # The options by name, as passed (the parameters above): checked in one place.
+    modules = check_option_values(api, **{name: value for name, value in locals().items() if name in ENGINE_OPTIONS})
     resolved_mode = resolve_mode(mode)
     _check_counts(num_layers, model_layers, api, mode=resolved_mode, manual=manual_synchronization)
-    for name, value in (
-        ("offload_activations", offload_activations),
-        ("offload_weights", offload_weights),
-        ("double_buffering", double_buffering),
-        ("manual_synchronization", manual_synchronization),
-        ("retain_pinned_cpu_buffers", retain_pinned_cpu_buffers),
-        ("wait_for_pinning", wait_for_pinning),
-    ):
-        _check_bool(api, name, value)
-    _check_int(api, "min_offload_bytes", min_offload_bytes, 0, "an integer number of bytes")
-    if host_budget_bytes is not None:
-        _check_int(api, "host_budget_bytes", host_budget_bytes, 0, "None or an integer number of bytes")
-    if timing is not None:
-        _check_bool(api, "timing", timing)
-    _check_choice(api, "selection", selection, SELECTIONS, "'marked' for v1, 'auto' for v2")
-    if offload_stream is not None and not isinstance(offload_stream, torch.cuda.Stream):
-        raise TypeError(f"offload: {api}: offload_stream must be a torch.cuda.Stream or None, got {_got(offload_stream)}")
-    if device is not None and not isinstance(device, (str, torch.device, int)):
-        raise TypeError(f"offload: {api}: device must be None, a torch.device, a string or an index, got {_got(device)}")
-    modules = _modules_of(api, params_from)
     if offload_weights:
         warnings.warn(
             "offload: offload_weights=True is accepted for TransformerEngine compatibility, but "
@@ -418,7 +429,13 @@ class DisabledContext:
     """What ``get_cpu_offload_context(enabled=False)`` returns: a layer context that offloads
     nothing but answers like an enabled one (``stats``, ``report()``, ``reserve()``), so a loop
     written for offloading (``with ctx: x = layer(x)``, then ``x = sync(x)``, then
-    ``print(ctx.report())``) runs unchanged with offloading turned off."""
+    ``print(ctx.report())``) runs unchanged with offloading turned off.
+
+    ``modules``: those of ``params_from``, whose FP8 weight copies ``stats`` counts, as an enabled
+    context does."""
+
+    def __init__(self, modules: Iterable[torch.nn.Module] = ()) -> None:
+        self.modules = list(modules)
 
     def __enter__(self) -> "DisabledContext":
         return self
@@ -428,8 +445,9 @@ class DisabledContext:
 
     @property
     def stats(self) -> StepStats:
-        """Every key of :class:`offload.stats.StepStats`, ``mode`` ``"disabled"``, all figures 0."""
-        return disabled_stats()
+        """Every key of :class:`offload.stats.StepStats`, ``mode`` ``"disabled"``, all figures 0
+        but ``weight_cache_bytes``."""
+        return disabled_stats(self.modules)
 
     def report(self) -> str:
         """One line saying that offloading is off."""
@@ -515,33 +533,19 @@ def get_cpu_offload_context(
 
     Options are checked here, with errors that name this function and the option: wrong types
     raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range
-    ``ValueError``. With ``enabled=False`` only ``enabled`` and the keyword names are checked.
+    ``ValueError``; with ``enabled=False`` too, except the layer counts against each other
+    (TransformerEngine's own defaults, ``num_layers=1, model_layers=1``, describe no layer to
+    offload) and ``offload_activations=False``, which a disabled context means anyway.
     """
     api = "get_cpu_offload_context"
     check_unknown_options(api, unknown)
     _check_bool(api, "enabled", enabled)
+    # The engine options, by name, as given (the signature above is TransformerEngine's).
+    options = {name: value for name, value in locals().items() if name in ENGINE_OPTIONS}
     if not enabled:
-        noop: tuple[Any, ...] = (DisabledContext(), _identity)
+        noop: tuple[Any, ...] = (DisabledContext(check_option_values(api, **options)), _identity)
         return noop + (DisabledController(),) if manual_synchronization else noop
-    engine = build_engine(
-        num_layers=num_layers,
-        model_layers=model_layers,
-        offload_activations=offload_activations,
-        offload_weights=offload_weights,
-        double_buffering=double_buffering,
-        manual_synchronization=manual_synchronization,
-        retain_pinned_cpu_buffers=retain_pinned_cpu_buffers,
-        offload_stream=offload_stream,
-        mode=mode,
-        device=device,
-        min_offload_bytes=min_offload_bytes,
-        host_budget_bytes=host_budget_bytes,
-        selection=selection,
-        params_from=params_from,
-        timing=timing,
-        wait_for_pinning=wait_for_pinning,
-        _api=api,
-    )
+    engine = build_engine(**options, _api=api)
     result: tuple[Any, ...] = (OffloadContext(engine), SyncFunction(engine))
     if manual_synchronization:
         result += (ManualController(engine),)

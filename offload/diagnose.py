@@ -55,7 +55,10 @@ def _explain(reason: str, count: int, min_offload_bytes: int, largest_small: int
     if reason == KEEP_UNSUPPORTED:
         return f"{count} cannot be offloaded (meta or fake tensors, sparse or nested layouts, subclasses)"
     if reason == KEEP_BUDGET:
-        return f"{count} did not fit in the host budget (host_budget_bytes) or pinned memory"
+        return (
+            f"{count} did not fit in the host budget (host_budget_bytes, or the process's, shared "
+            "by all its offload contexts: offload.host_ledger) or pinned memory"
+        )
     return f"{count} were kept ({reason})"
 
 
@@ -71,8 +74,10 @@ def nothing_offloaded(counters: StepCounters, *, min_offload_bytes: int, largest
     if seen == 0:
         return (
             f"offload: step {counters.step} offloaded nothing: no saved tensor reached the "
-            "offloaded layers (they saved nothing for backward: frozen, run under no_grad, or "
-            "checkpointed as a whole)"
+            "offloaded layers. Either they saved nothing for backward (frozen, run under no_grad, "
+            "or checkpointed as a whole), or another offload context entered inside this one "
+            "(nested on the same layers, or torch's save_on_cpu) took them: its saved-tensor "
+            "hooks are the innermost, so only it sees the tensors. Use one context per forward"
         )
     parts = [
         _explain(reason, count, min_offload_bytes, largest_small)

@@ -72,11 +72,17 @@ def layer_list(layers: Any) -> list[torch.nn.Module]:
             f"of nn.Module such as model.layers) or None, got {_got(layers)}"
         )
     listed = list(layers)
-    if not listed or not all(isinstance(m, torch.nn.Module) for m in listed):
+    if not listed:
         raise ValueError(
             "offload: OffloadActivations needs a non-empty list of nn.Module layers (e.g. "
             "model.layers), or no layers at all to find group boundaries by bytes"
         )
+    for i, m in enumerate(listed):
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(
+                f"offload: OffloadActivations: layers[{i}] is {_got(m) if len(repr(m)) <= 60 else type(m).__name__}, "
+                "not an nn.Module; pass the model's repeated layer modules (e.g. model.layers)"
+            )
     return listed
 
 

@@ -3,9 +3,13 @@ choices that hooks cannot: running a layer under checkpointing (RECOMPUTE), and 
 layer's selective candidates (its MLP) under selective recompute (a ``selective`` KEEP or
 OFFLOAD).
 
-Each decides per call (a weight-shared module is one layer per call) by asking its context,
-which it holds weakly, like the module hooks: a copy of the model (``copy.deepcopy``, pickling)
-carries inert wrappers that simply call the copied forward.
+Each decides per call (a weight-shared module is one layer per call) by asking the context whose
+forward runs in this thread. It holds the contexts it serves weakly, like the module hooks: a
+copy of the model (``copy.deepcopy``, pickling) carries inert wrappers that simply call the copied
+forward. A context attaches itself whenever it follows a plan or enters after ``close()``, and
+detaches at ``close()``: a wrapper comes off when no live context uses it, so a closed context,
+one that died without closing, or a second context on the same layers never leaves a plan
+unfollowed.
 """
 
 from __future__ import annotations
@@ -13,34 +17,73 @@ from __future__ import annotations
 import copy
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Protocol
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
+from .eager import run_eagerly
+from .recompute import checkpoint_call
 from .selective import SelectiveForward
 
-if TYPE_CHECKING:
-    from .activations import OffloadActivations
+
+class PlanFollower(Protocol):
+    """What a wrapper asks of the context it serves (``OffloadActivations``; a protocol, so that
+    this module does not import the one that imports it)."""
+
+    active: bool
+    _thread: int
+
+    def _recompute_current(self) -> bool: ...
+
+    def _selective_current(self) -> bool: ...
+
+
+class _Owners:
+    """The contexts a wrapper serves, held weakly: several contexts may follow plans on the same
+    layers (one per thread), one context may close and enter again, and one may die without
+    closing; the wrapper stays while any of them is attached."""
+
+    __slots__ = ("_refs",)
+
+    def __init__(self, owner: Optional[PlanFollower]) -> None:
+        self._refs: list[weakref.ref] = [weakref.ref(owner)] if owner is not None else []
+
+    def attach(self, owner: PlanFollower) -> None:
+        """Serve ``owner`` too (once), forgetting contexts that were garbage collected."""
+        self._refs = [r for r in self._refs if r() is not None and r() is not owner]
+        self._refs.append(weakref.ref(owner))
+
+    def detach(self, owner: PlanFollower) -> bool:
+        """Stop serving ``owner``; whether any live context is still served."""
+        self._refs = [r for r in self._refs if r() is not None and r() is not owner]
+        return bool(self._refs)
+
+    @run_eagerly  # reads the thread and the contexts' state: a graph break in a compiled layer
+    def running(self) -> Optional[PlanFollower]:
+        """The context whose forward runs in this thread now, if any."""
+        for ref in self._refs:
+            owner = ref()
+            if owner is not None and owner.active and owner._thread == threading.get_ident():
+                return owner
+        return None
 
 
 class RecomputeForward:
     """Stands in for a layer's ``forward`` and runs it under non-reentrant checkpointing when
-    the plan recomputes the layer being run."""
+    the plan of the context running it recomputes the layer being run."""
 
-    __slots__ = ("_owner", "fn")
+    __slots__ = ("owners", "fn")
 
-    def __init__(self, owner: Optional["OffloadActivations"], fn: Any) -> None:
-        self._owner = weakref.ref(owner) if owner is not None else None
+    def __init__(self, owner: Optional[PlanFollower], fn: Any) -> None:
+        self.owners = _Owners(owner)
         self.fn = fn
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        owner = self._owner() if self._owner is not None else None
-        if owner is not None and owner.active and owner._thread == threading.get_ident() \
-                and owner._recompute_current():
+        owner = self.owners.running()
+        if owner is not None and owner._recompute_current():
             # The pre-hook has opened the layer's group: checkpoint's inputs are saved into it
             # (and offloaded), everything inside goes to checkpoint's own hooks.
-            return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
+            return checkpoint_call(self.fn, args, kwargs)
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "RecomputeForward":
@@ -51,16 +94,16 @@ class RecomputeForward:
 
 
 class SelectiveWhen:
-    """The ``when`` of a planned :class:`~offload.selective.SelectiveForward`: true while its
-    context runs a layer the plan makes selective."""
+    """The ``when`` of a planned :class:`~offload.selective.SelectiveForward`: true while a
+    context it serves runs a layer its plan makes selective."""
 
-    __slots__ = ("_owner",)
+    __slots__ = ("owners",)
 
-    def __init__(self, owner: Optional["OffloadActivations"]) -> None:
-        self._owner = weakref.ref(owner) if owner is not None else None
+    def __init__(self, owner: Optional[PlanFollower]) -> None:
+        self.owners = _Owners(owner)
 
     def __call__(self) -> bool:
-        owner = self._owner() if self._owner is not None else None
+        owner = self.owners.running()
         return owner is not None and owner._selective_current()
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "SelectiveWhen":
@@ -70,17 +113,30 @@ class SelectiveWhen:
         return (SelectiveWhen, (None,))
 
 
-def install_recompute(owner: "OffloadActivations", layers: Iterable[torch.nn.Module]) -> None:
-    """Wrap each layer's ``forward`` once for the plan's RECOMPUTE layers."""
+def _planned_selective(module: torch.nn.Module) -> Optional[SelectiveWhen]:
+    wrapper = module.__dict__.get("forward")
+    if isinstance(wrapper, SelectiveForward) and isinstance(wrapper.when, SelectiveWhen):
+        return wrapper.when
+    return None
+
+
+def install_plan_wrappers(owner: PlanFollower, layers: Iterable[torch.nn.Module],
+                          candidates: Iterable[torch.nn.Module]) -> None:
+    """Make the ``layers``' and ``candidates``' wrappers serve ``owner``: wrap each module once,
+    or attach ``owner`` to the wrapper already there (another context's, live or dead).
+    Idempotent; called whenever the owner starts following a plan or enters after ``close``."""
     for module in dict.fromkeys(layers):
-        if not isinstance(module.__dict__.get("forward"), RecomputeForward):
+        wrapper = module.__dict__.get("forward")
+        if isinstance(wrapper, RecomputeForward):
+            wrapper.owners.attach(owner)
+        else:
             module.forward = RecomputeForward(owner, module.forward)
-
-
-def install_selective(owner: "OffloadActivations", candidates: Iterable[torch.nn.Module]) -> None:
-    """Wrap each candidate's ``forward`` once for the plan's selective layers."""
     for module in dict.fromkeys(candidates):
-        if not isinstance(module.__dict__.get("forward"), SelectiveForward):
+        when = _planned_selective(module)
+        if when is not None:
+            when.owners.attach(owner)
+        elif not isinstance(module.__dict__.get("forward"), SelectiveForward):
+            # (A module the user runs under selective_recompute is always selective already.)
             module.forward = SelectiveForward(module.forward, when=SelectiveWhen(owner))
 
 
@@ -91,14 +147,15 @@ def _unwrap(module: torch.nn.Module, wrapper: Any) -> None:
         module.forward = wrapper.fn  # an instance attribute set before (a user's selective wrapper)
 
 
-def remove_plan_wrappers(layers: Iterable[torch.nn.Module], candidates: Iterable[torch.nn.Module]) -> None:
-    """Take off what :func:`install_recompute` and :func:`install_selective` put on (the user's
-    own selective wrappers stay)."""
+def remove_plan_wrappers(owner: PlanFollower, layers: Iterable[torch.nn.Module],
+                         candidates: Iterable[torch.nn.Module]) -> None:
+    """Detach ``owner`` from the wrappers :func:`install_plan_wrappers` put on; a wrapper no
+    live context uses any more comes off (the user's own selective wrappers stay)."""
     for module in dict.fromkeys(layers):
         wrapper = module.__dict__.get("forward")
-        if isinstance(wrapper, RecomputeForward):
+        if isinstance(wrapper, RecomputeForward) and not wrapper.owners.detach(owner):
             _unwrap(module, wrapper)
     for module in dict.fromkeys(candidates):
-        wrapper = module.__dict__.get("forward")
-        if isinstance(wrapper, SelectiveForward) and isinstance(wrapper.when, SelectiveWhen):
-            _unwrap(module, wrapper)
+        when = _planned_selective(module)
+        if when is not None and not when.owners.detach(owner):
+            _unwrap(module, module.__dict__["forward"])

@@ -51,6 +51,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .recompute import checkpoint_call
+
 aten = torch.ops.aten
 
 
@@ -117,7 +119,7 @@ class SelectiveForward:
             return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_policy_contexts, **kwargs)
         if not torch.is_grad_enabled() or _inside_checkpoint():
             return self.fn(*args, **kwargs)
-        return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_policy_contexts, **kwargs)
+        return checkpoint_call(self.fn, args, kwargs, context_fn=_policy_contexts)
 
 
 def always_selective(module: torch.nn.Module) -> bool:
@@ -186,7 +188,34 @@ def selective_recompute(modules: Union[torch.nn.Module, Iterable[torch.nn.Module
 # decoder layers keep their MLP under this name (Llama, Mistral, Qwen, Gemma, GPT-2's ``mlp``).
 DEFAULT_CANDIDATES = ("mlp",)
 
-Candidates = Union[None, bool, str, Sequence[str], Callable[[torch.nn.Module], Iterable[torch.nn.Module]]]
+Candidates = Union[
+    None, bool, str, Sequence[str], torch.nn.Module, Iterable[torch.nn.Module],
+    Callable[[torch.nn.Module], Iterable[torch.nn.Module]],
+]
+
+
+def describe_candidates(value: object) -> str:
+    """``selective=`` in a few words, for error messages."""
+    # Short: a list of 16 LlamaMLP blocks printed whole would fill the screen.
+    if isinstance(value, (list, tuple, torch.nn.ModuleList)):
+        kinds = sorted({type(v).__name__ for v in value})
+        more = ", ..." if len(kinds) > 3 else ""
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(kinds[:3])}{more})"
+    text = repr(value) if not isinstance(value, torch.nn.Module) else f"a {type(value).__name__} module"
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _given_modules(layers: Sequence[torch.nn.Module], modules: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    # Candidates given as modules (what offload.selective_recompute takes): each must sit inside
+    # one of the layers, where the plan decides per layer.
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    for i, m in enumerate(modules):
+        if id(m) not in inside:
+            raise ValueError(
+                f"offload: selective= item {i} (a {type(m).__name__}) is inside none of the layers; "
+                "pass submodules of the layers (e.g. [layer.mlp for layer in model.layers])"
+            )
+    return modules
 
 
 def selective_candidates(layers: Sequence[torch.nn.Module], selective: Candidates) -> list[torch.nn.Module]:
@@ -195,27 +224,40 @@ def selective_candidates(layers: Sequence[torch.nn.Module], selective: Candidate
     ``selective``: None or True: each layer's submodules named in :data:`DEFAULT_CANDIDATES`
     (layers without one have none); False: none; a name or names (dotted paths inside a layer,
     e.g. ``"mlp"`` or ``["mlp", "self_attn.o_proj"]``): those, in every layer (a layer lacking one
-    is an error); a callable: ``selective(layer)`` gives the modules. Modules made selective by
-    :func:`selective_recompute` already stay so and are left out.
+    is an error); a module or modules inside the layers (as :func:`selective_recompute` takes
+    them, e.g. ``[layer.mlp for layer in model.layers]``); a callable: ``selective(layer)`` gives
+    the modules. Modules made selective by :func:`selective_recompute` already stay so and are
+    left out.
     """
     if selective is False:
         return []
     names: Optional[Sequence[str]] = None
+    given: Optional[list[torch.nn.Module]] = None
     required = True
     if selective is None or selective is True:
         names, required = DEFAULT_CANDIDATES, False
     elif isinstance(selective, str):
         names = [selective]
-    elif not callable(selective):
+    elif isinstance(selective, torch.nn.Module) and not isinstance(selective, torch.nn.ModuleList):
+        # One module, a Sequential MLP included (a ModuleList of them is a list, below).
+        given = _given_modules(layers, [selective])
+    elif not callable(selective) or isinstance(selective, torch.nn.ModuleList):  # (a ModuleList is callable)
         try:
-            names = list(selective)  # type: ignore[arg-type]
+            items = list(selective)  # type: ignore[arg-type]
         except TypeError:
-            names = None
-        if names is None or not all(isinstance(n, str) for n in names):
+            items = None
+        if items is not None and items and all(isinstance(m, torch.nn.Module) for m in items):
+            given = _given_modules(layers, items)
+        elif items is not None and all(isinstance(n, str) for n in items):
+            names = items
+        else:
             raise TypeError(
                 "offload: selective= takes None (each layer's 'mlp'), False, a submodule name or names "
-                f"(e.g. 'mlp'), or a callable layer -> modules; got {selective!r}"
+                "(e.g. 'mlp'), modules inside the layers, or a callable layer -> modules; got "
+                f"{describe_candidates(selective)}"
             )
+    if given is not None:
+        return [m for m in dict.fromkeys(given) if not always_selective(m)]
     out: dict[torch.nn.Module, None] = {}
     for i, layer in enumerate(layers):
         if names is None:
@@ -228,7 +270,7 @@ def selective_candidates(layers: Sequence[torch.nn.Module], selective: Candidate
                 except AttributeError:
                     if required:
                         raise ValueError(
-                            f"offload: selective={selective!r}: layer {i} ({type(layer).__name__}) has no "
+                            f"offload: selective={describe_candidates(selective)}: layer {i} ({type(layer).__name__}) has no "
                             f"submodule {name!r}; name a submodule every layer has, or pass a callable"
                         ) from None
         for m in found:

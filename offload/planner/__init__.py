@@ -5,8 +5,8 @@
   fastest plan under a budget, or the lowest-memory one; ``budget``: what "device" means;
   ``table``: the readable per-layer table. These five are pure Python (no torch).
 - ``probe``: the probe step that measures a model (plainly, or with every layer checkpointed),
-  with ``instrument`` (what it wraps around modules to see inside a layer) and ``link`` (the host
-  link's speed); ``sequence``: which probe each planning step runs, so that planning fits
+  with ``instrument`` (what it wraps around modules to see inside a layer), ``timeline`` (where
+  it reads time and memory) and ``link`` (the host link's speed); ``sequence``: which probe each planning step runs, so that planning fits
   wherever checkpointing fits; ``make``: ``offload.plan(...)`` and the helpers
   ``OffloadActivations`` uses to plan on its first steps.
 """

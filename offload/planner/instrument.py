@@ -18,6 +18,8 @@ first out):
   backward can be told from it.
 
 Both hold the probe weakly: a wrapper left behind by an exception must not keep the probe alive.
+Both run eagerly (:mod:`offload.eager`): in a compiled model a probed module runs eagerly, since
+its timing marks, dispatch mode and counting hooks cannot be traced.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch.utils.checkpoint import set_checkpoint_early_stop
 
+from ..eager import run_eagerly
+from ..recompute import checkpoint_call
 from ..selective import EXPENSIVE_OPS
 
 if TYPE_CHECKING:
@@ -96,6 +100,7 @@ class CandidateForward(_Wrapper):
 
     __slots__ = ()
 
+    @run_eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         probe = self.probe()
         if probe is None:
@@ -118,6 +123,7 @@ class FixedSelectiveInside:
         self.fn = wrapper.fn
         wrapper.fn = self
 
+    @run_eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         probe = self.probe()
         if probe is None:
@@ -144,6 +150,7 @@ class CountingPack:
         self.probe = probe
         self.outer = outer
 
+    @run_eagerly
     def __call__(self, t: torch.Tensor) -> Any:
         self.probe.count_saved(t)
         return self.outer(t)
@@ -161,14 +168,15 @@ class CheckpointedLayer(_Wrapper):
         super().__init__(probe, module)
         self.timed = timed
 
+    @run_eagerly
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         probe = self.probe()
         if probe is None or not probe.active:
             return self.fn(*args, **kwargs)
         if not self.timed:
-            return checkpoint(self.fn, *args, use_reentrant=False, **kwargs)
+            return checkpoint_call(self.fn, args, kwargs)
         with set_checkpoint_early_stop(False):
-            return checkpoint(self._run, *args, use_reentrant=False, **kwargs)
+            return checkpoint_call(self._run, args, kwargs)
 
     def _run(self, *args: Any, **kwargs: Any) -> Any:
         probe = self.probe()

@@ -12,7 +12,7 @@ It records, per layer:
 - the storage slots the layer's group would copy (the engine's own ``Group`` dedups views and
   aligns spans, and the engine's ``SelectionPolicy`` picks the tensors, so the bytes are exactly
   what an offloading step would move);
-- the bytes a checkpoint of the layer would save (its positional tensor inputs);
+- the bytes a checkpoint of the layer would save (its tensor inputs, :mod:`offload.recompute`);
 - the bytes its selectively recomputed modules keep in their caches (``offload.selective``),
   which never reach the hooks;
 - the same with its selective candidates (a layer's MLP) run selectively: their insides give way
@@ -32,77 +32,24 @@ probe step's peak is the plain peak.
 
 from __future__ import annotations
 
-import time
 import weakref
 from dataclasses import replace
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from ..eager import run_eagerly, saved_tensors_hooks
 from ..step import first_grad_tensor
 from ..group import Group
 from ..packing import keep_handle, unpack_kept
 from ..policy import SelectionPolicy
+from ..recompute import checkpoint_input_bytes, checkpoint_inputs
 from ..selective import always_selective
+from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .model import simulate
 from .types import PLAIN_PROBE, PROBES, RECOMPUTE_PROBE, Action, LayerPlan, LayerProfile, LinkProfile, \
     SelectiveProfile, StepProfile
-
-
-class _Clock:
-    """Marks on one device's timeline: CUDA events, or the host clock on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def ms(self, start: Any, end: Any) -> float:
-        if start is None or end is None:
-            return 0.0
-        if self.cuda:
-            end.synchronize()
-            return max(0.0, float(start.elapsed_time(end)))
-        return max(0.0, (end - start) * 1e3)
-
-
-def _tensor_input_bytes(args: Sequence[Any]) -> int:
-    # What torch.utils.checkpoint saves for backward: the positional tensor arguments.
-    seen: set[int] = set()
-    total = 0
-    for a in args:
-        if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in seen:
-            seen.add(a.untyped_storage().data_ptr())
-            total += a.nbytes
-    return total
-
-
-class _Meter:
-    """Device memory, segment by segment: each :meth:`segment` returns the allocator's peak since
-    the last one and starts a new one, so a layer's own peak can be told from the step's.
-    Reads nothing on CPU (the host has no allocator to ask)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.peak = 0  # the whole step's
-
-    def now(self) -> int:
-        return torch.cuda.memory_allocated(self.device) if self.cuda else 0
-
-    def segment(self) -> int:
-        if not self.cuda:
-            return 0
-        peak = torch.cuda.max_memory_allocated(self.device)
-        self.peak = max(self.peak, peak)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        return peak
 
 
 class _LayerRecord:
@@ -181,23 +128,27 @@ class ProbeStep:
         self._wrappers: list[Any] = []
         self.policy = policy
         self.device = device
-        self.clock = _Clock(device)
+        self.clock = Clock(device)
         self.records: list[_LayerRecord] = []
         self._open: Optional[_LayerRecord] = None
         self._pending: Optional[_LayerRecord] = None
         self._handles: list[Any] = []
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks = saved_tensors_hooks(self._pack, self._unpack)
         self.step_start: Any = None
         self.forward_end: Any = None
         self.step_end: Any = None
         self.base_bytes = 0
-        self.meter = _Meter(device)
+        self.meter = Meter(device)
         self.head_peak = 0          # peak from the last layer's end to backward reaching it
         self.head_residual = 0      # what the head left allocated when backward reached it
         self.backward_started = False
         self.backward_running: Optional[_LayerRecord] = None  # whose backward segment is open
         self.inside: Optional[str] = None  # "candidate" / "fixed" while such a module runs
+        # ``active``: the probe's hooks and wrappers are in force (a low-memory probe's layers
+        # run checkpointed). ``recording``: what runs is measured; it stops at the end of the
+        # first forward's backward when the step runs several (micro-batches, see _next_forward).
         self.active = False
+        self.recording = False
 
     # -- the forward -------------------------------------------------------------------------------
     def begin(self) -> None:
@@ -218,18 +169,21 @@ class ProbeStep:
         elif self.recompute_index is not None:
             self._wrappers.append(CheckpointedLayer(self, self.layers[self.recompute_index], timed=False))
         self.step_start = self.clock.mark()
-        me = weakref.ref(self)
         for module in dict.fromkeys(self.layers):
-            self._handles.append(module.register_forward_pre_hook(lambda m, a, me=me: me() and me()._before(a)))
-            self._handles.append(module.register_forward_hook(lambda m, a, o, me=me: me() and me()._after(m, o)))
+            # with_kwargs: a layer called by keyword (layer(hidden_states=h)) has its inputs
+            # there, and a checkpoint of it saves them (offload.recompute).
+            self._handles.append(module.register_forward_pre_hook(_ProbeHook(self, after=False), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(_ProbeHook(self, after=True)))
         self._saved_hooks.__enter__()
         self.active = True
+        self.recording = True
 
     def end_forward(self) -> None:
         """The forward is over (the backward may follow outside)."""
         if not self.active:
             return
         self.active = False
+        self.recording = False
         self._saved_hooks.__exit__(None, None, None)
         for handle in self._handles:
             handle.remove()
@@ -247,13 +201,34 @@ class ProbeStep:
     def end_step(self) -> None:
         """The whole step, backward included, is over."""
         self.end_forward()
-        self.step_end = self.clock.mark()
+        if self.step_end is None:  # (else the step's first forward and backward ended earlier)
+            self._end_measured_step()
         if self.clock.cuda:
             torch.cuda.synchronize(self.device)
+
+    def _end_measured_step(self) -> None:
+        self.step_end = self.clock.mark()
         running, self.backward_running = self.backward_running, None
         peak = self.meter.segment()
         if running is not None:  # layer 0's input needed no gradient: its backward ran to here
             running.backward_peak = max(0, peak - running.mem_bwd_start)
+
+    def _next_forward(self) -> None:
+        # The layers run once more than listed: a step of several micro-batches (gradient
+        # accumulation) begins its next forward. A plan is made per forward, as
+        # OffloadActivations is entered once per micro-batch, so the first micro-batch, forward
+        # and backward, is the measured step; the rest of the step runs as the probe runs it
+        # (checkpointed in a low-memory probe) but is not measured.
+        if not all(r.bwd_start is not None for r in self.records):
+            raise RuntimeError(
+                f"offload: the probe saw the {len(self.layers)} given layers run again before the "
+                "backward of their first run: either the step runs several forwards before their "
+                "backwards (plan with a step that runs one micro-batch, forward and backward), "
+                "or the forward calls a module more often than it is listed (list a module once "
+                "per call, in call order)"
+            )
+        self.recording = False
+        self._end_measured_step()
 
     def complete(self) -> bool:
         """Whether the step ran every layer's forward and backward (a step that raised, or whose
@@ -273,17 +248,20 @@ class ProbeStep:
     def _passive(self) -> bool:
         return torch._C._current_graph_task_id() != -1  # a checkpoint recomputing in backward
 
-    def _before(self, args: Any) -> None:
-        if not self.active or self._passive():
+    def _before(self, args: Any, kwargs: Any) -> None:
+        if not self.recording or self._passive():
             return
         index = len(self.records)
+        if index == len(self.layers) and self._open is None:
+            self._next_forward()
+            return
         record = self._pending if self._pending is not None else self._new_record(index)
         self._pending = None
         self.meter.segment()
         record.mem_start = self.meter.now()
         if index == 0:
             self.base_bytes = record.mem_start
-        record.input_bytes = _tensor_input_bytes(args)
+        record.input_bytes = checkpoint_input_bytes(args, kwargs)
         record.fwd_start = self.clock.mark()
         grad_input = first_grad_tensor(args)
         if grad_input is not None:
@@ -296,7 +274,7 @@ class ProbeStep:
 
     def _after(self, module: torch.nn.Module, output: Any) -> None:
         record = self._open
-        if record is None or not self.active or self._passive():
+        if record is None or not self.recording or self._passive():
             return
         self._open = None
         record.fwd_end = self.clock.mark()
@@ -324,7 +302,7 @@ class ProbeStep:
         """File a tensor the layer (``record``, default the one running) saves for backward: in
         its plain slots unless a module made selective by the user saved it (its inputs stand for
         it), and in its selective slots unless any candidate saved it."""
-        if not self.active or self.policy.decide(t) is not None:
+        if not self.recording or self.policy.decide(t) is not None:
             return
         if record is None:
             record = self._record_now()
@@ -336,11 +314,13 @@ class ProbeStep:
     def _pack(self, t: torch.Tensor) -> Any:
         # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
         # inputs; the layer's own tensors are counted inside the checkpoint (CountingPack).
+        # Never the tensor itself: it may be the saving node's own output, and a handle holding
+        # it would keep a failed probe step's graph alive for good (see offload.packing).
+        if not self.recording:
+            return keep_handle(t, len(self.records))
         record = self._record_now()
         if self.mode == PLAIN_PROBE or self._open is None:
             self.count_saved(t, record)
-        # Never the tensor itself: it may be the saving node's own output, and a handle holding
-        # it would keep a failed probe step's graph alive for good (see offload.packing).
         return keep_handle(t, record.index)
 
     @staticmethod
@@ -350,14 +330,14 @@ class ProbeStep:
     def run_candidate(self, fn: Callable[..., Any], fixed: bool, args: Any, kwargs: Any) -> Any:
         """Run a selective candidate (``fixed``: one the user made selective) and file what it
         saves, its inputs and its GEMM outputs (see :mod:`offload.planner.instrument`)."""
-        if not self.active or self._passive() or self._open is None or self.inside is not None \
+        if not self.recording or self._passive() or self._open is None or self.inside is not None \
                 or not torch.is_grad_enabled():
             return fn(*args, **kwargs)
         record = self._open
         record.has_candidates |= not fixed
-        # What a selective checkpoint saves through the hooks: the positional tensor inputs.
-        for a in args:
-            if isinstance(a, torch.Tensor) and self.policy.decide(a) is None:
+        # What a selective checkpoint saves through the hooks: its tensor inputs.
+        for a in checkpoint_inputs(args, kwargs):
+            if self.policy.decide(a) is None:
                 if fixed and record.group is not None:
                     record.group.add(a)
                 if record.selective_group is not None:
@@ -547,6 +527,27 @@ def predict_plain(profile: StepProfile) -> StepProfile:
     return replace(profile, plain_step_ms=max(plain.step_ms, 1e-6), plain_peak_bytes=max(1, plain.peak_bytes))
 
 
+class _ProbeHook:
+    """A layer's forward pre-hook (``after=False``, registered with kwargs) or forward hook.
+    Weak, like :class:`_Mark`; run eagerly (:mod:`offload.eager`): in a compiled model it is a
+    graph break, and the layer between two of them is compiled on its own, so the probe measures
+    the compiled layers."""
+
+    __slots__ = ("probe", "after")
+
+    def __init__(self, probe: ProbeStep, after: bool) -> None:
+        self.probe, self.after = weakref.ref(probe), after
+
+    @run_eagerly
+    def __call__(self, module: torch.nn.Module, args: Any, third: Any) -> None:
+        probe = self.probe()
+        if probe is not None:
+            if self.after:
+                probe._after(module, third)  # third: the output
+            else:
+                probe._before(args, third)   # third: the keyword arguments
+
+
 class _Mark:
     """Gradient hook on a layer's output (``bwd_start``: its backward begins) or input
     (``bwd_end``: it is over) that stamps the time and the memory (runs in backward).
@@ -559,6 +560,7 @@ class _Mark:
     def __init__(self, probe: ProbeStep, record: _LayerRecord, field: str) -> None:
         self.probe, self.record, self.field = weakref.ref(probe), record, field
 
+    @run_eagerly
     def __call__(self, grad: torch.Tensor) -> None:
         probe, record = self.probe(), self.record
         if probe is None or getattr(record, self.field) is not None:

@@ -145,9 +145,10 @@ class ProbeSequence:
 
     def step_failed(self, probe: Optional[ProbeStep], exc: Optional[BaseException]) -> bool:
         """A probe step raised ``exc`` (None: it did not finish its backward). Returns whether the
-        sequence goes on: out of memory in a plain step (or an unfinished step) moves on to the
-        low-memory probe; out of memory in a low-memory step is a :class:`BudgetError`; other
-        errors are the caller's (False)."""
+        sequence goes on: out of memory in a plain step (or, on CUDA, an unfinished step) moves on
+        to the low-memory probe; an unfinished step on the CPU, which has no device memory to run
+        out of, is measured again; out of memory in a low-memory step is a :class:`BudgetError`;
+        other errors are the caller's (False)."""
         low_memory = probe is not None and probe.mode == RECOMPUTE_PROBE
         if exc is not None and not is_out_of_memory(exc):
             return False
@@ -157,8 +158,14 @@ class ProbeSequence:
                 "recomputed (the lowest-memory probe: what checkpointing needs). No plan can fit: "
                 "use a shorter sequence, a smaller batch, or more GPUs (a smaller shard on each)"
             ) from exc
+        if exc is None and self.device_limit is None:
+            # No device memory to run out of (CPU): the step raised in its backward, or its
+            # backward never ran. Measure the next step the same way.
+            return True
         if not low_memory:
             self.mode = RECOMPUTE_PROBE
             self.todo = ["measure"]
-            self.reason = "low-memory probe: the plain probe step ran out of device memory"
+            self.reason = ("low-memory probe: the plain probe step ran out of device memory" if exc is not None
+                           else "low-memory probe: the plain probe step did not finish its backward (out of "
+                                "memory there, or it raised)")
         return True

@@ -7,6 +7,7 @@ built, with the field named. Nothing here needs torch.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
@@ -223,6 +224,25 @@ class StepProfile:
         """Fingerprint of the model: layer count and a short hash of each layer's signature."""
         return f"{len(self.layers)}:" + ".".join(_layer_hash(l.signature) for l in self.layers)
 
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (JSON-ready); :meth:`from_dict` is its inverse."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "StepProfile":
+        """Inverse of :meth:`to_dict` (every field checked again, as when measured)."""
+        fields = dict(data)
+
+        def layer(d: dict[str, Any]) -> LayerProfile:
+            d = dict(d)
+            if d.get("selective") is not None:
+                d["selective"] = SelectiveProfile(**d["selective"])
+            return LayerProfile(**d)
+
+        fields["layers"] = tuple(layer(d) for d in fields["layers"])
+        fields["link"] = LinkProfile(**fields["link"])
+        return cls(**fields)
+
 
 # ------------------------------------------------------------------------------------------ plans
 
@@ -358,18 +378,23 @@ class Plan:
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data (JSON-ready), for saving a plan next to a checkpoint."""
+        """Plain data (JSON-ready), for saving a plan next to a checkpoint: with the profile it
+        was made from, which following it needs (the runtime's budget accounting, the table)."""
         p = self.prediction
         return {
             "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective] for lp in self.layers],
             "budget_bytes": self.budget_bytes,
             "signature": self.signature,
             "prediction": {k: getattr(p, k) for k in p.__dataclass_fields__},
+            "budget_reason": self.budget_reason,
+            "profile": self.profile.to_dict() if self.profile is not None else None,
         }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        """Inverse of :meth:`to_dict`."""
+        """Inverse of :meth:`to_dict`. A plan saved without its profile (by an older version)
+        loads, but cannot be followed: make it again with ``offload.plan``."""
+        profile = data.get("profile")
         return cls(
             # Plans saved before selective actions existed list two fields per layer.
             layers=tuple(LayerPlan(Action(a), int(m), bool(sel[0]) if sel else False)
@@ -377,4 +402,6 @@ class Plan:
             budget_bytes=data["budget_bytes"],
             prediction=Prediction(**data["prediction"]),
             signature=data["signature"],
+            profile=StepProfile.from_dict(profile) if profile is not None else None,
+            budget_reason=data.get("budget_reason", ""),
         )

@@ -1,0 +1,64 @@
+"""Running a module under non-reentrant checkpointing so that its tensor arguments, positional or
+keyword, are what the checkpoint saves through the saved-tensor hooks.
+
+Why. ``torch.utils.checkpoint(fn, *args, use_reentrant=False, **kwargs)`` saves the positional
+tensors with ``save_for_backward`` (so they pass through the saved-tensor hooks: an offload
+context copies them out and back), but keeps the keyword arguments as plain Python references
+in its closure. A layer called ``layer(hidden_states=h)`` would then keep ``h`` on the device
+until its backward, out of the hooks' sight: never offloaded, and never counted by the planner's
+probe, so a plan's predicted peak would miss it. Here the top-level tensor keyword arguments are
+passed to the checkpoint positionally and given back to the module by name, so a layer saves the
+same through the hooks whichever way it is called. Tensors nested in other arguments (a tuple of
+rotary embeddings) stay in the closure, as they do for positional arguments.
+
+Every place that checkpoints a layer or a selective module (a plan's RECOMPUTE layers, selective
+recompute, the low-memory probe) goes through :func:`checkpoint_call`, and the probe counts what
+it saves with :func:`checkpoint_input_bytes`: one definition of "a checkpoint's inputs".
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["checkpoint_call", "checkpoint_inputs", "checkpoint_input_bytes"]
+
+
+def checkpoint_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
+    """The tensors a :func:`checkpoint_call` with these arguments saves for backward: the
+    positional tensors, then the top-level tensor keyword arguments."""
+    return [a for a in args if isinstance(a, torch.Tensor)] + \
+        [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
+
+
+def checkpoint_input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """Bytes of :func:`checkpoint_inputs`, each storage counted once (a tensor passed twice, or
+    two views of one storage, is saved once by the engine's group)."""
+    seen: set[int] = set()
+    total = 0
+    for t in checkpoint_inputs(args, kwargs):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.nbytes
+    return total
+
+
+def checkpoint_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                    **options: Any) -> Any:
+    """``fn(*args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint`` (``options``:
+    its own, e.g. ``context_fn``), with the tensor keyword arguments saved like positional ones
+    (see the module notes)."""
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    if not names:
+        return checkpoint(fn, *args, use_reentrant=False, **options, **kwargs)
+    rest = {k: v for k, v in kwargs.items() if k not in names}
+    count = len(args)
+
+    def by_name(*flat: Any) -> Any:
+        # The recompute calls this again with the unpacked (possibly reloaded) tensors.
+        return fn(*flat[:count], **dict(zip(names, flat[count:])), **rest)
+
+    return checkpoint(by_name, *args, *(kwargs[k] for k in names), use_reentrant=False, **options)
