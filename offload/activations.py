@@ -429,6 +429,9 @@ class OffloadActivations:
         plan fits it, and the context stays as it was; before the probe steps are over, the
         plan they lead to is made for the new budget."""
         where = "OffloadActivations.set_budget:"
+        budget = check_budget(memory_budget_bytes, where)
+        if budget is None:
+            raise ValueError(f"offload: {where} takes a budget: bytes, 'device' or 'lowest', got None")
         if self.active:
             raise RuntimeError(f"offload: {where} call it between steps, not inside the `with`")
         if self.budget is None and self.plan is None:
@@ -437,9 +440,9 @@ class OffloadActivations:
                 "it with memory_budget_bytes=... (or plan=...) to follow plans"
             )
         if self._planned is not None:
-            self._planned.set_budget(memory_budget_bytes, where)
+            self._planned.set_budget(budget, where)
         else:  # enabled=False: nothing to plan, the budget is kept
-            self._budget = check_budget(memory_budget_bytes, where) or self._budget
+            self._budget = budget
 
     @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
     def _recompute_current(self) -> bool:
@@ -464,16 +467,16 @@ class OffloadActivations:
         """The last whole planned step's time (entry to next entry) and peak (``measure_peak``)."""
         return self._planned.measured() if self._planned is not None else None
 
-    def _install_plan_wrappers(self) -> None:
-        # Only what the plan uses: a wrapper costs a Python call per module call.
-        plan = self.plan
+    def _install_plan_wrappers(self, plan: Optional[Plan]) -> None:
+        # Only what the plan uses: a wrapper costs a Python call per module call. (The plan is
+        # passed: PlannedSteps calls this while the context's own attribute is being built.)
         if plan is not None:
             install_plan_wrappers(self, self.layers if plan.recomputes() else (),
                                   self._candidates if plan.selects() else ())
 
     def _register_hooks(self) -> None:
         # After close() the plan's wrappers are gone with the hooks: both come back together.
-        self._install_plan_wrappers()
+        self._install_plan_wrappers(self.plan)
         # One pair of hooks per distinct module: a module listed twice is called twice.
         for module in dict.fromkeys(self.layers):
             _prune_dead_hooks(module)

@@ -573,9 +573,11 @@ class HostArena:
     def _give_back_dropped(self) -> None:
         # Called without the lock, once dropped regions are gone. torch's pinned allocator (the
         # fallback without the extension) keeps a freed block pinned in its cache until emptied:
-        # empty it, so that the bytes refunded to the ledger are really unpinned. (The
-        # extension's blocks unpin in their destructor; host blocks need nothing.)
-        if self.pinned:
+        # empty it, so that the bytes refunded to the ledger are really unpinned. Only then: the
+        # extension's blocks unpin in their destructor and host blocks need nothing, and the
+        # cache also holds the user's own pinned blocks (a DataLoader's), whose reuse emptying
+        # it would cost.
+        if self.pinned and native.extension() is None:
             release_cached_pinned()
 
     def _drop_free(self, i: int) -> None:

@@ -22,9 +22,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .engine import OffloadEngine
-from .planner.budget import DEVICE
 from .planner.link import measure_link
-from .planner.make import Budget, check_budget, check_device_budget, choose, probe_policy, read_device_budget, \
+from .planner.make import Budget, check_device_budget, choose, probe_policy, read_device_budget, \
     step_figures
 from .planner.probe import ProbeStep
 from .planner.sequence import ProbeSequence
@@ -38,8 +37,8 @@ class PlannedSteps:
     """Probe steps, then the plan in force, for one engine over ``layers``.
 
     ``plan``: follow this plan from the first step; otherwise probe for ``budget``.
-    ``on_plan``: called (held weakly, if a bound method) whenever a plan comes into force, so that
-    the context can put the plan's module wrappers on.
+    ``on_plan``: the context's method called with each plan that comes into force, so that it can put
+    the plan's module wrappers on (held weakly: the context owns this object).
     """
 
     def __init__(
@@ -52,7 +51,7 @@ class PlannedSteps:
         plan: Optional[Plan],
         probe: str,
         measure_peak: bool,
-        on_plan: Callable[[], None],
+        on_plan: Callable[[Plan], None],  # a bound method
     ) -> None:
         self.engine = engine
         self.device = engine.transport.device
@@ -60,8 +59,7 @@ class PlannedSteps:
         self.measure_peak = measure_peak
         self.plan: Optional[Plan] = None
         self.profile: Optional[StepProfile] = None  # what plans are chosen from
-        # A bound method is held weakly: the context owns this object, not the other way round.
-        self._on_plan = weakref.WeakMethod(on_plan) if hasattr(on_plan, "__self__") else (lambda: on_plan)
+        self._on_plan = weakref.WeakMethod(on_plan)  # type: ignore[arg-type]
         self.probe: Optional[ProbeStep] = None  # this step's, while it runs measured
         self._probing = False  # this step is one of the probe sequence's (measured or not)
         self._sequence: Optional[ProbeSequence] = None
@@ -143,7 +141,7 @@ class PlannedSteps:
         engine.mode = "planned"
         on_plan = self._on_plan()
         if on_plan is not None:
-            on_plan()
+            on_plan(plan)
         # The plan says what each layer will copy: pin those blocks now, on the arena's
         # background thread, so the first planned step does not stall on pinning.
         arena = engine.arena
@@ -153,12 +151,9 @@ class PlannedSteps:
             except ValueError:
                 pass  # over the host budget: the step keeps what does not fit on the GPU
 
-    def set_budget(self, memory_budget_bytes: Budget, where: str) -> None:
-        """Plan for another budget from the figures measured already (see
+    def set_budget(self, budget: Budget, where: str) -> None:
+        """Plan for another budget, checked by the caller, from the figures measured already (see
         :meth:`offload.OffloadActivations.set_budget`)."""
-        budget = check_budget(memory_budget_bytes, where)
-        if budget is None:
-            raise ValueError(f"offload: {where} takes a budget: bytes, {DEVICE!r} or 'lowest', got None")
         check_device_budget(budget, self.device, where)
         if self.profile is not None:
             self.follow(choose(self.profile, budget, self.device))  # raises before anything changes

@@ -293,10 +293,9 @@ _TRANSPORT_WORDS = {
 
 def _schedule_row(mode: str) -> str:
     """``mode`` with what it means, e.g. ``v2 (offloaded layers copied out as they end, ...)``."""
-    base, manual = (mode[: -len(_MANUAL)], True) if mode.endswith(_MANUAL) else (mode, False)
-    words = _SCHEDULE_WORDS.get(base)
-    if manual:
-        words = "manual_synchronization=True: the caller starts each copy"
+    manual = mode.endswith(_MANUAL)
+    base = mode[: -len(_MANUAL)] if manual else mode
+    words = "manual_synchronization=True: the caller starts each copy" if manual else _SCHEDULE_WORDS.get(base)
     return f"{base} ({words})" if words else mode
 
 

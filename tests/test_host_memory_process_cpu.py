@@ -152,7 +152,9 @@ def test_a_bad_process_budget_is_refused_by_name() -> None:
 
 
 # -- torch's pinned cache ------------------------------------------------------------------------
-def test_the_pinned_cache_is_emptied_once_the_freed_blocks_are_dead(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_pinned_cache_is_emptied_once_the_freed_blocks_are_dead(
+    python_copies: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Without the extension, a freed block stays pinned in torch's cache until it is emptied:
     the arena must empty it after every trim and close, when the block is already gone."""
     ledger = HostLedger()
@@ -173,6 +175,21 @@ def test_the_pinned_cache_is_emptied_once_the_freed_blocks_are_dead(monkeypatch:
     arena.free_idle()
     assert dead_at_release[1:] == [[True, True]], "close did not empty torch's pinned cache once its blocks were freed"
     assert ledger.held_bytes == 0
+
+
+def test_with_the_extension_the_users_pinned_cache_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The extension's blocks unpin themselves: torch's cache (which also holds the user's own
+    pinned blocks) is not emptied when the arena frees blocks."""
+    if native.extension() is None:
+        pytest.skip(f"native extension not live: {native.native_reason()}")
+    emptied: list[int] = []
+    monkeypatch.setattr("offload.arena.release_cached_pinned", lambda: emptied.append(1))
+    arena = _arena(HostLedger())
+    region = arena.acquire(8 * BLOCK_GRANULE, step=1)
+    assert region is not None
+    arena.release(region, None)
+    del region
+    assert arena.free_idle() > 0 and not emptied
 
 
 # -- contexts, on the pure-Python transport ------------------------------------------------------

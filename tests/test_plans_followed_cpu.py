@@ -21,22 +21,8 @@ import torch
 
 import offload
 from offload.planner import Action, LayerPlan, Plan, profile_step
-from offload.planner.types import LinkProfile
-
 from _util import assert_bitwise
-
-LINK = LinkProfile(d2h_gbps=20.0, h2d_gbps=20.0, duplex_gbps=30.0)
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, hidden: int) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(hidden, 4 * hidden)
-        self.fc2 = torch.nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.nn.functional.gelu(self.fc1(x)))
-
+from test_low_memory_probe_cpu import LINK, MLP
 
 class Block(torch.nn.Module):
     """An HF-style layer: its input is called ``hidden_states`` and it has an ``mlp``."""

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import gc
 import sys
-import warnings
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ import offload
 from offload.planner import Action, BudgetError, LayerPlan
 
 from _util import assert_bitwise
+from test_context_errors_cpu import compiled_steps
 from test_plans_followed_cpu import Stack, grads, plain
 
 pytestmark = pytest.mark.cuda
@@ -95,25 +95,11 @@ def test_micro_batched_planning_on_the_gpu_is_exact() -> None:
 def test_planning_a_compiled_model_on_the_gpu_is_exact_and_quiet(monkeypatch) -> None:
     model, x = cuda_stack(by_keyword=False)
     expected = plain(model, x)
-    torch._dynamo.reset()
     unraisable: list[str] = []
     monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(str(u.exc_value)))
     oa = offload.OffloadActivations(model.layers, memory_budget_bytes="lowest", min_offload_bytes=0)
-    compiled = torch.compile(model, backend="aot_eager")
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(5):
-                model.zero_grad(set_to_none=True)
-                xx = x.detach().requires_grad_(True)
-                with oa:
-                    out = compiled(xx)
-                (out ** 2).mean().backward()
-                assert_bitwise(expected, [p.grad.clone() for p in model.parameters()] + [xx.grad.clone()])
-    finally:
-        torch._dynamo.reset()
+    assert not compiled_steps(model, x, expected, oa, steps=5)
     assert oa.plan is not None
-    assert not [str(w.message) for w in caught if "Dynamo" in str(w.message)]
     assert not unraisable, unraisable
     oa.close()
 
