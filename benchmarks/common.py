@@ -1,4 +1,6 @@
-"""Shared helpers of the benchmark suite: setup, step timing, memory, bandwidth, JSON, tables.
+"""Shared helpers of the benchmark suite: setup, step timing, memory, JSON, tables. The
+bandwidth and memory probes live in ``memory_probes.py`` (re-exported here), the per-process
+contender runs in ``workers.py`` and the per-step records of a step stream in ``step_records.py``.
 
 Every benchmark is GPU-only. ``--cpu-smoke`` runs a tiny version on the CPU (the offload context
 with ``device="cpu"``, the host transport) so the scripts can be checked on a machine without a
@@ -35,9 +37,9 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -46,9 +48,16 @@ try:  # the package is normally installed (pip install -e .); else use this chec
     import offload  # noqa: F401
 except ImportError:
     sys.path.append(str(BENCH_DIR.parent))
+if str(BENCH_DIR) not in sys.path:  # the sibling helper modules below, however common was found
+    sys.path.append(str(BENCH_DIR))
 RESULTS_DIR = BENCH_DIR / "results"
 GiB = float(1 << 30)
-MB = 1e6  # GB/s figures are decimal (bytes / ms / 1e6), as in offload's stats
+
+# Split out to keep this file readable (and under the suite's 600 lines); re-exported so that
+# ``common.pinned_bandwidth`` etc. keep working for every script and for older checkouts' tests.
+from memory_probes import (  # noqa: E402,F401
+    MB, Census, copy_floor_ms, layer_activation_bytes, pinned_bandwidth, saved_tensor_census,
+)
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -82,9 +91,10 @@ def make_parser(description: str, *, warmup: int, steps: int, smoke_warmup: int 
     return parser
 
 
-def setup(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> Env:
-    """Parse arguments, refuse to run without CUDA (unless ``--cpu-smoke``), seed everything."""
-    args = parser.parse_args(argv)
+def apply_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Fill ``--warmup``/``--steps`` with :func:`make_parser`'s defaults (their smoke ones with
+    ``--cpu-smoke``) and check them. :func:`setup` calls it; a parent process that spawns the
+    workers and must not start CUDA calls it alone."""
     warmup, steps, smoke_warmup, smoke_steps = args._defaults
     del args._defaults
     if args.warmup is None:
@@ -93,6 +103,12 @@ def setup(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None)
         args.steps = smoke_steps if args.cpu_smoke else steps
     if args.steps < 1 or args.warmup < 0:
         parser.error("--steps must be >= 1 and --warmup >= 0")
+    return args
+
+
+def setup(parser: argparse.ArgumentParser, argv: Optional[Sequence[str]] = None) -> Env:
+    """Parse arguments, refuse to run without CUDA (unless ``--cpu-smoke``), seed everything."""
+    args = apply_defaults(parser, parser.parse_args(argv))
     if args.cpu_smoke:
         env = Env(device=torch.device("cpu"), smoke=True, offload_device="cpu", args=args)
         print("*** --cpu-smoke: tiny sizes on the CPU (host transport); the numbers mean nothing ***")
@@ -392,156 +408,6 @@ def run_variant(
     return row
 
 
-# -- bandwidth ------------------------------------------------------------------------------------
-def pinned_bandwidth(env: Env, nbytes: int = 256 << 20, reps: int = 5) -> Optional[dict[str, float]]:
-    """Measured pinned-host copy bandwidth (GB/s, decimal) of one large copy each way, and both
-    directions at once on two streams. None in CPU smoke runs (there is no PCIe to measure)."""
-    if not env.cuda:
-        return None
-    dev = env.device
-    host_src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_src.fill_(1)
-    gpu_src = torch.ones(nbytes, dtype=torch.uint8, device=dev)
-    gpu_dst = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    s_d2h, s_h2d = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
-
-    def timed(stream: Any, fn: Callable[[], None]) -> tuple[Any, Any]:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            a.record()
-            fn()
-            b.record()
-        return a, b
-
-    d2h = lambda: host_dst.copy_(gpu_src, non_blocking=True)  # noqa: E731
-    h2d = lambda: gpu_dst.copy_(host_src, non_blocking=True)  # noqa: E731
-    torch.cuda.synchronize(dev)
-    for _ in range(2):  # warm-up
-        d2h(); h2d()
-    torch.cuda.synchronize(dev)
-    out: dict[str, list[float]] = {"d2h": [], "h2d": [], "both": []}
-    for _ in range(reps):
-        a, b = timed(s_d2h, d2h)
-        torch.cuda.synchronize(dev)
-        out["d2h"].append(nbytes / a.elapsed_time(b) / MB)
-        a, b = timed(s_h2d, h2d)
-        torch.cuda.synchronize(dev)
-        out["h2d"].append(nbytes / a.elapsed_time(b) / MB)
-        # Both at once: span from the earlier start to the later end, over the bytes moved.
-        start = torch.cuda.Event(enable_timing=True)
-        start.record()
-        s_d2h.wait_stream(torch.cuda.current_stream(dev))
-        s_h2d.wait_stream(torch.cuda.current_stream(dev))
-        _, e1 = timed(s_d2h, d2h)
-        _, e2 = timed(s_h2d, h2d)
-        torch.cuda.synchronize(dev)
-        out["both"].append(2 * nbytes / max(start.elapsed_time(e1), start.elapsed_time(e2)) / MB)
-    del host_src, host_dst, gpu_src, gpu_dst
-    free_memory(env)
-    result = {f"{k}_gbps": statistics.median(v) for k, v in out.items()}
-    result["copy_bytes"] = nbytes
-    return result
-
-
-def copy_floor_ms(bytes_d2h: int, bytes_h2d: int, bw: Optional[dict[str, float]]) -> tuple[Optional[float], Optional[float]]:
-    """(serial floor, one-direction floor) in ms for a step that moves these bytes each way.
-
-    Serial: D2H then H2D at the measured per-direction rates (forward copies out, backward copies
-    back: a step cannot be shorter than both added). One-direction: the slower direction alone
-    (the floor if the two directions overlapped completely).
-    """
-    if bw is None:
-        return None, None
-    d = bytes_d2h / (bw["d2h_gbps"] * MB)
-    h = bytes_h2d / (bw["h2d_gbps"] * MB)
-    return d + h, max(d, h)
-
-
-# -- memory probes --------------------------------------------------------------------------------
-def layer_activation_bytes(layers: Iterable[torch.nn.Module], x: torch.Tensor, env: Env) -> Optional[list[int]]:
-    """GPU memory that each layer's forward leaves allocated (its saved activations and output).
-
-    Measured with ``memory_allocated`` around each layer of a plain forward with grad enabled; the
-    graph is dropped afterwards. None in CPU smoke runs.
-    """
-    if not env.cuda:
-        return None
-    free_memory(env)
-    out: list[int] = []
-    prev = torch.cuda.memory_allocated(env.device)
-    h = x
-    for layer in layers:
-        h = layer(h)
-        now = torch.cuda.memory_allocated(env.device)
-        out.append(now - prev)
-        prev = now
-    del h
-    free_memory(env)
-    return out
-
-
-@dataclass
-class Census:
-    """Saved tensors of a forward, deduplicated by storage, by module and by dtype."""
-
-    by_module: dict[str, int] = field(default_factory=dict)
-    by_dtype: dict[str, int] = field(default_factory=dict)
-    total: int = 0
-    tensors: int = 0
-
-
-def saved_tensor_census(module: torch.nn.Module, x: torch.Tensor, *, min_bytes: int = 0) -> Census:
-    """Which tensors autograd saves when ``module`` runs on ``x``, attributed to the innermost
-    named submodule running at the time ('<self>' for functional ops in the module's own forward).
-    Parameters are left out. Each storage is counted once (its bytes as a whole)."""
-    census = Census()
-    stack: list[str] = ["<self>"]
-    seen: set[int] = set()
-    handles = []
-
-    def enter(name: str) -> Callable[..., None]:
-        def hook(module: Any, args: Any) -> None:  # must return None: a value would replace the input
-            stack.append(name)
-
-        return hook
-
-    def leave(module: Any, args: Any, output: Any) -> None:  # must return None (would replace the output)
-        stack.pop()
-
-    for name, sub in module.named_modules():
-        if not name:
-            continue
-        handles.append(sub.register_forward_pre_hook(enter(name)))
-        handles.append(sub.register_forward_hook(leave))
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        base = t._base if t._base is not None else t
-        if isinstance(t, torch.nn.Parameter) or (t.requires_grad and t.is_leaf) or (base.requires_grad and base.is_leaf):
-            return t
-        storage = t.untyped_storage()
-        key = storage.data_ptr()
-        if key in seen or storage.nbytes() < min_bytes:
-            return t
-        seen.add(key)
-        n = storage.nbytes()
-        census.by_module[stack[-1]] = census.by_module.get(stack[-1], 0) + n
-        dt = str(t.dtype).replace("torch.", "")
-        census.by_dtype[dt] = census.by_dtype.get(dt, 0) + n
-        census.total += n
-        census.tensors += 1
-        return t
-
-    try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = module(x)
-        del y
-    finally:
-        for h in handles:
-            h.remove()
-    return census
-
-
 # -- results --------------------------------------------------------------------------------------
 def _git_commit() -> Optional[str]:
     try:
@@ -602,15 +468,21 @@ def _jsonable(obj: Any) -> Any:
     return repr(obj)
 
 
-def write_json(name: str, env: Env, payload: dict[str, Any]) -> Optional[Path]:
-    """Write ``{"meta": ..., **payload}`` to benchmarks/results/<name>.json (smoke: results/smoke/)."""
+def write_json(name: str, env: Env, payload: dict[str, Any], *, meta: Optional[dict[str, Any]] = None,
+               path: Optional[Path] = None) -> Optional[Path]:
+    """Write ``{"meta": ..., **payload}`` to benchmarks/results/<name>.json (smoke: results/smoke/).
+
+    ``meta``: the metadata to write instead of :func:`metadata` (a parent process that must not
+    start CUDA builds its own); ``path``: the file to write instead (``--out``)."""
     if env.args.no_json:
         return None
-    name = env.args.name or name
-    folder = RESULTS_DIR / "smoke" if env.smoke else RESULTS_DIR
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{name}.json"
-    doc = {"meta": metadata(env), **payload}
+    if path is None:
+        name = env.args.name or name
+        folder = RESULTS_DIR / "smoke" if env.smoke else RESULTS_DIR
+        path = folder / f"{name}.json"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": metadata(env) if meta is None else meta, **payload}
     path.write_text(json.dumps(_jsonable(doc), indent=2) + "\n")
     try:
         shown = path.relative_to(Path.cwd())

@@ -245,6 +245,7 @@ class Workload:
         if self.model is not None:
             import offload
 
+            options.setdefault("num_offload_layers", len(self.layers) - 1)  # the fixed schedule's first step
             oa = offload.OffloadActivations(self.layers, device=self.env.offload_device, **options)
             try:
                 yield oa, workloads.llama_step(self.model, self.x, lambda: oa)

@@ -40,6 +40,7 @@ from typing import Any, Optional
 import torch
 
 import common
+import memory_probes
 import workloads
 from offload.models import run_layers
 
@@ -141,7 +142,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
         x = make_input()
         try:
-            c = common.saved_tensor_census(layers[0], x.detach().clone().requires_grad_(True) * 1)
+            c = memory_probes.saved_tensor_census(layers[0], x.detach().clone().requires_grad_(True) * 1)
             census[spec.name] = {"by_module": c.by_module, "by_dtype": c.by_dtype, "total": c.total, "tensors": c.tensors}
         except Exception as exc:  # noqa: BLE001
             census[spec.name] = {"error": f"{type(exc).__name__}: {exc}"}

@@ -41,6 +41,7 @@ from typing import Any, Optional
 import torch
 
 import common
+import memory_probes
 import workloads
 
 
@@ -72,14 +73,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"device: {common.device_name(env)}; torch {torch.__version__}; mode {args.mode}, selection {args.selection}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per variant")
 
-    bw = common.pinned_bandwidth(env)
+    bw = memory_probes.pinned_bandwidth(env)
     if bw is not None:
         print(f"pinned copy bandwidth ({bw['copy_bytes'] >> 20} MiB, events): D2H {bw['d2h_gbps']:.1f} GB/s, "
               f"H2D {bw['h2d_gbps']:.1f} GB/s, both at once {bw['both_gbps']:.1f} GB/s")
 
     layers, make_input = spec.build(env.device)
     x = make_input()
-    act = common.layer_activation_bytes(layers, x, env)
+    act = memory_probes.layer_activation_bytes(layers, x, env)
     if act is not None:
         print("activation bytes per layer (plain forward, memory_allocated): "
               + ", ".join(f"{a / common.GiB:.2f}" for a in act) + " GiB")
@@ -113,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["drop_gib"] = common.gib(r["drop_bytes"])
         st = r.get("stats")
         if st:
-            floor, floor1 = common.copy_floor_ms(st["bytes_d2h"], st["bytes_h2d"], bw)
+            floor, floor1 = memory_probes.copy_floor_ms(st["bytes_d2h"], st["bytes_h2d"], bw)
             r["floor_ms"], r["floor1_ms"] = floor, floor1
             r["step_over_floor"] = r["step_ms"] / floor if floor else None
             if r.get("drop_bytes") is not None and st["offloaded_bytes"]:

@@ -216,7 +216,7 @@ def run_contenders(env: Env, spec: LlamaSpec, ks: list[int], plan_kw: dict[str, 
     with hf_checkpointing(model):
         row = timed_row(env, CKPT, llama_step(model, ids), kind="baseline")
     add(row)
-    add(offload_row(env, model, ids, "offload all but the last", lambda: offload.OffloadActivations(layers, **options),
+    add(offload_row(env, model, ids, "offload all but the last", lambda: offload.OffloadActivations(layers, num_offload_layers=len(layers) - 1, **options),
                     kind="offload", k=len(layers) - 1))
     with offload.selective_recompute([layer.mlp for layer in layers]):
         wrapped = model_state(model)  # the MLPs' wrappers stay until the last mix

@@ -21,6 +21,8 @@ and rounded; the number of layers never changes, so a num_layers sweep stays the
   ``model(input_ids=ids, labels=ids).loss`` (``llama_step``). Needs ``transformers``.
   ``hf_checkpointing(model)`` turns HF's own (non-reentrant) checkpointing on inside a ``with``.
 * LONG-1B: LLAMA-1B's model at sequence 49152, batch 1 (plain does not fit on an 80 GB H100).
+* LLAMA-8B-SHAPE: Llama-3-8B's shape (hidden 4096, 32 layers, vocab 128256), batch 1, seq 16384;
+  ``train_norms_only(model)`` freezes the base (only the RMSNorm weights train).
 * MOE: 8 MoE layers of 64 expert MLPs (Linear 512->1024, GELU, Linear 1024->512), 2048 tokens
   routed by a fixed random top-1 assignment (32 tokens per expert), bf16: a layer saves ~4 small
   tensors per expert (hundreds per layer), the shape where per-tensor CPU cost shows. Not in
@@ -211,12 +213,24 @@ class LlamaSpec:
         cfg._attn_implementation = "sdpa"
         return cfg
 
-    def build(self, device: torch.device, seed: int = 0) -> tuple[nn.Module, torch.Tensor]:
+    def build(self, device: torch.device, seed: int = 0, *, init_in_dtype: bool = False) -> tuple[nn.Module, torch.Tensor]:
+        """The model (train mode, ``dtype``) and a (batch, seq) tensor of random token ids.
+
+        ``init_in_dtype``: create the weights in ``dtype`` directly (the default dtype set around
+        the constructor) instead of float32 then cast: an 8B model's float32 copy would need 32 GB
+        of the GPU for a moment and leave the caching allocator fragmented. Off by default, so
+        the other benchmarks keep the weights they always had."""
         import transformers
 
         torch.manual_seed(seed)
-        with torch.device(device):  # random init on the device: seconds instead of minutes
-            model = transformers.LlamaForCausalLM(self.config())
+        previous = torch.get_default_dtype()
+        if init_in_dtype:
+            torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(device):  # random init on the device: seconds instead of minutes
+                model = transformers.LlamaForCausalLM(self.config())
+        finally:
+            torch.set_default_dtype(previous)
         model.to(dtype=self.dtype).train()
         g = torch.Generator(device=device).manual_seed(seed)
         ids = torch.randint(0, self.vocab, (self.batch, self.seq), generator=g, device=device)
@@ -246,6 +260,18 @@ def llama_step(model: nn.Module, ids: torch.Tensor, wrapper: Optional[Callable[[
                 p.grad = None
 
     return step
+
+
+def train_norms_only(model: nn.Module) -> int:
+    """Freeze every parameter but the RMSNorm weights (the base frozen, as LoRA fine-tuning leaves
+    it; LLAMA-8B-SHAPE). Returns the number of parameters that still train."""
+    trainable = 0
+    for module in model.modules():
+        norm = type(module).__name__.endswith("RMSNorm")
+        for p in module.parameters(recurse=False):
+            p.requires_grad_(norm)
+            trainable += p.numel() if norm else 0
+    return trainable
 
 
 @contextlib.contextmanager
@@ -357,6 +383,13 @@ def long_1b(scale: float = 1.0) -> LlamaSpec:
     return replace(llama_1b(scale), name="LONG-1B", batch=1, seq=_scaled(49152, scale))
 
 
+def llama_8b_shape(scale: float = 1.0) -> LlamaSpec:
+    """LLAMA-8B-SHAPE: Llama-3-8B's shape, batch 1, seq 16384 (freeze it with
+    :func:`train_norms_only`; build it with ``init_in_dtype=True``)."""
+    return LlamaSpec("LLAMA-8B-SHAPE", hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, batch=1,
+                     seq=16384, vocab=128256).scaled(scale)
+
+
 def llama_2b(scale: float = 1.0) -> LlamaSpec:
     return LlamaSpec("LLAMA-2B", hidden=4096, intermediate=14336, layers=8, heads=64, kv_heads=16, batch=2, seq=4096).scaled(scale)
 
@@ -382,7 +415,7 @@ def fp8_mlp(scale: float = 1.0, *, fp8: bool = True, scaling: str = "tensorwise"
 
 WORKLOADS: dict[str, Callable[..., Any]] = {
     "gpt_a": gpt_a, "gpt_b": gpt_b, "small": small, "fp8_mlp": fp8_mlp, "llama_1b": llama_1b, "llama_2b": llama_2b,
-    "long_1b": long_1b, "moe": moe,
+    "long_1b": long_1b, "moe": moe, "llama_8b_shape": llama_8b_shape,
 }
 
 

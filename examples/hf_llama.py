@@ -7,7 +7,7 @@ Builds a tiny ``transformers.LlamaForCausalLM`` with random weights (no download
 training step three ways from the same weights and input:
 
 1. plain;
-2. ``offload.OffloadActivations(model.model.layers)``: all decoder layers but the last offload
+2. ``offload.OffloadActivations(model.model.layers, num_offload_layers=n - 1)``: all decoder layers but the last offload
    their saved activations (on the CPU through the host transport, ``device="cpu"``);
 3. a plan for ``memory_budget_bytes="lowest"``: per layer keep, offload or recompute, the fastest
    plan within 3% of the lowest peak. ``OffloadActivations`` warms up, calibrates and probes on
@@ -82,7 +82,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             print("the plain step does not repeat itself here: the bitwise check would prove nothing")
             return 1
 
-        oa = offload.OffloadActivations(layers, **options)
+        oa = offload.OffloadActivations(layers, num_offload_layers=len(layers) - 1, **options)
         same = all(bitwise_equal(expected, train_step(model, ids, oa)) for _ in range(2))
         ok &= same
         print(f"OffloadActivations(model.model.layers): gradients bitwise equal to plain: {same}")
@@ -101,7 +101,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         planned.close()
 
         with offload.selective_recompute([layer.mlp for layer in layers]):
-            oa = offload.OffloadActivations(layers, **options)
+            oa = offload.OffloadActivations(layers, num_offload_layers=len(layers) - 1, **options)
             same = all(bitwise_equal(expected, train_step(model, ids, oa)) for _ in range(2))
             ok &= same
             print(f"selective_recompute(MLPs) + OffloadActivations: gradients bitwise equal to plain: {same}")

@@ -22,7 +22,8 @@ import torch
 
 from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_option_values, check_unknown_options
 from .layer_args import (
-    COMPILED_FIRST, check_offload_count, check_torchtune_options, dynamo_compiled_code, layer_list,
+    COMPILED_FIRST, check_offload_count, check_torchtune_options, default_budget, default_inputs, dynamo_compiled_code,
+    layer_list, prune_dead_hooks, second_forward_error,
 )
 from .schedules.auto import ScheduleAuto
 from .stats import DISABLED_REPORT, StepStats, disabled_stats
@@ -55,7 +56,9 @@ class _LayerHook:
         return self._owner is None or self._owner() is None
 
     @run_eagerly
-    def __call__(self, module: torch.nn.Module, args: Any, output: Any = None) -> None:
+    def __call__(self, module: torch.nn.Module, args: Any, third: Any = None) -> None:
+        # third: the output (after=True), or the keyword arguments (the pre-hook, registered
+        # with_kwargs: a layer called as layer(hidden_states=h) has its input there).
         owner = self._owner() if self._owner is not None else None
         # Several contexts may hook the same modules (one per thread on one model): each acts
         # only for forwards run in the thread whose `with` it is in; the saved-tensor hooks are
@@ -63,9 +66,9 @@ class _LayerHook:
         if owner is None or not owner.active or owner._thread != threading.get_ident():
             return
         if self._after:
-            owner._after_layer(output)
+            owner._after_layer(third)
         else:
-            owner._before_layer(module)
+            owner._before_layer(module, args, third)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "_LayerHook":
         return _LayerHook(None, self._after)
@@ -106,8 +109,12 @@ class OffloadActivations:
 
     **With layers** (``OffloadActivations(model.layers)``): layer boundaries come from module
     hooks on ``layers``, the modules that form the repeated layers, in call order; a module listed
-    several times (weight-shared layers, ALBERT-style) is one layer per call. By default all but
-    the last are offloaded (``num_offload_layers=len(layers) - 1``).
+    several times (weight-shared layers, ALBERT-style) is one layer per call. Given no count, plan
+    or budget, it plans for ``memory_budget_bytes="device"`` on CUDA (below; its first steps are
+    probe steps) and offloads all layers but the last on the CPU, with the v1 schedule or
+    ``manual_synchronization``, and for layers the model checkpoints itself
+    (:func:`offload.layer_args.default_budget`); :attr:`budget` says which. ``num_offload_layers=N``
+    offloads layers ``0..N-1`` everywhere.
 
     **Without layers** (``OffloadActivations()``, torchtune's form): the forward is cut into
     groups by bytes. A group closes at the end of the first module call (any ``nn.Module``) after
@@ -152,11 +159,14 @@ class OffloadActivations:
     the fourth step on, or the third when the plain step does not fit. ``selective``: the
     submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
     :func:`offload.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
-    ``plan=offload.plan(...)`` follows a plan made beforehand. Recomputed layers are run under
+    ``plan=offload.plan(...)`` follows a plan made beforehand. Each step follows a plan made for
+    its batch shape (read at the first layer); under ``torch.distributed`` the ranks of
+    ``plan_group`` (default: all; a pipeline passes its data-parallel group, or False) agree on
+    it. Recomputed layers are run under
     non-reentrant checkpointing here: leave the model's own checkpointing off.
     :attr:`plan` is the plan in force and :meth:`plan_report` its table with the measured step
-    time (and peak with ``measure_peak=True``, which resets CUDA's peak-memory counter at each
-    planned step's entry to read the step's own peak).
+    time and peak: ``measure_peak`` (default None: on for planned steps on CUDA) resets CUDA's
+    peak-memory counter at each planned step's entry to read the step's own peak.
     """
 
     def __init__(
@@ -167,9 +177,10 @@ class OffloadActivations:
         enabled: bool = True,
         plan: Optional[Plan] = None,
         memory_budget_bytes: Budget = None,
-        measure_peak: bool = False,
+        measure_peak: Optional[bool] = None,
         probe: Optional[str] = None,
         selective: Candidates = None,
+        plan_group: Any = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -183,7 +194,8 @@ class OffloadActivations:
         # unnoticed until offloading is turned on.
         check_unknown_options(api, [name for name in options if name not in ENGINE_OPTIONS])
         _check_bool(api, "enabled", enabled)
-        _check_bool(api, "measure_peak", measure_peak)
+        if measure_peak is not None:
+            _check_bool(api, "measure_peak", measure_peak)
         check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
         if min_offload_size is not None:
             if "min_offload_bytes" in options:
@@ -194,11 +206,12 @@ class OffloadActivations:
             options["min_offload_bytes"] = min_offload_size
         self.enabled = enabled
         self.auto = layers is None
-        self.measure_peak = measure_peak
+        self.measure_peak = bool(measure_peak)  # resolved below for planned steps (None: on CUDA)
         # Plans and probe steps (with layers, given a plan or a budget, and enabled).
         self._planned: Optional[PlannedSteps] = None
         self._probe_step = False  # the step in progress runs under a probe, not the engine
-        self._budget: Budget = None  # as given (a disabled context keeps it too)
+        self._budget: Budget = None  # as given or defaulted (a disabled context keeps it too)
+        self._budget_default = False  # _budget is the default's "device", not the caller's
         self._candidates: list[torch.nn.Module] = []
         self.active = False
         self._tracking = False  # this forward is tracked (grad enabled at entry)
@@ -209,7 +222,8 @@ class OffloadActivations:
         self._weight_modules: list[torch.nn.Module] = []
         if self.auto:
             planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
-                       "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak}
+                       "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak,
+                       "plan_group": plan_group is not None}
             self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
                             keep_last_groups, max_fwd_stash_size, options)
             return
@@ -239,6 +253,10 @@ class OffloadActivations:
                 raise ValueError("offload: OffloadActivations takes num_offload_layers or num_layers, not both")
             if num_offload_layers is None:
                 name, count_given = "num_layers", alias
+        # Told no count, plan or budget: "device" on CUDA, the fixed count elsewhere (default_budget).
+        self._budget = default_budget(count_given=count_given is not None, plan_given=plan is not None,
+                                      budget=self._budget, **default_inputs(self.layers, options))
+        self._budget_default = memory_budget_bytes is None and self._budget is not None
         planned = plan is not None or self._budget is not None
         if planned:
             if plan is not None and self._budget is not None:
@@ -274,9 +292,13 @@ class OffloadActivations:
             self._weight_modules = check_option_values(api, **options)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
         if self.engine is not None and planned:
+            if measure_peak is None:
+                # Planned steps' peaks for the plan table: one reset of CUDA's peak counter at each
+                # planned step's entry, nothing measurable; the CPU has no such counter.
+                self.measure_peak = self.engine.transport.device.type == "cuda"
             self._planned = PlannedSteps(
                 self.engine, self.layers, self._candidates, budget=self._budget, plan=plan, probe=probe,
-                measure_peak=measure_peak, on_plan=self._install_plan_wrappers,
+                measure_peak=self.measure_peak, on_plan=self._install_plan_wrappers, group=plan_group,
             )
 
     def _init_auto(
@@ -443,6 +465,7 @@ class OffloadActivations:
             self._planned.set_budget(budget, where)
         else:  # enabled=False: nothing to plan, the budget is kept
             self._budget = budget
+        self._budget_default = False
 
     @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
     def _recompute_current(self) -> bool:
@@ -467,20 +490,18 @@ class OffloadActivations:
         """The last whole planned step's time (entry to next entry) and peak (``measure_peak``)."""
         return self._planned.measured() if self._planned is not None else None
 
-    def _install_plan_wrappers(self, plan: Optional[Plan]) -> None:
-        # Only what the plan uses: a wrapper costs a Python call per module call. (The plan is
-        # passed: PlannedSteps calls this while the context's own attribute is being built.)
-        if plan is not None:
-            install_plan_wrappers(self, self.layers if plan.recomputes() else (),
-                                  self._candidates if plan.selects() else ())
+    def _install_plan_wrappers(self, recompute: bool, selective: bool) -> None:
+        # PlannedSteps says what its plans use (a wrapper costs a Python call per module call).
+        install_plan_wrappers(self, self.layers if recompute else (), self._candidates if selective else ())
 
     def _register_hooks(self) -> None:
         # After close() the plan's wrappers are gone with the hooks: both come back together.
-        self._install_plan_wrappers(self.plan)
+        if self._planned is not None:
+            self._planned.put_wrappers_on()
         # One pair of hooks per distinct module: a module listed twice is called twice.
         for module in dict.fromkeys(self.layers):
-            _prune_dead_hooks(module)
-            self._handles.append(module.register_forward_pre_hook(_LayerHook(self, after=False)))
+            prune_dead_hooks(module, _LayerHook)
+            self._handles.append(module.register_forward_pre_hook(_LayerHook(self, after=False), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_LayerHook(self, after=True)))
 
     def close(self) -> None:
@@ -510,11 +531,13 @@ class OffloadActivations:
         )
 
     # -- layer boundaries --------------------------------------------------------------------------
-    def _before_layer(self, module: torch.nn.Module) -> None:
+    def _before_layer(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         engine = self.engine
         position = engine.next_layer()  # type: ignore[union-attr]
         if position is not None and (position >= len(self.layers) or module is not self.layers[position]):
             self._check_order(module, position)
+        if position == 0 and self._planned is not None:
+            self._planned.at_first_layer(args, kwargs)  # the plan for this batch's shape
         engine.begin_layer()  # type: ignore[union-attr]
 
     def _check_order(self, module: torch.nn.Module, position: int) -> None:
@@ -523,17 +546,8 @@ class OffloadActivations:
         # second forward runs inside this one's `with` (another micro-batch or model), whose
         # layers would be counted as this step's, or a module called more often than listed.
         earlier = [i for i, m in enumerate(self.layers[:position]) if m is module]
-        if not earlier or any(m is module for m in self.layers[position:]):
-            return
-        raise RuntimeError(
-            f"offload: OffloadActivations saw layers[{earlier[-1]}] called again as layer "
-            f"{position} of this forward: a second forward (another micro-batch, or another "
-            "model sharing these layers) ran inside this `with`, which would mix two forwards' "
-            "layers into one step. Enter the `with` once per forward (micro-batches one after "
-            "another; their backwards may come later, as in a pipeline), or give each stream its "
-            "own OffloadActivations. A module that one forward calls several times (shared "
-            "weights) must be listed once per call, in call order."
-        )
+        if earlier and not any(m is module for m in self.layers[position:]):
+            raise second_forward_error(earlier[-1], position)
 
     def _after_layer(self, output: Any) -> None:
         layer = self.engine.end_layer()  # type: ignore[union-attr]
@@ -555,7 +569,8 @@ class OffloadActivations:
             if self.plan is not None:
                 what += f", plan: {self.plan.describe()}"
             elif self.budget is not None:
-                what += f", memory_budget_bytes={self.budget!r} (planning)"
+                default = "the default on CUDA; " if self._budget_default else ""
+                what += f", memory_budget_bytes={self.budget!r} ({default}planning)"
             elif self.engine is not None:
                 what += f", offloading {self.engine.schedule.num_layers} of them"
         return f"OffloadActivations({what}{'' if self.enabled else ', disabled'})"
@@ -581,12 +596,3 @@ class OffloadActivations:
             return 0
         return self.engine.reserve(nbytes, background=background)
 
-
-def _prune_dead_hooks(module: torch.nn.Module) -> None:
-    # Hooks of contexts that were garbage collected without close() (one OffloadActivations per
-    # step, say) do nothing but would still be called on every forward, more each step. Removed
-    # here, when a new context registers, never from a finalizer: one could run in the middle of
-    # a module call that is iterating these dicts.
-    for hooks in (module._forward_pre_hooks, module._forward_hooks):
-        for key in [k for k, hook in hooks.items() if isinstance(hook, _LayerHook) and hook.dead]:
-            del hooks[key]

@@ -6,23 +6,16 @@ block the first time a region of that size is needed and hands the same block ou
 steps, so an unchanged model makes no pinned allocation after its first step, and the region
 addresses stay stable (what a CUDA-graph replay needs).
 
-The first step, or a step whose groups grew, still has to pin. Two things keep it off the
-critical path: ``preallocate`` pins ahead when the sizes are known (``ctx.reserve``, the planner
-once it has planned), on the caller's thread or in the background; and the first miss of a step
-forecasts that the step's remaining offloaded layers will want blocks of the same size and queues
-them on the background pinner, so each later layer finds its block pinned (or waits only for the
-rest of it) while compute runs on.
+The first step, or a step whose groups grew, still has to pin. ``preallocate`` pins ahead when
+the sizes are known (``ctx.reserve``, a plan's regions), on the caller's thread or in the
+background; the first miss of a step queues blocks of its size for the step's remaining layers
+on the background pinner. A released block remembers the event of its last copy, and the next
+user's copy stream waits on it (``Region.ready``) instead of the host synchronising.
 
-A block's bytes may still be read by an H2D copy (or written by a D2H copy) of the step that used
-it last. Instead of synchronising the host, a released block remembers the event of its last copy
-and the next user's copy stream waits on it (``Region.ready``).
-
-A step need not wait for pinning at all: the arena's ``keep_while_pinning(size)`` is asked
-only when the sole way to a block is to wait for one being pinned or to pin one now. When it says
-yes (the engine says so while the GPU has room to keep the group), the block is left to (or
-queued on) the background pinner, ``acquire`` returns None, and the group stays on the GPU for
-this step (``kept["pinning"]``); a later step finds the block pinned. The first step of a large
-model then runs at about the speed of a plain one instead of stalling for seconds.
+A step need not wait for pinning at all: ``keep_while_pinning(size)`` is asked when the sole way
+to a block is to wait for one being pinned or to pin one now; when it says yes (the GPU has room
+to keep the group), ``acquire`` returns None and the group stays on the GPU this step
+(``kept["pinning"]``); a later step finds the block pinned.
 
 The budget caps the bytes the arena holds (in use + idle + being pinned), counted as the bytes
 really locked. Tensors are also counted against it at pack time (``claim``), so that a step that
@@ -30,12 +23,10 @@ would overrun it keeps the excess tensors on the GPU instead of failing later. A
 refuses (out of memory, locked-memory limit) is the same as the budget saying no: the group stays
 on the GPU, counted under ``kept["budget"]``, and nothing is lost.
 
-Every arena of the process also charges one ledger (``offload.host_ledger``), whose budget
-bounds all of them together: a block is charged before it is allocated or queued, adjusted to
-its real bytes, and refunded when it is freed (or when a dropped arena is collected). A charge
-the ledger refuses is a budget refusal like the arena's own (``kept["budget"]``, warned once
-per context). A freed block is given back at once: after the arena frees blocks it empties
-torch's pinned-memory cache, where the fallback allocator's blocks would otherwise stay pinned.
+Every arena of the process also charges one ledger (``offload.host_ledger``) that bounds them
+all together: a block is charged before it is allocated or queued, adjusted to its real bytes,
+and refunded when freed; a refused charge is a budget refusal like the arena's own. After freeing
+blocks the arena empties torch's pinned-memory cache (the fallback allocator's blocks would stay).
 
 CUDA-graph capture: a captured copy names its host address once, and every replay copies to and
 from that address again, with no Python running. So a region acquired under capture
@@ -65,8 +56,7 @@ from .layout import align_up
 from .numa import NumaPlacement
 from .pinning import Allocator, BackgroundPinner, allocate_host_block, expected_held_bytes, release_cached_pinned
 
-# Blocks are sized in whole 64 KiB pages, so regions of nearly equal size share blocks.
-BLOCK_GRANULE = 64 * 1024
+BLOCK_GRANULE = 64 * 1024  # whole 64 KiB pages: regions of nearly equal size share blocks
 # A free block is reused for a request only if it is at most this much larger than the request,
 # so one huge idle block doesn't get tied up by a small group.
 REUSE_SLACK = 2.0
@@ -126,6 +116,9 @@ class HostArena:
         ledger: Optional[HostLedger] = None,
     ) -> None:
         self.pinned = pinned
+        # Keep idle blocks past a step that did not use them, as ``retain`` does, but set by the
+        # planner: a stream of batch shapes' plans need other regions in turn (plan_steps).
+        self.hold_idle = False
         # Asked on a miss that would wait for pinning: may the group stay on the device instead?
         # (None: always wait.)
         self.keep_while_pinning = keep_while_pinning
@@ -397,6 +390,20 @@ class HostArena:
             self._settle_finished()
 
     # -- regions ---------------------------------------------------------------------------------
+    def unserved(self, sizes: Iterable[int]) -> list[int]:
+        """Of these region sizes, those no idle or pinning block would serve (each block once)."""
+        with self._lock:
+            self._settle_finished()
+            free = list(self._free_sizes) + sorted(size for size, _ in self._pending)
+        out = []
+        for size in sorted((align_up(max(int(n), 1), BLOCK_GRANULE) for n in sizes), reverse=True):
+            fits = [b for b in free if size <= b <= size * REUSE_SLACK]
+            if fits:
+                free.remove(min(fits))
+            else:
+                out.append(size)
+        return out
+
     def has_idle_blocks(self) -> bool:
         """Whether a block is waiting to be reused (what a CUDA-graph capture needs)."""
         return bool(self._free)
@@ -544,7 +551,7 @@ class HostArena:
         allocate (and, on a GPU, pin) every block again.
         """
         first = finished_step if first_step is None else first_step
-        if self.retain or self._last_acquiring_step < first:
+        if self.retain or self.hold_idle or self._last_acquiring_step < first:
             return
         dropped = False
         with self._lock:

@@ -4,19 +4,23 @@ none of its layers means.
 Separate from ``activations.py`` (the context itself) because these are the messages a user reads
 first: the layer list (a whole model passed where its layers were expected gets the attribute
 that holds them), the offload count (named as the caller named it, bounded by the layers given
-rather than by the engine's ``model_layers``), torchtune's options, and the diagnosis of a
-compiled model whose compiled code never calls the layer hooks.
+rather than by the engine's ``model_layers``), torchtune's options, the diagnosis of a compiled
+model whose compiled code never calls the layer hooks and of a second forward inside one ``with``.
+Also the removal of dead layer hooks, and what ``OffloadActivations(layers)`` does when told no
+count, plan or budget (:func:`default_budget`).
 """
 
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from .api import MODE_ENV_VAR, MODES, _check_bool, _check_choice, _check_int, _got, resolve_mode
 from .find_layers import describe_layers
+from .planner.budget import DEVICE
+from .planner.make import Budget
 
 
 def check_torchtune_options(
@@ -127,3 +131,87 @@ def dynamo_compiled_code() -> bool:
     convert_frame = sys.modules.get("torch._dynamo.convert_frame")
     codes = getattr(convert_frame, "input_codes", None)
     return bool(getattr(codes, "seen", None))
+
+
+def second_forward_error(earlier: int, position: int) -> RuntimeError:
+    """The error for ``layers[earlier]`` called again as layer ``position`` of one forward."""
+    return RuntimeError(
+        f"offload: OffloadActivations saw layers[{earlier}] called again as layer "
+        f"{position} of this forward: a second forward (another micro-batch, or another "
+        "model sharing these layers) ran inside this `with`, which would mix two forwards' "
+        "layers into one step. Enter the `with` once per forward (micro-batches one after "
+        "another; their backwards may come later, as in a pipeline), or give each stream its "
+        "own OffloadActivations. A module that one forward calls several times (shared "
+        "weights) must be listed once per call, in call order."
+    )
+
+
+def prune_dead_hooks(module: torch.nn.Module, kind: type) -> None:
+    """Remove ``module``'s forward (pre-)hooks of class ``kind`` whose context is gone (``dead``)."""
+    # Hooks of contexts that were garbage collected without close() (one OffloadActivations per
+    # step, say) do nothing but would still be called on every forward, more each step. Removed
+    # when a new context registers, never from a finalizer: one could run in the middle of a
+    # module call that is iterating these dicts.
+    for hooks in (module._forward_pre_hooks, module._forward_hooks):
+        for key in [k for k, hook in hooks.items() if isinstance(hook, kind) and hook.dead]:
+            del hooks[key]
+
+
+# -- the default: what OffloadActivations(layers) does when told neither a count nor a plan --------
+def default_budget(
+    device_type: str, *, count_given: bool, plan_given: bool, budget: Budget, mode: str = "v2",
+    manual: bool = False, checkpointed: bool = False,
+) -> Budget:
+    """The memory budget ``OffloadActivations(layers, ...)`` plans for: ``budget`` if one was
+    given; ``"device"`` (the fastest plan that fits what the GPU can give) where nothing else
+    says what to do and the device is CUDA; otherwise None, the fixed count (all layers but the
+    last offloaded). Pure: :func:`default_inputs` reads its arguments from the options.
+
+    Why plan by default on CUDA: the fixed count loses to checkpointing on both time and peak at
+    long context, where a plan mixes keep, offload and recompute per layer (issue 33). Why not
+    everywhere: an explicit count (``count_given``) or ``plan`` is the user's choice; on the CPU
+    there is no allocator to size a plan to (``"device"`` is refused there); the v1 schedule
+    (``mode``, asked for by name or ``NVTE_CPU_OFFLOAD_V1``) and ``manual`` synchronization are
+    schedules a plan would replace; and layers under the model's own checkpointing
+    (``checkpointed``) would be recomputed twice by a plan's recompute, where the fixed count
+    composes with it (each layer offloads its checkpoint inputs).
+    """
+    if budget is not None or plan_given or count_given:
+        return budget
+    if device_type != "cuda" or mode == "v1" or manual or checkpointed:
+        return None
+    return DEVICE
+
+
+def device_type(device: Any) -> str:
+    """The type of the device :func:`offload.api.resolve_device` makes of ``device`` (``None``:
+    CUDA where it is available, else the CPU), read without initialising CUDA. A value it would
+    refuse reads as ``"cpu"`` here: the engine's own checks raise for it, in their words."""
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if isinstance(device, int) and not isinstance(device, bool):
+        return "cuda"  # an index: torch's current accelerator, which here can only be CUDA
+    try:
+        return torch.device(device).type
+    except (RuntimeError, TypeError, ValueError):
+        return "cpu"
+
+
+def checkpointed(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether the model checkpoints these layers itself, as far as the modules show it when the
+    context is made: HF's flag (``activation_checkpointing_enable()`` sets
+    ``gradient_checkpointing`` on each decoder layer) or torch's ``checkpoint_wrapper``."""
+    return any(getattr(m, "gradient_checkpointing", False) is True or hasattr(m, "_checkpoint_wrapped_module")
+               for m in layers)
+
+
+def default_inputs(layers: Sequence[torch.nn.Module], options: dict[str, Any]) -> dict[str, Any]:
+    """:func:`default_budget`'s keyword arguments besides the counts and the budget, read from
+    ``OffloadActivations``' engine ``options`` (a mode it would refuse reads as v2: the engine
+    raises for it, in its words)."""
+    try:
+        mode = resolve_mode(options.get("mode"))
+    except (TypeError, ValueError):
+        mode = "v2"
+    return {"device_type": device_type(options.get("device")), "mode": mode,
+            "manual": options.get("manual_synchronization") is True, "checkpointed": checkpointed(layers)}

@@ -1,44 +1,73 @@
 """The planning side of ``OffloadActivations(layers, memory_budget_bytes=... or plan=...)``:
-which steps are probe steps, the plan chosen from their profile, and each planned step's figures.
+which steps are probe steps, the plan each planned step follows, and each planned step's figures.
 
-The context drives it at two moments of each step whose forward builds a graph:
+The context drives it at three moments of each step whose forward builds a graph:
 :meth:`PlannedSteps.enter` at the ``with``'s entry (the previous step, its backward and whatever
-the loop did after it, is over) and :meth:`PlannedSteps.end_forward` at its exit. A step is
-either a probe step (:mod:`offload.planner.sequence`; its forward runs under the probe, the engine
-does nothing) or a planned one (the engine follows the plan's schedule).
+the loop did after it, is over), :meth:`PlannedSteps.at_first_layer` at the first layer's entry
+(where the batch's shape is read off its input), and :meth:`PlannedSteps.end_forward` at the
+``with``'s exit of a probe step. A step is either a probe step (:mod:`offload.planner.sequence`;
+its forward runs under the probe, the engine does nothing) or a planned one.
 
-The profile the probe steps measured is kept. The plan is chosen from it at the first entry after
-the measured step, and again by :meth:`PlannedSteps.set_budget`; when no plan fits, the
-``BudgetError`` comes at that entry and at every later one (the state is left as it was, so a
-step outside the ``with`` still runs plainly) until a budget that fits is set.
+**One plan per shape.** The profile the probe steps measured is kept, with the shape it was
+measured at. Each planned step reads its batch shape at the first layer's entry, rounds it up to
+its bucket (:meth:`~offload.planner.shapes.StepShape.bucket`), and follows that bucket's plan:
+made from the profile predicted at the bucket's shape (:mod:`offload.planner.scaling`) the first
+time the bucket is seen, then cached. No probe step runs again. Where no plan fits a shape, the
+``BudgetError`` comes there, before any layer ran, naming the shape; the context stays as it
+was, and a step of a shape that fits goes on. Under a process group of more than one rank the
+ranks agree on the shape first (:mod:`offload.planner.agree`; ``plan_group``: the group that
+does, e.g. the data-parallel one under pipeline parallelism, or False for none).
+
+**Out of memory.** A planned step that ran out of device memory (the allocator's OOM count grew
+while the step did not finish) lowers the budget plans are made for to 90% of the least of that
+plan's predicted peak, its budget and what the device gives now, and the next step is planned again: an OOM-retry loop, or the Trainer's next
+step, fits. A warning and the plan's ``budget_reason`` say what happened.
+
+**Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: where a
+calibration step follows it, its host regions are pinned in the background during that step, so
+the first planned step does not stall on pinning (the measured step waits for them: pinning takes
+the driver's lock, and kernels launched late would be timed into its layers). With plans per
+shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 
 from .engine import OffloadEngine
+from .planner.agree import agree_flag, agree_shape, ranks_agree_enabled
+from .planner.budget import DEVICE
 from .planner.link import measure_link
 from .planner.make import Budget, check_device_budget, choose, probe_policy, read_device_budget, \
-    step_figures
+    step_figures, use_expandable_segments
 from .planner.probe import ProbeStep
+from .planner.scaling import profile_at, profile_shape
+from .planner.search import BudgetError
 from .planner.sequence import ProbeSequence
+from .planner.shapes import StepShape, shape_of
 from .planner.types import Plan, StepProfile
+from .recompute import checkpoint_inputs
 from .schedules.planned import PlannedSchedule
+from .stats import format_bytes
 
-__all__ = ["PlannedSteps"]
+__all__ = ["PlannedSteps", "OOM_BACKOFF"]
+
+# After a planned step ran out of memory, plans are made for this much of its predicted peak.
+OOM_BACKOFF = 0.9
 
 
 class PlannedSteps:
-    """Probe steps, then the plan in force, for one engine over ``layers``.
+    """Probe steps, then a plan per batch shape, for one engine over ``layers``.
 
-    ``plan``: follow this plan from the first step; otherwise probe for ``budget``.
-    ``on_plan``: the context's method called with each plan that comes into force, so that it can put
-    the plan's module wrappers on (held weakly: the context owns this object).
+    ``plan``: follow this plan (at other shapes, plans made from its profile at its budget);
+    otherwise probe for ``budget``. ``on_plan(recompute, selective)``: the context's method that
+    puts the module wrappers plans need on (held weakly: the context owns this object).
     """
 
     def __init__(
@@ -51,29 +80,58 @@ class PlannedSteps:
         plan: Optional[Plan],
         probe: str,
         measure_peak: bool,
-        on_plan: Callable[[Plan], None],  # a bound method
+        on_plan: Callable[[bool, bool], None],  # a bound method
+        group: Any = None,
     ) -> None:
         self.engine = engine
         self.device = engine.transport.device
         self.budget = budget
         self.measure_peak = measure_peak
+        # The ranks that agree on each step's shape: the default process group (None), a
+        # data-parallel group (pipeline stages must not: they enter their layers at different
+        # times), or False for none.
+        self._group = group
         self.plan: Optional[Plan] = None
-        self.profile: Optional[StepProfile] = None  # what plans are chosen from
+        self.profile: Optional[StepProfile] = None  # the probe's figures, what plans are made from
+        self._plans: dict[StepShape, Plan] = {}     # per bucket, at the budget in force
+        self._shape: Optional[StepShape] = None     # the bucket of the plan in force
+        self._agreed: Optional[StepShape] = None    # the last bucket the ranks agreed on
+        self._cap: Optional[int] = None             # the budget's ceiling after an OOM
+        self._lowered = ""                          # why, for the plan's report
+        self._ooms: Optional[int] = None            # the allocator's OOM count at the last check
+        self._step_index: Optional[int] = None      # the engine's index of the last planned step
         self._on_plan = weakref.WeakMethod(on_plan)  # type: ignore[arg-type]
         self.probe: Optional[ProbeStep] = None  # this step's, while it runs measured
         self._probing = False  # this step is one of the probe sequence's (measured or not)
+        self._pinned_ahead = False
+        self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
         self._sequence: Optional[ProbeSequence] = None
         self._step_mark: Any = None
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
         device = self.device
         check_device_budget(budget, device, "OffloadActivations:")
+        # "device" is all the GPU can give, and the caching allocator's fragmentation can take a
+        # third of it (docs/design.md): expandable segments, unless the process chose.
+        self._expandable = use_expandable_segments() if budget == DEVICE else False
         if plan is not None:
+            if plan.profile is None:
+                raise ValueError(
+                    "offload: this plan carries no profile (a plan saved by an older version's "
+                    "Plan.to_dict); make it again with offload.plan(...)"
+                )
+            self.budget = plan.budget_bytes
+            self.profile = plan.profile
             self.follow(plan)
+            shape = profile_shape(plan.profile)
+            if shape is not None:
+                self._shape = shape.bucket()
+                self._plans[self._shape] = plan
         elif budget is not None:
+            link = _Once(lambda: measure_link(device))
             self._sequence = ProbeSequence(
                 layers, probe_policy(device, engine.policy.min_offload_bytes, engine.policy.selection),
-                device, probe=probe, candidates=candidates, link=lambda: measure_link(device),
-                device_limit=(lambda: read_device_budget(device).budget_bytes) if device.type == "cuda" else None,
+                device, probe=probe, candidates=candidates, link=link,
+                device_limit=(lambda: self._read_device().budget_bytes) if device.type == "cuda" else None,
             )
 
     # -- each step ---------------------------------------------------------------------------------
@@ -81,17 +139,77 @@ class PlannedSteps:
         """A step's forward begins. Returns whether it is a probe step (then :attr:`probe` is
         its measured probe, begun, or None for a plain warm-up step)."""
         self._close_previous_step()
-        if self.plan is None and self.profile is not None:
-            # The probe steps are over: choose (BudgetError here, at every entry, until a budget
-            # that fits is set, or "device" finds more memory).
-            self.follow(choose(self.profile, self.budget, self.device))
-        if self.plan is None and self._sequence is not None:
+        if self.profile is not None:
+            self._check_out_of_memory()
+            if self.plan is None:
+                if profile_shape(self.profile) is None:
+                    # Figures of one shape only: its plan now (BudgetError here, at every entry,
+                    # until a budget that fits is set).
+                    self.follow(self._make(self.profile, None))
+                else:
+                    self._wrappers(self.profile)
+            return False
+        if self._sequence is not None:
             self._probing = True
+            if self._pinned_ahead and self._sequence.todo[:1] == ["measure"]:
+                # The blocks pinned ahead must be done before the measured step: pinning takes the
+                # driver's lock, and kernels launched late would be timed into its layers.
+                self.engine.arena.settle(wait=True)
             self.probe = self._sequence.next_step()  # None: run plainly, unmeasured
             if self.probe is not None:
                 self.probe.begin()
             return True
         return False
+
+    def at_first_layer(self, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        """A planned step enters its first layer: follow the plan of its shape's bucket (made
+        now if the bucket is new). Raises :class:`BudgetError` when none fits that shape."""
+        profile = self.profile
+        if profile is None or profile.shape is None:
+            return
+        hidden = next((t for t in checkpoint_inputs(args, kwargs) if t.dim() >= 2), None)
+        if hidden is None:
+            return  # no hidden states to read a shape from: the plan in force goes on
+        step = self.engine.step
+        self._step_index = step.index if step is not None else None
+        shape = shape_of(hidden.shape)
+        bucket = shape.bucket()
+        agreeing = self._group is not False and ranks_agree_enabled(self._group)
+        if agreeing:
+            bucket = agree_shape(bucket, self.device, self._group)
+        agreed_new = bucket != self._agreed
+        self._agreed = bucket
+        if bucket == self._shape and self.plan is not None:
+            self._scale(shape, bucket)
+            return
+        plan, failed, started = self._plans.get(bucket), None, time.perf_counter()
+        if plan is None:
+            try:
+                plan = self._make(profile_at(profile, bucket), bucket)
+            except BudgetError as exc:
+                failed = exc
+            # Every rank meets a new agreed bucket at the same step: decide together, so no rank
+            # raises alone while the others wait in their next collective.
+            if agreed_new and agreeing and agree_flag(failed is not None, self.device, self._group) \
+                    and failed is None:
+                failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
+                                     "see its error")
+        if failed is not None:
+            raise failed
+        if bucket not in self._plans:
+            self._plans[bucket] = plan  # type: ignore[assignment]
+            self.planning_s += time.perf_counter() - started
+        if plan is not self.plan:  # (a schedule holds the micro-batches in flight: keep it)
+            self.follow(plan)  # type: ignore[arg-type]
+        self._shape = bucket
+        self._scale(shape, bucket)
+
+    def _scale(self, shape: StepShape, bucket: StepShape) -> None:
+        # The plan is for the bucket's top (and, across ranks, the largest shape): its size
+        # floors and byte checks scale to the tokens this step has.
+        schedule = self.engine.schedule
+        if isinstance(schedule, PlannedSchedule):
+            schedule.scale = shape.tokens / bucket.tokens
 
     def end_forward(self, exc: Optional[BaseException]) -> None:
         """A probe step's forward ended (``exc``: what it raised, if it did)."""
@@ -116,6 +234,7 @@ class PlannedSteps:
             if probe is not None:
                 probe.end_step()
             self.profile = self._sequence.step_done(probe)  # type: ignore[union-attr]
+            self._pin_ahead()
         elif self._step_mark is not None:
             # Read lazily (report): reading the events now would make the host wait.
             peak = torch.cuda.max_memory_allocated(self.device) if cuda and self.measure_peak else None
@@ -125,40 +244,176 @@ class PlannedSteps:
         self._step_mark = mark
 
     # -- plans -------------------------------------------------------------------------------------
+    def _read_device(self) -> Any:
+        return read_device_budget(self.device, expandable=self._expandable)
+
+    def _make(self, profile: StepProfile, shape: Optional[StepShape]) -> Plan:
+        """The plan for ``profile`` (at ``shape``) under the budget in force, lowered after an
+        out-of-memory step."""
+        emptied = self.device.type == "cuda" and (self.budget == DEVICE or self._cap is not None)
+        if emptied:
+            # What the device gives is read now: the probe steps' (or a failed step's) cached
+            # blocks go back first, so the plan's memory comes from fresh (expandable) segments
+            # rather than split ones, and what stays reserved is known to be unusable (once per
+            # new shape: it waits for the device).
+            torch.cuda.empty_cache()
+        try:
+            plan = choose(profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable,
+                          emptied=emptied)
+        except BudgetError as exc:
+            if shape is None:
+                raise
+            raise BudgetError(f"offload: no plan fits a step of {shape}: {exc}") from None
+        if self._lowered:
+            plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
+        return plan
+
     def follow(self, plan: Plan) -> None:
-        """Put ``plan`` in force: its schedule on the engine, its wrappers on the modules, its
-        host blocks pinned in the background."""
-        if plan.profile is None:
-            raise ValueError(
-                "offload: this plan carries no profile (a plan saved by an older version's "
-                "Plan.to_dict); make it again with offload.plan(...)"
-            )
-        self.plan, self.profile = plan, plan.profile
-        schedule = PlannedSchedule(plan, plan.profile)
+        """Put ``plan`` in force: its schedule on the engine (from the step in progress on, if
+        one is: the first layer's entry switches plans), its wrappers on the modules, its host
+        blocks pinned in the background."""
+        self.plan = plan
+        schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[arg-type]
         engine = self.engine
         engine.schedule = schedule
         engine.model_layers = len(plan.layers)
         engine.mode = "planned"
-        on_plan = self._on_plan()
-        if on_plan is not None:
-            on_plan(plan)
+        step = engine.step
+        if step is not None and not step.forward_done:
+            schedule.on_step_start(engine)
+            step.counters.mode = "planned"
+            pending = engine.pending_group  # saved before the first layer, under the old plan
+            if pending is not None:
+                pending.min_offload_bytes = schedule.min_offload_bytes(pending.layer)
+        self._wrappers(plan.profile, plan)  # type: ignore[arg-type]
+        if self._ooms is None and self.device.type == "cuda":
+            self._ooms = _oom_count(self.device)
         # The plan says what each layer will copy: pin those blocks now, on the arena's
         # background thread, so the first planned step does not stall on pinning.
-        arena = engine.arena
-        if arena.pinned and not arena.has_idle_blocks():
+        self._pin(schedule.region_bytes())
+
+    def put_wrappers_on(self) -> None:
+        """Put the wrappers the plans need (back) on: after the context's ``close()``."""
+        if self.profile is not None:
+            self._wrappers(self.profile, self.plan)
+
+    def _wrappers(self, profile: StepProfile, plan: Optional[Plan] = None) -> None:
+        # With plans per shape any plan may come at a first layer's entry, after Module.__call__
+        # read that layer's forward: every wrapper a plan of this profile may use goes on before
+        # the first planned step. A plan of one shape puts on only what it uses (a wrapper costs
+        # a Python call per module call).
+        on_plan = self._on_plan()
+        if on_plan is None:
+            return
+        if profile.shape is not None:
+            on_plan(True, any(layer.selective is not None for layer in profile.layers))
+        elif plan is not None:
+            on_plan(plan.recomputes(), plan.selects())
+
+    def _pin(self, sizes: list[int]) -> None:
+        # Only the regions no idle block serves: with plans for several shapes the blocks of
+        # each stay between its steps (hold_idle), and a shorter batch's regions fit a longer
+        # one's blocks.
+        arena = self.engine.arena
+        if not arena.pinned:
+            return
+        # Plans per shape: a block another shape's plan used stays for that shape's next step
+        # (trimmed it would be pinned again, seconds a step on LLAMA-1B's shape). The host
+        # budget still bounds them, and close() gives them back.
+        arena.hold_idle = self.profile is not None and self.profile.shape is not None
+        missing = arena.unserved(sizes)
+        if missing:
             try:
-                arena.preallocate(schedule.region_bytes(), background=True)
+                arena.preallocate(missing, background=True)
             except ValueError:
                 pass  # over the host budget: the step keeps what does not fit on the GPU
 
+    def _pin_ahead(self) -> None:
+        # After the low-memory sizing step: a plan from its figures (the measured step's will
+        # be close) says which host regions to pin while the probe's last steps run.
+        sizing = self._sequence.sizing if self._sequence is not None else None
+        if self._pinned_ahead or sizing is None or self.profile is not None:
+            return
+        if self._sequence.todo[:1] == ["measure"]:  # type: ignore[union-attr]
+            # The measured step comes next: pinning now would have to finish before it (see
+            # enter), on the critical path all the same. The first planned step pins instead.
+            return
+        self._pinned_ahead = True
+        try:
+            sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
+            plan = choose(sizing, self.budget, self.device, expandable=self._expandable)
+        except (BudgetError, ValueError):
+            return  # the measured step decides; nothing to pin ahead
+        self._pin(PlannedSchedule(plan, sizing).region_bytes())
+
+    def _check_out_of_memory(self) -> None:
+        # Only when the last planned step did not finish (its backward raised, or a forward's
+        # did): the allocator's count is read then, not on every step.
+        index = self._step_index
+        if index is None or self._ooms is None or self.plan is None:
+            return
+        last = self.engine.last_finished
+        if last is not None and last.step >= index:
+            return
+        count = _oom_count(self.device)
+        if count <= self._ooms:
+            return
+        self._ooms = count
+        torch.cuda.empty_cache()  # the failed step's split blocks, before the device is read
+        plan = self.plan
+        peak = plan.prediction.peak_bytes
+        # Below what the plan predicted and was allowed (the step found less), and within what
+        # the device gives now (a memory cap lowered since, another process grown).
+        device_now = read_device_budget(self.device, self._expandable, emptied=True).budget_bytes
+        cap = min(int(OOM_BACKOFF * min(peak, plan.budget_bytes or peak)), device_now)
+        self._cap = cap if self._cap is None else min(self._cap, cap)
+        self._lowered = (f"lowered to {format_bytes(self._cap)} after step {index} ran out of device "
+                         f"memory (its plan predicted a peak of {format_bytes(peak)})")
+        self._plans.clear()
+        self.plan, self._shape = None, None  # the next first layer plans again
+        warnings.warn(f"offload: the budget plans are made for is {self._lowered}; the next step is "
+                      "planned again", UserWarning, stacklevel=4)
+
     def set_budget(self, budget: Budget, where: str) -> None:
         """Plan for another budget, checked by the caller, from the figures measured already (see
-        :meth:`offload.OffloadActivations.set_budget`)."""
+        :meth:`offload.OffloadActivations.set_budget`). Made for the shape in force first, so a
+        budget no plan fits raises before anything changes."""
         check_device_budget(budget, self.device, where)
+        old = self.budget, self._cap, self._lowered
+        self.budget, self._cap, self._lowered = budget, None, ""
+        try:
+            if self.profile is not None:
+                shape = self._shape
+                made = self._make(profile_at(self.profile, shape) if shape is not None else self.profile, shape)
+        except BaseException:
+            self.budget, self._cap, self._lowered = old
+            raise
+        self._plans.clear()
         if self.profile is not None:
-            self.follow(choose(self.profile, budget, self.device))  # raises before anything changes
-        self.budget = budget
+            if shape is not None:
+                self._plans[shape] = made
+            self.follow(made)
 
     def measured(self) -> Optional[dict[str, Any]]:
         """The last whole planned step's time (entry to next entry) and peak (``measure_peak``)."""
         return step_figures(*self._last_step) if self._last_step is not None else None
+
+
+class _Once:
+    """A callable that calls ``fn`` the first time and returns that result ever after (the host
+    link is measured once, for the pin-ahead plan and the profile alike)."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.value = fn, None
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self.fn()
+        return self.value
+
+
+def _oom_count(device: torch.device) -> int:
+    """How many times the caching allocator ran out of memory on ``device`` so far."""
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))

@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["checkpoint_call", "checkpoint_inputs", "checkpoint_input_bytes"]
+__all__ = ["checkpoint_call", "checkpoint_inputs", "checkpoint_input_bytes", "checkpoint_input_sizes"]
 
 
 def checkpoint_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -33,17 +33,22 @@ def checkpoint_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[to
         [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
 
 
-def checkpoint_input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
-    """Bytes of :func:`checkpoint_inputs`, each storage counted once (a tensor passed twice, or
-    two views of one storage, is saved once by the engine's group)."""
+def checkpoint_input_sizes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
+    """``(bytes, shape)`` of each of :func:`checkpoint_inputs`, each storage once (a tensor passed
+    twice, or two views of one storage, is saved once by the engine's group)."""
     seen: set[int] = set()
-    total = 0
+    out = []
     for t in checkpoint_inputs(args, kwargs):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in seen:
             seen.add(ptr)
-            total += t.nbytes
-    return total
+            out.append((t.nbytes, tuple(t.shape)))
+    return out
+
+
+def checkpoint_input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """Bytes of :func:`checkpoint_inputs`, each storage counted once."""
+    return sum(nbytes for nbytes, _ in checkpoint_input_sizes(args, kwargs))
 
 
 def checkpoint_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],

@@ -249,3 +249,184 @@ def test_no_selective_is_passed_only_where_offload_takes_it(monkeypatch: pytest.
     monkeypatch.setattr(lc.offload, "OffloadActivations", NotTaking)
     kw, note = lc.selective_option(True)
     assert kw == {} and "no effect" in note
+
+
+# -- varlen.py and device_everywhere.py (issue 33: T22, T23, T24) --------------------------------------
+def run_smoke(script: str, name: str, *args: str) -> dict[str, Any]:
+    """``benchmarks/<script> --cpu-smoke --name <name> *args`` in a process of its own (it spawns
+    its workers); its JSON, removed after reading."""
+    out = BENCH / "results" / "smoke" / f"{name}.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    try:
+        done = subprocess.run([sys.executable, str(BENCH / script), "--cpu-smoke", "--name", name, *args],
+                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, f"{script} --cpu-smoke failed:\n{done.stdout[-6000:]}\n{done.stderr[-4000:]}"
+        return json.loads(out.read_text())
+    finally:
+        out.unlink(missing_ok=True)
+
+
+def test_varlen_cpu_smoke_runs_the_stream_in_three_processes() -> None:
+    result = run_smoke("varlen.py", "varlen_pytest", "--jobs", "3")
+    runs = result["contenders"]
+    assert list(runs) == ["ours", "ckpt", "plain"]
+    assert not {c: r["error"] for c, r in runs.items() if "error" in r}, "a worker failed"
+    assert len({r["info"]["pid"] for r in runs.values()}) == 3, "the contenders did not run in processes of their own"
+    lengths = result["lengths"]
+    assert len(lengths) == 5 and set(lengths) <= {16, 32, 64, 96, 128}
+    for c, r in runs.items():
+        assert [s["length"] for s in r["steps"]] == lengths, c
+        assert not [s for s in r["steps"] if "error" in s], f"{c}: steps failed on the CPU"
+        assert all(s["ms"] > 0 and s["loss"] > 0 for s in r["steps"]), c
+    phases = [s["phase"] for s in runs["ours"]["steps"]]
+    assert phases[0] == "probe" and "planned" in phases, f"ours never planned: {phases}"
+    assert all(s.get("plan") for s in runs["ours"]["steps"] if s["phase"] == "planned")
+    assert runs["ours"]["budget_bytes"] == 24 << 20, "the smoke budget is 24 MiB"
+    assert "check" not in runs["ckpt"], "only ours and plain are checked bit for bit"
+    rows = {r["length"]: r for r in result["bitwise"]}
+    assert set(rows) == set(lengths)
+    assert all(r["bitwise"] is True and r["plain_repeatable"] is True for r in rows.values()), result["bitwise"]
+    targets = {t["target"]: t for t in result["targets"]}
+    assert list(targets) == ["T22 peak", "T22 time", "T22 bitwise"]
+    assert targets["T22 bitwise"]["ok"] is True
+    assert targets["T22 peak"]["ok"] is None and targets["T22 time"]["ok"] is None, "no verdict on CPU numbers"
+    assert len(result["rows"]) == 5 and all(r["ours_ms"] and r["ckpt_ms"] and r["plain_ms"] for r in result["rows"])
+
+
+def test_varlen_verdicts_follow_the_targets() -> None:
+    varlen = bench_module("varlen")
+    budget = 24 * GiB
+
+    def results(peaks: list[float], ours_ms: float, ckpt_ms: float) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        steps = [{"step": i, "length": 1024, "ms": ours_ms / len(peaks), "peak_bytes": int(p * budget)} for i, p in enumerate(peaks)]
+        res = {"ours": {"steps": steps, "summary": {"total_ms": ours_ms, "failed": 0}},
+               "ckpt": {"steps": [], "summary": {"total_ms": ckpt_ms, "failed": 0}}}
+        return res, varlen.stream_table(res, budget)
+
+    bitwise = [{"length": 1024, "bitwise": True}, {"length": 8192, "bitwise": None, "note": "plain: out of memory"}]
+    res, rows = results([0.9, 1.02, 1.0], ours_ms=850.0, ckpt_ms=1000.0)
+    ok = {t["target"]: t["ok"] for t in varlen.check_targets(res, rows, bitwise, budget, smoke=False)}
+    assert ok == {"T22 peak": True, "T22 time": True, "T22 bitwise": True}, "a length where plain does not fit is not judged"
+    res, rows = results([0.9, 1.03], ours_ms=860.0, ckpt_ms=1000.0)
+    targets = {t["target"]: t for t in varlen.check_targets(res, rows, [{"length": 1024, "bitwise": False}], budget, smoke=False)}
+    assert targets["T22 peak"]["ok"] is False and "step 1" in targets["T22 peak"]["figure"]
+    assert targets["T22 time"]["ok"] is False and targets["T22 bitwise"]["ok"] is False
+    res["ours"]["steps"][1] = {"step": 1, "length": 8192, "ms": 10.0, "error": "out of memory"}
+    assert varlen.check_targets(res, varlen.stream_table(res, budget), [], budget, smoke=False)[0]["ok"] is False
+
+
+def test_varlen_compares_digests_per_length(tmp_path: Path) -> None:
+    varlen = bench_module("varlen")
+    same, other = {"a": "1", "b": "2"}, {"a": "1", "b": "3"}
+    results = {
+        "ours": {"check": [{"length": 1024, "digests": same}, {"length": 2048, "digests": other},
+                           {"length": 8192, "digests": same}]},
+        "plain": {"check": [{"length": 1024, "digests": same}, {"length": 1024, "digests": same},
+                            {"length": 2048, "digests": same}, {"length": 2048, "digests": other},
+                            {"length": 8192, "error": "out of memory"}]},
+    }
+    rows = {r["length"]: r for r in varlen.compare_lengths(results, tmp_path)}
+    assert rows[1024]["bitwise"] is True and rows[1024]["plain_repeatable"] is True
+    assert rows[2048]["bitwise"] is False and rows[2048]["first_differing"] == ["b"]
+    assert rows[2048]["plain_repeatable"] is False
+    assert rows[8192]["bitwise"] is None and "out of memory" in rows[8192]["note"]
+
+
+def test_varlen_stream_is_fixed_and_covers_every_length() -> None:
+    varlen = bench_module("varlen")
+    stream = varlen.draw_lengths(varlen.LENGTHS, 30, 0)
+    assert stream == varlen.draw_lengths(varlen.LENGTHS, 30, 0) and set(stream) == set(varlen.LENGTHS)
+    a = varlen.batch_ids(0, 3, 16, 2, 100, torch.device("cpu"))
+    assert torch.equal(a, varlen.batch_ids(0, 3, 16, 2, 100, torch.device("cpu")))
+    assert not torch.equal(a, varlen.batch_ids(0, 4, 16, 2, 100, torch.device("cpu")))
+
+
+def test_device_everywhere_cpu_smoke_runs_each_case_and_contender() -> None:
+    result = run_smoke("device_everywhere.py", "device_everywhere_pytest", "--cases", "8b-16384", "--contenders",
+                       "ckpt,device", "--jobs", "2")
+    runs = result["runs"]
+    assert list(runs) == ["8b-16384:ckpt", "8b-16384:device"]
+    assert not {k: r["error"] for k, r in runs.items() if "error" in r}
+    dev = runs["8b-16384:device"]
+    assert dev["budget"] == "lowest", "the CPU runs 'lowest' in place of 'device'"
+    assert dev["frozen_base"] is True
+    workloads = bench_module("workloads")
+    spec = workloads.llama_8b_shape(workloads.SMOKE_SCALE)
+    assert dev["trainable_params"] == (2 * spec.layers + 1) * spec.hidden, "only the RMSNorm weights train"
+    phases = [s["phase"] for s in dev["steps"]]
+    assert phases.count("timed") == 2 and phases[0] == "probe" and "warmup" in phases, phases
+    assert [s["phase"] for s in runs["8b-16384:ckpt"]["steps"]] == ["warmup", "timed", "timed"]
+    rows = {r["contender"]: r for r in result["rows"]}
+    assert rows["ckpt"]["status"] == rows["device"]["status"] == "ok"
+    assert rows["ckpt"]["x_ckpt"] == 1.0 and rows["device"]["x_ckpt"] > 0 and rows["device"]["plan"]
+    (target,) = result["targets"]
+    assert target["target"] == "T23 8b-16384" and target["ok"] is None, "no verdict on CPU numbers"
+
+
+def test_device_recovery_cpu_smoke_goes_on_after_the_failed_step() -> None:
+    result = run_smoke("device_everywhere.py", "device_recovery_pytest", "--recovery")
+    steps = result["result"]["steps"]
+    capped = [s for s in steps if s["phase"] == "capped"]
+    assert len(capped) == 3 and capped[0]["error"] == "out of memory"
+    assert not [s for s in capped[1:] if "error" in s], "the loop did not go on after the out-of-memory step"
+    assert result["result"]["plan_before"]["plan"] and result["result"]["plan_after"]["plan_report"]
+    (target,) = result["targets"]
+    assert target["ok"] is None and target["logic_ok"] is True and "simulated" in target["figure"]
+
+
+def test_device_everywhere_verdicts_follow_the_targets() -> None:
+    de = bench_module("device_everywhere")
+
+    def run(ms: list[float], failed: int = 0) -> dict[str, Any]:
+        steps = [{"phase": "timed", "ms": m, "peak_bytes": 40 * GiB} for m in ms]
+        steps += [{"phase": "probe", "ms": 1.0, "error": "out of memory"}] * failed
+        return {"summary": de.summarize(steps), "plan": "offload 20"}
+
+    def t23(device_ms: list[float], failed: int = 0) -> Any:
+        results = {"8b-16384:ckpt": run([2000.0] * 5), "8b-16384:device": run(device_ms, failed)}
+        rows = de.t23_rows(["8b-16384"], ["ckpt", "device"], results)
+        (target,) = de.t23_targets(["8b-16384"], rows, smoke=False)
+        return target["ok"]
+
+    assert t23([1800.0] * 5) is True
+    assert t23([1800.0] * 4 + [1920.0]) is False, "each step must be <= 0.95x checkpointing's"
+    assert t23([1800.0] * 5, failed=1) is False, "an out-of-memory probe step misses T23"
+
+    def t24(errors: list[bool]) -> Any:
+        steps = [{"phase": "capped", "ms": 1.0, "peak_bytes": GiB, **({"error": "out of memory"} if e else {})} for e in errors]
+        return de.t24_target({"steps": steps, "cap_bytes": 30 * GiB}, smoke=False)["ok"]
+
+    assert t24([True, False, False]) is True
+    assert t24([False, False, False]) is None, "no out-of-memory step: the case was not produced"
+    assert t24([True, True, False]) is False
+    assert t24([False, False, True]) is False, "the last step out of memory: nothing shows it recovers"
+
+
+def test_worker_options_are_stripped_with_their_values() -> None:
+    workers = bench_module("workers")
+    argv = ["--cpu-smoke", "--contenders", "ours", "--jobs=3", "--steps", "4", "--out", "x.json"]
+    assert workers.strip_parent_options(argv, ("--contenders", "--jobs", "--out")) == ["--cpu-smoke", "--steps", "4"]
+
+
+def test_common_split_keeps_every_name_and_no_file_is_over_600_lines() -> None:
+    common = bench_module("common")
+    probes = bench_module("memory_probes")
+    for name in ("pinned_bandwidth", "copy_floor_ms", "layer_activation_bytes", "saved_tensor_census", "Census", "MB"):
+        assert getattr(common, name) is getattr(probes, name), name
+    long = {p.name: n for p in BENCH.glob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+    assert not long, f"files over 600 lines in benchmarks/: {long}"
+
+
+def test_measure_step_records_out_of_memory_and_raises_other_errors() -> None:
+    records = bench_module("step_records")
+    env = bench_module("common").Env(device=torch.device("cpu"), smoke=True, offload_device="cpu", args=None)
+    cleaned = []
+
+    def oom() -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    rec = records.measure_step(env, oom, on_failure=lambda: cleaned.append(1))
+    assert rec["error"] == "out of memory" and rec["detail"].startswith("CUDA out of memory") and cleaned == [1]
+    assert records.measure_step(env, lambda: torch.tensor(2.5))["loss"] == 2.5
+    with pytest.raises(ZeroDivisionError):
+        records.measure_step(env, lambda: 1 / 0)

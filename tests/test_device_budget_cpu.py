@@ -50,6 +50,14 @@ def test_expandable_segments_need_less_headroom(monkeypatch):
     assert device_budget(80 * GiB, 64 * GiB, 10 * GiB).budget_bytes == int(74 * GiB * 0.95)
 
 
+def test_a_small_cap_keeps_a_headroom_of_at_least_256_mib():
+    # 5% of 1.3 GiB is less than what the allocator keeps reserved anyway (measured: 95 MiB).
+    got = device_budget(80 * GiB, 64 * GiB, 10 * GiB, headroom=0.05, cap_bytes=1300 << 20)
+    assert got.budget_bytes == (1300 - 256) << 20
+    tiny = device_budget(80 * GiB, 64 * GiB, 10 * GiB, headroom=0.05, cap_bytes=400 << 20)
+    assert tiny.budget_bytes == 300 << 20  # the floor takes at most a quarter
+
+
 def test_a_per_process_cap_bounds_the_budget():
     got = device_budget(80 * GiB, 64 * GiB, 10 * GiB, headroom=0.0, cap_bytes=20 * GiB)
     assert got.budget_bytes == 20 * GiB and got.held_by_others_bytes == 6 * GiB
@@ -70,7 +78,7 @@ def test_choose_device_plans_the_fastest_plan_under_the_resolved_budget(monkeypa
     profile = llama_like()
     # What this device gives: less than the plain step needs, more than the lowest plan.
     measured = device_budget(20 * GiB, 14 * GiB, 1 * GiB)
-    monkeypatch.setattr(make_mod, "read_device_budget", lambda device: measured)
+    monkeypatch.setattr(make_mod, "read_device_budget", lambda device, expandable=False, emptied=False: measured)
     made = choose(profile, "device", CUDA0)
     assert made.budget_bytes == measured.budget_bytes < profile.plain_peak_bytes
     assert made.prediction.peak_bytes <= measured.budget_bytes
@@ -80,7 +88,7 @@ def test_choose_device_plans_the_fastest_plan_under_the_resolved_budget(monkeypa
 
 
 def test_choose_device_that_cannot_fit_names_the_lowest_peak(monkeypatch):
-    monkeypatch.setattr(make_mod, "read_device_budget", lambda device: device_budget(8 * GiB, 7 * GiB, 0))
+    monkeypatch.setattr(make_mod, "read_device_budget", lambda device, expandable=False, emptied=False: device_budget(8 * GiB, 7 * GiB, 0))
     with pytest.raises(offload.BudgetError, match=r"lowest peak reachable.*more GPUs"):
         choose(llama_like(), "device", CUDA0)
 

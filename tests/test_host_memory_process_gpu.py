@@ -156,7 +156,7 @@ def test_contexts_in_sequence_stay_within_the_process_budget_and_give_it_back(tr
     layers = gpt()
     inputs = {seq: tokens(seq) for seq in set(SEQS) | {PLAN_SEQ}}
     expected = {seq: plain_reference(layers, x) for seq, x in inputs.items()}
-    probe = offload.OffloadActivations(layers)  # all but the last layer offloaded
+    probe = offload.OffloadActivations(layers, num_offload_layers=LAYERS - 1)  # all but the last layer
     oa_step(layers, inputs[max(SEQS)], probe)
     need = probe.engine.arena.counters.bytes_held
     probe.close()
@@ -166,7 +166,8 @@ def test_contexts_in_sequence_stay_within_the_process_budget_and_give_it_back(tr
     room = need + need // 4
     ledger.set_budget(figures.ledger_base + room)
     ledger.reset_peak()
-    makers = [(seq, lambda: offload.OffloadActivations(layers)) for seq in SEQS] + [(PLAN_SEQ, make_planned)]
+    fixed = lambda: offload.OffloadActivations(layers, num_offload_layers=LAYERS - 1)  # noqa: E731
+    makers = [(seq, fixed) for seq in SEQS] + [(PLAN_SEQ, make_planned)]
     for i, (seq, make) in enumerate(makers):
         what = f"context {i} (length {seq}, {'planned' if make is make_planned else 'all but the last layer'})"
         oa = make()
@@ -188,13 +189,13 @@ def test_a_second_live_context_keeps_on_the_gpu_what_the_process_budget_cannot_h
     layers, x = gpt(), tokens(2048)
     expected = plain_reference(layers, x)
     figures = HostFigures(ledger)
-    first = offload.OffloadActivations(layers)
+    first = offload.OffloadActivations(layers, num_offload_layers=LAYERS - 1)
     assert_bitwise(expected, oa_step(layers, x, first))
     need = first.engine.arena.counters.bytes_held
     room = need + need // 2  # the first context, and half of the second
     ledger.set_budget(figures.ledger_base + room)
     ledger.reset_peak()
-    second = offload.OffloadActivations(layers)
+    second = offload.OffloadActivations(layers, num_offload_layers=LAYERS - 1)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         assert_bitwise(expected, oa_step(layers, x, second))
@@ -217,7 +218,7 @@ def test_a_context_dropped_without_close_gives_its_pinned_memory_back(transport:
     big, small = tokens(2048), tokens(768)
     expected = plain_reference(layers, small)
     figures = HostFigures(ledger)
-    dropped = offload.OffloadActivations(layers)
+    dropped = offload.OffloadActivations(layers, num_offload_layers=LAYERS - 1)
     oa_step(layers, big, dropped)
     del dropped
     gc.collect()
@@ -225,7 +226,7 @@ def test_a_context_dropped_without_close_gives_its_pinned_memory_back(transport:
     assert ledger.held_bytes == figures.ledger_base, "a dropped context's bytes are still charged"
     # Its blocks died with it: unmapped (extension), or back in torch's cache (fallback), which
     # the next pin empties first.
-    later = offload.OffloadActivations(layers)
+    later = offload.OffloadActivations(layers, num_offload_layers=LAYERS - 1)
     assert_bitwise(expected, oa_step(layers, small, later))
     counters = later.engine.arena.counters
     torch_now, held = torch_pinned_bytes(), counters.bytes_held + counters.bytes_pending

@@ -181,7 +181,10 @@ def test_partial_offload_sizes():
     assert offloaded_bytes(layer, O) == 17 and resident_bytes(layer, O) == 0
     assert (offloaded_bytes(layer, K), resident_bytes(layer, K)) == (0, 17)
     assert (offloaded_bytes(layer, R), held_bytes(layer, R), resident_bytes(layer, R)) == (2, 2, 0)
-    assert [lp.min_offload_bytes for lp in layer_candidates(layer)[1:-1]] == [8, 4, 0]
+    # Floors sit midway (geometric) between tensor sizes: 8 and 4 -> 5, 4 and 1 -> 2.
+    floors = [lp.min_offload_bytes for lp in layer_candidates(layer)[1:-1]]
+    assert floors == [5, 2, 0]
+    assert [offloaded_bytes(layer, LayerPlan(Action.OFFLOAD, f)) for f in floors] == [8, 16, 17]
 
 
 def test_simulate_is_deterministic():

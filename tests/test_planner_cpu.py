@@ -3,7 +3,9 @@ planning on the first step of a budget, a tiny HF Llama, and the errors of bad i
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import warnings
 
 import pytest
 import torch
@@ -176,12 +178,30 @@ def test_probe_holds_no_saved_tensor_during_backward() -> None:
     assert freed_before_end == [True]
 
 
-def test_plan_for_other_shapes_warns_once(gpt) -> None:
+def test_plan_followed_at_another_shape_is_planned_for_it(gpt) -> None:
+    # A plan carries its profile and the shape it was measured at: a batch of another length
+    # gets a plan of its own, whose figures are what that step saves (no "plan was made for"
+    # warning), and the gradients stay exact.
     layers, x = gpt
     profile = measure(layers, x)
     made = plan_for(profile, [LayerPlan(Action.OFFLOAD)] * 3 + [LayerPlan(Action.KEEP)])
     oa = offload.OffloadActivations(layers, plan=made, device="cpu", min_offload_bytes=0)
     longer = torch.randn(2, 32, 64)  # twice the sequence the plan was made for
+    expected = train_step(layers, longer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_bitwise(expected, oa_step(layers, longer, oa))
+    assert oa.plan.profile.shape == (2, 32) and oa.plan is not made
+
+
+def test_plan_without_a_shape_warns_at_other_shapes(gpt) -> None:
+    # A profile that does not say its shape (an older version's) plans its own shape only: at
+    # another one the runtime says that the plan's figures no longer hold.
+    layers, x = gpt
+    profile = dataclasses.replace(measure(layers, x), shape=None)
+    made = plan_for(profile, [LayerPlan(Action.OFFLOAD)] * 3 + [LayerPlan(Action.KEEP)])
+    oa = offload.OffloadActivations(layers, plan=made, device="cpu", min_offload_bytes=0)
+    longer = torch.randn(2, 32, 64)
     expected = train_step(layers, longer)
     with pytest.warns(UserWarning, match="layer 0 saved .* but the plan was made for"):
         assert_bitwise(expected, oa_step(layers, longer, oa))  # still exact

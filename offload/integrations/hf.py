@@ -3,7 +3,7 @@
 One line after the trainer is built::
 
     trainer = Trainer(model=model, args=args, train_dataset=dataset)
-    oa = offload.integrations.hf.offload_trainer(trainer)    # all decoder layers but the last
+    oa = offload.integrations.hf.offload_trainer(trainer)    # on CUDA: a plan that fits the GPU
     trainer.train()
     print(oa.report())
 
@@ -40,6 +40,7 @@ from ..activations import OffloadActivations
 from ..api import ACCEPTED_OPTIONS, check_unknown_options
 from ..eager import run_eagerly
 from ..find_layers import find_layers
+from ..layer_args import layer_list
 
 API = "offload_trainer"
 
@@ -98,6 +99,14 @@ def offload_trainer(trainer: Any, layers: Optional[Any] = None, **options: Any) 
     ``memory_budget_bytes``, ``plan``, ``min_offload_bytes``, ``enabled``, ...); ``device``
     defaults to the device the trainer trains on (``trainer.args.device``).
 
+    What it does by default (no count, plan or budget) is ``OffloadActivations``' default: on
+    CUDA, a plan for ``memory_budget_bytes="device"`` (keep, offload or recompute per layer, the
+    fastest that fits what the GPU can give; the first training forwards are its probe steps); on
+    the CPU, all layers but the last offloaded. With the Trainer's own activation checkpointing
+    on (TRL's ``SFTConfig`` turns it on by default) the default is all layers but the last, each
+    offloading its checkpoint inputs: a plan would recompute the checkpointed layers again.
+    ``num_offload_layers=N`` gives that fixed count in every case.
+
     The returned :class:`~offload.OffloadActivations` has the figures: ``.stats`` and
     ``.report()`` of the last training forward and its backward, and ``.plan_report()`` with a
     memory budget. For TRL's trainers it replaces ``activation_offloading=True`` (leave that
@@ -126,6 +135,13 @@ def offload_trainer(trainer: Any, layers: Optional[Any] = None, **options: Any) 
     args = trainer.args
     _check_setup(args, options)
     options.setdefault("device", _trainer_device(args))
+    if _checkpointing(args) and all(options.get(name) is None for name in (
+            "num_offload_layers", "num_layers", "plan", "memory_budget_bytes")):
+        # The Trainer turns checkpointing on in train(), after this call, so OffloadActivations
+        # cannot see it on the layers yet: the fixed count (which composes with it) is asked for
+        # here, not the default plan.
+        layers = layer_list(layers)
+        options["num_offload_layers"] = len(layers) - 1
     offload = OffloadActivations(layers, **options)
     entry = _TrainingForward(offload)
     model.register_forward_pre_hook(entry.before)
@@ -168,15 +184,19 @@ def _check_setup(args: Any, options: dict[str, Any]) -> None:
             "per GPU instead (torchrun or accelerate launch)"
         )
     planned = options.get("plan") is not None or options.get("memory_budget_bytes") is not None
-    # transformers 5.24 names it activation_checkpointing, earlier versions gradient_checkpointing.
-    checkpointing = next((name for name in ("activation_checkpointing", "gradient_checkpointing")
-                          if getattr(args, name, None)), None)
+    checkpointing = _checkpointing(args)
     if planned and checkpointing:
         raise ValueError(
             f"offload: {API}: a plan (plan / memory_budget_bytes) recomputes layers itself; turn "
             f"the Trainer's {checkpointing} off, or offload without a plan "
             "(num_offload_layers) on top of checkpointing"
         )
+
+
+def _checkpointing(args: Any) -> Optional[str]:
+    # transformers 5.24 names it activation_checkpointing, earlier versions gradient_checkpointing.
+    return next((name for name in ("activation_checkpointing", "gradient_checkpointing")
+                 if getattr(args, name, None)), None)
 
 
 def _trainer_device(args: Any) -> torch.device:

@@ -3,10 +3,14 @@
 - ``types``: profiles (what a probe measured), plans, predictions; ``model``: the cost model that
   predicts a plan's step time and peak (its docstring is the runtime's spec); ``search``: the
   fastest plan under a budget, or the lowest-memory one; ``budget``: what "device" means;
-  ``table``: the readable per-layer table. These five are pure Python (no torch).
+  ``table``: the readable per-layer table; ``shapes``: a step's batch shape, how a saved tensor
+  grows with it, the buckets plans are cached by; ``scaling``: a profile predicted at another
+  shape. These seven are pure Python (no torch).
 - ``probe``: the probe step that measures a model (plainly, or with every layer checkpointed),
   with ``instrument`` (what it wraps around modules to see inside a layer), ``timeline`` (where
-  it reads time and memory) and ``link`` (the host link's speed); ``sequence``: which probe each planning step runs, so that planning fits
+  it reads time and memory), ``tally`` (each slot's largest tensor and growth, attention's time)
+  and ``link`` (the host link's speed); ``agree``: ranks agree on each step's shape;
+  ``sequence``: which probe each planning step runs, so that planning fits
   wherever checkpointing fits; ``make``: ``offload.plan(...)`` and the helpers
   ``OffloadActivations`` uses to plan on its first steps.
 """

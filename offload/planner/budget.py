@@ -9,8 +9,9 @@ step adds. So "device" counts the bytes already allocated as inside the budget, 
                      (other processes, the CUDA context, NCCL and other non-torch allocations)
     available      = capacity - held by others = free + reserved
                      (reserved = allocated now, weights included, + cached blocks torch can reuse)
-    budget         = available x (1 - headroom)
-                     (headroom: DEVICE_HEADROOM, 15%, or 5% with expandable segments)
+    budget         = available - max(available x headroom, MIN_HEADROOM_BYTES)
+                     (headroom: DEVICE_HEADROOM, 15%, or 5% with expandable segments;
+                     the floor, 256 MiB, at most a quarter of what is available)
 
 measured when the plan is made (after the probe steps, whose activations are freed by then).
 Pure: the figures are passed in, so this is tested without a GPU; ``make.read_device_budget``
@@ -39,6 +40,10 @@ DEVICE = "device"
 # size: the same plan at 5% ran, reserved within a few percent of allocated. 5% then.
 DEVICE_HEADROOM = 0.15
 DEVICE_HEADROOM_EXPANDABLE = 0.05
+# And at least this many bytes: under a small cap (set_per_process_memory_fraction, a small GPU)
+# a fraction leaves less than the allocator keeps anyway. Measured on the H200 with expandable
+# segments: under a 1.31 GiB cap, 95 MiB reserved but unallocated when a 128 MiB request failed.
+MIN_HEADROOM_BYTES = 256 << 20
 
 
 def default_headroom(alloc_conf: Optional[str] = None) -> float:
@@ -71,13 +76,17 @@ class DeviceBudget:
 
 
 def device_budget(capacity_bytes: int, free_bytes: int, reserved_bytes: int,
-                  headroom: Optional[float] = None, cap_bytes: Optional[int] = None) -> DeviceBudget:
+                  headroom: Optional[float] = None, cap_bytes: Optional[int] = None,
+                  allocated_bytes: Optional[int] = None) -> DeviceBudget:
     """The "device" budget from the device's figures (see the module docstring).
 
     ``capacity_bytes`` and ``free_bytes``: ``torch.cuda.mem_get_info`` (total, free), device-wide;
     ``reserved_bytes``: ``torch.cuda.memory_reserved``, this process's caching allocator (its
-    allocated bytes and the cached blocks it can reuse). Raises ValueError on figures that
-    cannot come from one device, or when nothing is left.
+    allocated bytes and the cached blocks it can reuse). ``allocated_bytes``
+    (``torch.cuda.memory_allocated``), read right after ``torch.cuda.empty_cache()``: then what
+    stays reserved beyond it cannot be handed out (CUDA graphs' private pools, segments split
+    with live blocks, other streams' segments) and is not counted as available. Raises
+    ValueError on figures that cannot come from one device, or when nothing is left.
     """
     for name, value in (("capacity_bytes", capacity_bytes), ("free_bytes", free_bytes),
                         ("reserved_bytes", reserved_bytes)):
@@ -95,7 +104,12 @@ def device_budget(capacity_bytes: int, free_bytes: int, reserved_bytes: int,
     available = free_bytes + reserved_bytes
     if cap_bytes is not None:
         available = min(available, cap_bytes)
+    if allocated_bytes is not None:
+        stuck = max(0, reserved_bytes - allocated_bytes)
+        available = max(0, available - stuck)
     budget = int(available * (1 - headroom))
+    if headroom:
+        budget = min(budget, available - min(MIN_HEADROOM_BYTES, available // 4))
     if budget <= 0:
         raise ValueError(
             f"offload: memory_budget_bytes='device': the device has nothing left for the step "

@@ -9,6 +9,7 @@ memory_budget_bytes=...)`` does the same on its own first step (see ``offload/ac
 from __future__ import annotations
 
 import dataclasses
+import os
 import warnings
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -18,7 +19,7 @@ from ..api import DEFAULT_MIN_OFFLOAD_BYTES, resolve_device
 from ..keywords import parameter_names, reject_unknown
 from ..policy import SelectionPolicy
 from ..stats import format_bytes
-from .budget import DEVICE, DeviceBudget, device_budget
+from .budget import DEVICE, DEVICE_HEADROOM_EXPANDABLE, DeviceBudget, device_budget
 from ..selective import Candidates, selective_candidates
 from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
@@ -65,14 +66,50 @@ def check_device_budget(memory_budget_bytes: Budget, device: torch.device, where
             )
 
 
-def read_device_budget(device: torch.device) -> DeviceBudget:
-    """The "device" budget of ``device`` now (see :mod:`offload.planner.budget`)."""
+def read_device_budget(device: torch.device, expandable: bool = False, emptied: bool = False) -> DeviceBudget:
+    """The "device" budget of ``device`` now (see :mod:`offload.planner.budget`); ``expandable``:
+    :func:`use_expandable_segments` turned them on (the headroom is then theirs); ``emptied``:
+    read right after ``torch.cuda.empty_cache()`` (what stays reserved is not available)."""
     free, capacity = torch.cuda.mem_get_info(device)
     # A cap set with torch.cuda.set_per_process_memory_fraction binds the allocator before the
     # device runs out (the reader exists from torch 2.8 on).
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda d: 1.0)(device)
     cap = int(fraction * capacity) if fraction < 1.0 else None
-    return device_budget(int(capacity), int(free), int(torch.cuda.memory_reserved(device)), cap_bytes=cap)
+    return device_budget(int(capacity), int(free), int(torch.cuda.memory_reserved(device)), cap_bytes=cap,
+                         headroom=DEVICE_HEADROOM_EXPANDABLE if expandable else None,
+                         allocated_bytes=int(torch.cuda.memory_allocated(device)) if emptied else None)
+
+
+def allocator_settings_setter() -> Optional[Callable[[str], None]]:
+    """Torch's setter of the caching allocator's settings at run time (its name moved in torch
+    2.9: the old one warns), or None where there is none."""
+    return getattr(torch._C, "_accelerator_setAllocatorSettings", None) or \
+        getattr(torch.cuda.memory, "_set_allocator_settings", None)
+
+
+def use_expandable_segments() -> bool:
+    """Turn the caching allocator's expandable segments on for this process, unless its
+    allocator configuration names them (either way): whether they are on now by our doing.
+
+    Why: a "device" budget plans for all the GPU can give, and the default allocator cannot give
+    it. Measured on the H100 (issue 33), LLAMA-3-8B's shape at 16384 tokens ran out of memory
+    with 24.8 GiB reserved but unallocated: blocks cached in segments still partly in use, none
+    large enough for the head's logits. Expandable segments map memory into one growing segment
+    per stream instead, so a freed block's pages serve a request of any size: the same plans ran,
+    reserved within a few percent of allocated. The setting applies to segments made from now
+    on; it is process-wide, which is why a configuration the user wrote wins.
+    """
+    conf = ",".join(os.environ.get(name, "") for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"))
+    if "expandable_segments" in conf:
+        return False
+    setter = allocator_settings_setter()
+    if setter is None or not torch.cuda.is_available():
+        return False
+    try:
+        setter("expandable_segments:True")
+    except RuntimeError:  # a platform without them (some drivers, ROCm): the default headroom
+        return False
+    return True
 
 
 def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = "auto") -> SelectionPolicy:
@@ -85,12 +122,26 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
     )
 
 
-def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None) -> Plan:
+def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None, *,
+           cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
-    is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now).
+    is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now, with
+    ``expandable`` segments' headroom if :func:`use_expandable_segments` turned them on).
+    ``cap_bytes``: a ceiling on a budget in bytes or "device" (after a step ran out of memory);
+    ``emptied``: the caller emptied the allocator's cache just now (see :func:`read_device_budget`).
 
     The plan's ``budget_reason`` says which budget was used and why.
     """
+    if cap_bytes is not None and memory_budget_bytes != LOWEST:
+        if memory_budget_bytes == DEVICE:
+            measured = read_device_budget(device, expandable, emptied) if device is not None and device.type == "cuda" else None
+            if measured is not None and measured.budget_bytes <= cap_bytes:
+                cap_bytes = None  # the device gives less than the ceiling: plan for the device
+        elif memory_budget_bytes is not None and memory_budget_bytes <= cap_bytes:
+            cap_bytes = None
+        if cap_bytes is not None:
+            made = choose(profile, cap_bytes, device)
+            return dataclasses.replace(made, budget_reason=f"{memory_budget_bytes!r}, capped at {format_bytes(cap_bytes)}")
     if memory_budget_bytes == LOWEST:
         # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that
         # much headroom before it must stall on forced releases.
@@ -102,9 +153,9 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
             # check_device_budget refuses this at the call; reaching here is a caller's bug.
             raise ValueError(f"offload: memory_budget_bytes='device' needs the CUDA device to plan "
                              f"for, got {device!r} (profile measured on {profile.device!r})")
-        measured = read_device_budget(device)
+        measured = read_device_budget(device, expandable, emptied)
         made = best_plan(profile, measured.budget_bytes)
-        reason = measured.describe()
+        reason = measured.describe() + (" (expandable segments turned on)" if expandable else "")
         if made.budget_bytes != measured.budget_bytes:  # the lowest plan, followed with a warning
             reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
         return dataclasses.replace(made, budget_reason=reason)
@@ -235,4 +286,4 @@ def step_figures(start: Any, end: Any, peak_bytes: Optional[int]) -> dict[str, A
     return {"step_ms": ms, "peak_bytes": peak_bytes}
 
 
-__all__ = ["BudgetError", "DEVICE", "LOWEST", "check_device_budget", "read_device_budget", "plan", "profile_step", "choose", "check_budget", "probe_policy", "step_figures"]
+__all__ = ["BudgetError", "DEVICE", "LOWEST", "check_device_budget", "read_device_budget", "use_expandable_segments", "plan", "profile_step", "choose", "check_budget", "probe_policy", "step_figures"]

@@ -14,8 +14,9 @@ Per layer, by action (sizes from :func:`offloaded_bytes`, :func:`held_bytes`,
 ``LayerProfile.selective`` figures instead of its own: its slots, its cached bytes, and its
 backward longer by ``extra_backward_ms``, see :func:`layer_slots`):
   KEEP       holds saved_bytes until its backward ends; copies nothing.
-  OFFLOAD    holds saved_bytes until released, then the resident slots (< min_offload_bytes);
-             copies the slots >= min_offload_bytes out, and back before its backward.
+  OFFLOAD    holds saved_bytes until released, then the resident slots;
+             copies the slots whose largest tensor is >= min_offload_bytes (``slot_keys``: the
+             engine decides tensor by tensor) out, and back before its backward.
   RECOMPUTE  holds input_bytes until released, then nothing; copies its inputs out and back;
              its backward costs forward_ms + backward_ms and holds saved_bytes transiently.
   A layer whose copy would be 0 bytes copies nothing and is never "in flight".
@@ -66,7 +67,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
-from .types import Action, LayerPlan, LayerProfile, Prediction, SelectiveProfile, StepProfile
+from .types import Action, LayerPlan, LayerProfile, Prediction, SelectiveProfile, StepProfile, slot_keys
 
 PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides its own)
 
@@ -90,6 +91,14 @@ def layer_slots(layer: LayerProfile, lp: LayerPlan) -> tuple[int, ...]:
     return layer.slot_bytes if sel is None else sel.slot_bytes
 
 
+def copied_slots(layer: LayerProfile, lp: LayerPlan) -> list[int]:
+    """The sizes of the slots an OFFLOAD layer copies: those whose largest tensor reaches the
+    plan's floor (the engine's policy compares each tensor with it)."""
+    sel = _selective(layer, lp)
+    source = layer if sel is None else sel
+    return [s for s, k in zip(source.slot_bytes, slot_keys(source)) if k >= lp.min_offload_bytes]
+
+
 def cached_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
     """Bytes held outside the hooks (selective caches) from the layer's forward to its backward."""
     sel = _selective(layer, lp)
@@ -99,7 +108,7 @@ def cached_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
 def offloaded_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
     """Bytes the layer copies to host (and back): its offloaded slots, or its inputs."""
     if lp.action is Action.OFFLOAD:
-        return sum(s for s in layer_slots(layer, lp) if s >= lp.min_offload_bytes)
+        return sum(copied_slots(layer, lp))
     if lp.action is Action.RECOMPUTE:
         return layer.input_bytes
     return 0

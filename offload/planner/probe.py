@@ -40,39 +40,40 @@ import torch
 
 from ..eager import run_eagerly, saved_tensors_hooks
 from ..step import first_grad_tensor
-from ..group import Group
 from ..packing import keep_handle, unpack_kept
 from ..policy import SelectionPolicy
-from ..recompute import checkpoint_input_bytes, checkpoint_inputs
+from ..recompute import checkpoint_input_sizes, checkpoint_inputs
 from ..selective import always_selective
 from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
-from .model import simulate
-from .types import PLAIN_PROBE, PROBES, RECOMPUTE_PROBE, Action, LayerPlan, LayerProfile, LinkProfile, \
-    SelectiveProfile, StepProfile
+from .scaling import predict_plain
+from .shapes import StepShape, shape_of, size_exponents
+from .tally import AttentionTimer, SlotTally, spans_ms
+from .types import PLAIN_PROBE, PROBES, RECOMPUTE_PROBE, LayerProfile, LinkProfile, SelectiveProfile, \
+    StepProfile
 
 
 class _LayerRecord:
     __slots__ = (
-        "index", "group", "slots", "input_bytes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
+        "index", "tally", "input_sizes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
         "mem_start", "mem_end", "forward_peak", "mem_bwd_start", "backward_peak", "module",
-        "new_grads", "cached", "selective_group", "selective_slots", "selective_cached",
-        "candidate_spans", "has_candidates", "rec_start", "rec_end",
+        "new_grads", "cached", "selective_tally", "selective_cached",
+        "candidate_spans", "has_candidates", "rec_start", "rec_end", "attention",
     )
 
     def __init__(self, index: int, retain: bool = False) -> None:
         self.index = index
-        # The groups only count: they lay the saved tensors out into slots, whose sizes are kept
-        # (``slots``) when the layer's forward ends. A plain step keeps its saved tensors alive
-        # anyway, so the groups hold none (``retain=False``); inside a checkpointed layer the
+        # The tallies only count: they lay the saved tensors out into slots, whose sizes are
+        # kept when the layer's forward ends. A plain step keeps its saved tensors alive
+        # anyway, so their groups hold none (``retain=False``); inside a checkpointed layer the
         # tensors die as soon as they are saved, and a freed address reused would merge two
         # slots, so there they hold them until the layer's end (``retain``).
-        self.group: Optional[Group] = Group(index, step=0, retain=retain)
-        self.slots: tuple[int, ...] = ()
+        self.tally = SlotTally(index, retain)
         # The same with the layer's selective candidates run selectively.
-        self.selective_group: Optional[Group] = Group(index, step=0, retain=retain)
-        self.selective_slots: tuple[int, ...] = ()
+        self.selective_tally = SlotTally(index, retain)
         self.selective_cached = 0
+        # SDPA calls' (forward spans, backward spans), see offload.planner.tally.
+        self.attention: tuple[list[Any], list[Any]] = ([], [])
         self.has_candidates = False
         # (start, end, [(start, end) of each GEMM inside]) per candidate call.
         self.candidate_spans: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []
@@ -85,7 +86,7 @@ class _LayerRecord:
         # at the start of its backward, and its peak above that (backward). 0 on CPU.
         self.mem_start = self.mem_end = self.forward_peak = 0
         self.mem_bwd_start = self.backward_peak = 0
-        self.input_bytes = 0
+        self.input_sizes: list[tuple[int, tuple[int, ...]]] = []  # a checkpoint's inputs
         self.fwd_start: Any = None
         self.fwd_end: Any = None
         self.bwd_start: Any = None  # gradient of the layer's output ready
@@ -139,6 +140,9 @@ class ProbeStep:
         self.step_end: Any = None
         self.base_bytes = 0
         self.meter = Meter(device)
+        self.shape: Optional[StepShape] = None  # the batch shape, read at the first layer
+        self.hidden_size: Optional[int] = None
+        self.attention = AttentionTimer(self._attention_spans, self.clock.mark)
         self.head_peak = 0          # peak from the last layer's end to backward reaching it
         self.head_residual = 0      # what the head left allocated when backward reached it
         self.backward_started = False
@@ -175,6 +179,7 @@ class ProbeStep:
             self._handles.append(module.register_forward_pre_hook(_ProbeHook(self, after=False), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_ProbeHook(self, after=True)))
         self._saved_hooks.__enter__()
+        self.attention.install()
         self.active = True
         self.recording = True
 
@@ -184,6 +189,7 @@ class ProbeStep:
             return
         self.active = False
         self.recording = False
+        self.attention.remove()
         self._saved_hooks.__exit__(None, None, None)
         for handle in self._handles:
             handle.remove()
@@ -238,12 +244,8 @@ class ProbeStep:
     @staticmethod
     def _close_groups(record: _LayerRecord) -> None:
         # Keep the slot sizes, let the groups (and what a retaining group holds) go.
-        if record.group is not None:
-            record.slots = tuple(record.group.slot_sizes())
-            record.group = None
-        if record.selective_group is not None:
-            record.selective_slots = tuple(record.selective_group.slot_sizes())
-            record.selective_group = None
+        record.tally.close()
+        record.selective_tally.close()
 
     def _passive(self) -> bool:
         return torch._C._current_graph_task_id() != -1  # a checkpoint recomputing in backward
@@ -261,7 +263,12 @@ class ProbeStep:
         record.mem_start = self.meter.now()
         if index == 0:
             self.base_bytes = record.mem_start
-        record.input_bytes = checkpoint_input_bytes(args, kwargs)
+        record.input_sizes = checkpoint_input_sizes(args, kwargs)
+        if index == 0:
+            # The step's batch shape, from the hidden states (offload.planner.shapes).
+            hidden = next(iter(checkpoint_inputs(args, kwargs)), None)
+            self.shape = shape_of(hidden.shape) if hidden is not None and hidden.dim() >= 2 else None
+            self.hidden_size = int(hidden.shape[-1]) if self.shape is not None else None
         record.fwd_start = self.clock.mark()
         grad_input = first_grad_tensor(args)
         if grad_input is not None:
@@ -288,6 +295,13 @@ class ProbeStep:
         if grad_output is not None:
             grad_output.register_hook(_Mark(self, record, "bwd_start"))
 
+    def _attention_spans(self) -> Optional[tuple[list[Any], list[Any]]]:
+        # Where an SDPA call's spans go: the layer being recorded, not a recompute in backward.
+        record = self._open
+        if record is None or not self.recording or self._passive():
+            return None
+        return record.attention
+
     def _record_now(self) -> _LayerRecord:
         record = self._open
         if record is None:
@@ -306,10 +320,10 @@ class ProbeStep:
             return
         if record is None:
             record = self._record_now()
-        if self.inside != "fixed" and record.group is not None:
-            record.group.add(t)
-        if self.inside is None and record.selective_group is not None:
-            record.selective_group.add(t)
+        if self.inside != "fixed":
+            record.tally.add(t)
+        if self.inside is None:
+            record.selective_tally.add(t)
 
     def _pack(self, t: torch.Tensor) -> Any:
         # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
@@ -338,10 +352,9 @@ class ProbeStep:
         # What a selective checkpoint saves through the hooks: its tensor inputs.
         for a in checkpoint_inputs(args, kwargs):
             if self.policy.decide(a) is None:
-                if fixed and record.group is not None:
-                    record.group.add(a)
-                if record.selective_group is not None:
-                    record.selective_group.add(a)
+                if fixed:
+                    record.tally.add(a)
+                record.selective_tally.add(a)
         self.inside = "fixed" if fixed else "candidate"
         counter = ExpensiveOutputs(self.clock.mark)
         start = self.clock.mark()
@@ -421,8 +434,10 @@ class ProbeStep:
         # The candidates' forward less their GEMMs: what their backward recomputes.
         extra = sum(max(0.0, ms(start, end) - sum(ms(a, b) for a, b in gemms))
                     for start, end, gemms in r.candidate_spans)
-        return SelectiveProfile(slot_bytes=r.selective_slots, cached_bytes=r.selective_cached,
-                                extra_backward_ms=extra)
+        tally = r.selective_tally
+        return SelectiveProfile(slot_bytes=tally.sizes, cached_bytes=r.selective_cached,
+                                extra_backward_ms=extra, slot_keys=tuple(tally.keys),
+                                slot_growth=tally.growth(self.shape, self.hidden_size))
 
     def profile(
         self,
@@ -442,12 +457,14 @@ class ProbeStep:
         # rest against), so gradients are left out there too.
         grads = self._grad_bytes() if self.clock.cuda else [0] * len(records)
         layers = []
+        shape = self.shape
         for r in records:
-            slots = r.slots
+            slots = r.tally.sizes
+            input_bytes = sum(n for n, _ in r.input_sizes)
             # Layer 0's input gradient may not exist (token ids): its backward then runs until
             # the end of the step's backward, which post_ms then does not double count.
             bwd_end = r.bwd_end if r.bwd_end is not None else self.step_end
-            signature = f"{len(slots)}:{sum(slots)}:{r.input_bytes}"
+            signature = f"{len(slots)}:{sum(slots)}:{input_bytes}"
             backward_ms = ms(r.bwd_start, bwd_end) if r.bwd_start is not None else 0.0
             backward_peak = r.backward_peak
             if self.mode == RECOMPUTE_PROBE:
@@ -458,7 +475,7 @@ class ProbeStep:
                 backward_peak = max(0, backward_peak - sum(slots) - r.cached)
             layers.append(LayerProfile(
                 slot_bytes=slots,
-                input_bytes=r.input_bytes,
+                input_bytes=input_bytes,
                 forward_ms=ms(r.fwd_start, r.fwd_end),
                 backward_ms=backward_ms,
                 signature=signature,
@@ -467,6 +484,12 @@ class ProbeStep:
                 grad_bytes=grads[len(layers)],
                 cached_bytes=r.cached,
                 selective=self._selective_profile(r),
+                slot_keys=tuple(r.tally.keys),
+                slot_growth=r.tally.growth(shape, self.hidden_size),
+                input_terms=tuple((n, *size_exponents(size, shape, self.hidden_size)) for n, size in r.input_sizes)
+                if shape is not None else (),
+                attention_forward_ms=spans_ms(r.attention[0], ms),
+                attention_backward_ms=spans_ms(r.attention[1], ms),
             ))
         first, last = records[0], records[-1]
         step_ms = ms(self.step_start, self.step_end)
@@ -513,18 +536,11 @@ class ProbeStep:
             plain_peak_bytes=peak,
             device="cuda" if self.clock.cuda else "cpu",
             probe=self.mode,
+            shape=(shape.batch, shape.length) if shape is not None else None,
         )
         if self.mode == RECOMPUTE_PROBE:
             profile = predict_plain(profile)
         return profile
-
-
-def predict_plain(profile: StepProfile) -> StepProfile:
-    """``profile`` with its plain step's time and peak as the cost model predicts them (a
-    recompute probe did not run the plain step)."""
-    keep = [LayerPlan(Action.KEEP)] * len(profile.layers)
-    plain = simulate(profile, keep)
-    return replace(profile, plain_step_ms=max(plain.step_ms, 1e-6), plain_peak_bytes=max(1, plain.peak_bytes))
 
 
 class _ProbeHook:

@@ -31,12 +31,13 @@ Strategy (deterministic):
 from __future__ import annotations
 
 import heapq
+import math
 import warnings
 from typing import Optional, Sequence, Union
 
 from ..stats import format_bytes
 from .model import backward_cost_ms, held_bytes, offloaded_bytes, resident_bytes, simulate
-from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile
+from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile, slot_keys
 
 MAX_THRESHOLDS = 4         # partial-offload thresholds tried per layer (largest distinct sizes)
 EXHAUSTIVE_LIMIT = 4096    # enumerate every plan when the space is no larger than this
@@ -65,15 +66,19 @@ class BudgetError(ValueError):
     """No plan's predicted peak fits the memory budget."""
 
 
-def _offload_candidates(slots: Sequence[int], selective: bool) -> list[LayerPlan]:
-    """OFFLOAD of the slots >= each of the largest sizes, then of everything (threshold 0)."""
+def _offload_candidates(slots: Sequence[int], keys: Sequence[int], selective: bool) -> list[LayerPlan]:
+    """OFFLOAD of the slots whose largest tensor (``keys``) is >= each of the largest such
+    sizes, then of everything (threshold 0)."""
     out = []
-    sizes = sorted({s for s in slots if s > 0}, reverse=True)
+    sizes = sorted({k for s, k in zip(slots, keys) if s > 0}, reverse=True)
     seen: set[int] = set()
-    for t in sizes[:MAX_THRESHOLDS] + [0]:
-        # The smallest size as a threshold offloads everything: spell that as 0 ("all").
-        threshold = 0 if (t == 0 or t == sizes[-1]) else t
-        nbytes = sum(s for s in slots if s >= threshold)
+    for i, t in enumerate(sizes[:MAX_THRESHOLDS] + [0]):
+        # The smallest size as a threshold offloads everything: spell that as 0 ("all"). The
+        # others sit midway (geometric) between their size and the next smaller one: the same
+        # tensors pass, and still do at a batch somewhat shorter than the one planned for
+        # (plans are made for the top of a bucket of lengths).
+        threshold = 0 if (t == 0 or t == sizes[-1]) else max(sizes[i + 1] + 1, math.isqrt(t * sizes[i + 1]))
+        nbytes = sum(s for s, k in zip(slots, keys) if k >= threshold)
         if nbytes > 0 and nbytes not in seen:
             seen.add(nbytes)
             out.append(LayerPlan(Action.OFFLOAD, threshold, selective=selective))
@@ -87,8 +92,8 @@ def layer_candidates(layer: LayerProfile) -> list[LayerPlan]:
     out = [_KEEP]
     if layer.selective is not None:
         out.append(_KEEP_SELECTIVE)
-        out += _offload_candidates(layer.selective.slot_bytes, selective=True)
-    out += _offload_candidates(layer.slot_bytes, selective=False)
+        out += _offload_candidates(layer.selective.slot_bytes, slot_keys(layer.selective), selective=True)
+    out += _offload_candidates(layer.slot_bytes, slot_keys(layer), selective=False)
     out.append(_RECOMPUTE)
     return out
 

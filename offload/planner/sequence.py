@@ -30,7 +30,8 @@ import torch
 
 from ..policy import SelectionPolicy
 from ..stats import format_bytes
-from .probe import ProbeStep, predict_plain
+from .probe import ProbeStep
+from .scaling import predict_plain
 from .search import PEAK_MODEL_ERROR, BudgetError
 from .types import PLAIN_PROBE, RECOMPUTE_PROBE, LinkProfile, StepProfile
 
@@ -84,6 +85,9 @@ class ProbeSequence:
         self.device_limit = device_limit
         self.recompute_peak: Optional[tuple[int, int, float]] = None
         self.reason = ""  # why the probe kind was chosen, for the plan's report
+        # The low-memory sizing step's figures (no link measured), once it ran: enough to
+        # pin a plan's host blocks ahead of the measured step's plan.
+        self.sizing: Optional[StepProfile] = None
         if probe == AUTO and device_limit is None:  # no device memory to run out of (CPU)
             probe = PLAIN_PROBE
         self.mode = probe
@@ -129,7 +133,8 @@ class ProbeSequence:
         return None
 
     def _choose_after_sizing(self, probe: ProbeStep) -> None:
-        predicted = predict_plain(probe.profile(_NO_LINK)).plain_peak_bytes
+        self.sizing = predict_plain(probe.profile(_NO_LINK))
+        predicted = self.sizing.plain_peak_bytes
         need = int(predicted * (1 + PEAK_MODEL_ERROR))
         limit = self.device_limit() if self.device_limit is not None else 0
         if need <= limit:

@@ -53,6 +53,40 @@ def _check_positive(owner: str, name: str, value: Any) -> None:
         raise ValueError(f"{owner}.{name} must be finite and > 0, got {value!r}")
 
 
+def _check_exponents(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, (list, tuple)) or len(value) != 2 or any(
+            isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= 2 for e in value):
+        raise ValueError(f"{owner}.{name} must be a pair of exponents in 0..2, got {value!r}")
+
+
+def _check_slots(owner: str, profile: Any) -> None:
+    # slot_bytes, and beside them slot_keys and slot_growth (each empty, or one per slot).
+    for name in ("slot_bytes", "slot_keys", "slot_growth"):
+        value = getattr(profile, name)
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{owner}.{name} must be a tuple, got {value!r}")
+    object.__setattr__(profile, "slot_bytes", tuple(profile.slot_bytes))
+    object.__setattr__(profile, "slot_keys", tuple(profile.slot_keys))
+    object.__setattr__(profile, "slot_growth", tuple(tuple(g) if isinstance(g, list) else g
+                                                     for g in profile.slot_growth))
+    for s in profile.slot_bytes:
+        _check_int(owner, "slot_bytes[]", s)
+    for s in profile.slot_keys:
+        _check_int(owner, "slot_keys[]", s)
+    for g in profile.slot_growth:
+        _check_exponents(owner, "slot_growth[]", g)
+    n = len(profile.slot_bytes)
+    for name in ("slot_keys", "slot_growth"):
+        if len(getattr(profile, name)) not in (0, n):
+            raise ValueError(f"{owner}.{name} has {len(getattr(profile, name))} entries for {n} slots")
+
+
+def slot_keys(profile: Any) -> tuple[int, ...]:
+    """Per slot of a :class:`LayerProfile` or :class:`SelectiveProfile`, the largest tensor saved
+    into it (the slot itself where the profile does not say)."""
+    return profile.slot_keys or profile.slot_bytes
+
+
 def _layer_hash(signature: str) -> str:
     # Short and stable across processes (str hash() is salted per process).
     return hashlib.blake2b(signature.encode("utf-8"), digest_size=6).hexdigest()
@@ -84,13 +118,11 @@ class SelectiveProfile:
     slot_bytes: tuple[int, ...]  # as LayerProfile.slot_bytes: the candidates' inputs replace their insides
     cached_bytes: int            # the candidates' kept GEMM outputs (never offloaded)
     extra_backward_ms: float     # the candidates' forward time less their GEMMs' time
+    slot_keys: tuple[int, ...] = ()                 # as LayerProfile's
+    slot_growth: tuple[tuple[int, int], ...] = ()   # as LayerProfile's
 
     def __post_init__(self) -> None:
-        if not isinstance(self.slot_bytes, (list, tuple)):
-            raise ValueError(f"SelectiveProfile.slot_bytes must be a tuple of ints, got {self.slot_bytes!r}")
-        object.__setattr__(self, "slot_bytes", tuple(self.slot_bytes))
-        for s in self.slot_bytes:
-            _check_int("SelectiveProfile", "slot_bytes[]", s)
+        _check_slots("SelectiveProfile", self)
         _check_int("SelectiveProfile", "cached_bytes", self.cached_bytes)
         _check_ms("SelectiveProfile", "extra_backward_ms", self.extra_backward_ms)
 
@@ -120,16 +152,35 @@ class LayerProfile:
     cached_bytes: int = 0
     # The layer with its selective-recompute candidates selective (None: it has none).
     selective: Optional[SelectiveProfile] = None
+    # Per slot, the bytes of the largest tensor saved into it: a plan that offloads only a
+    # layer's large tensors compares each *tensor* with its floor, as the engine's policy does
+    # (views of one storage, q, k and v split from one projection, each fall under a floor that
+    # their shared slot is above). Empty: each slot's own size (profiles of older versions).
+    slot_keys: tuple[int, ...] = ()
+    # Per slot, how it grows with the batch shape: (a, b) for batch ** a * length ** b
+    # (:func:`offload.planner.shapes.size_exponents`). Empty: linear in tokens, (1, 1).
+    slot_growth: tuple[tuple[int, int], ...] = ()
+    # The inputs a checkpoint saves, one (bytes, a, b) per storage; empty: input_bytes, (1, 1).
+    input_terms: tuple[tuple[int, int, int], ...] = ()
+    # Attention's share of forward_ms and backward_ms (scaled_dot_product_attention's kernels):
+    # the part that grows with batch x length squared, the rest with tokens.
+    attention_forward_ms: float = 0.0
+    attention_backward_ms: float = 0.0
 
     def __post_init__(self) -> None:
         if self.selective is not None and not isinstance(self.selective, SelectiveProfile):
             raise ValueError(f"LayerProfile.selective must be a SelectiveProfile or None, got {self.selective!r}")
-        slots = tuple(self.slot_bytes) if isinstance(self.slot_bytes, (list, tuple)) else None
-        if slots is None:
-            raise ValueError(f"LayerProfile.slot_bytes must be a tuple of ints, got {self.slot_bytes!r}")
-        object.__setattr__(self, "slot_bytes", slots)
-        for s in slots:
-            _check_int("LayerProfile", "slot_bytes[]", s)
+        _check_slots("LayerProfile", self)
+        terms = self.input_terms
+        if not isinstance(terms, (list, tuple)) or any(
+                not isinstance(t, (list, tuple)) or len(t) != 3 for t in terms):
+            raise ValueError(f"LayerProfile.input_terms must be (bytes, a, b) triples, got {terms!r}")
+        object.__setattr__(self, "input_terms", tuple(tuple(t) for t in terms))
+        for nbytes, a, b in self.input_terms:
+            _check_int("LayerProfile", "input_terms[].bytes", nbytes)
+            _check_exponents("LayerProfile", "input_terms[]", (a, b))
+        for name in ("attention_forward_ms", "attention_backward_ms"):
+            _check_ms("LayerProfile", name, getattr(self, name))
         _check_int("LayerProfile", "input_bytes", self.input_bytes)
         _check_ms("LayerProfile", "forward_ms", self.forward_ms)
         _check_ms("LayerProfile", "backward_ms", self.backward_ms)
@@ -190,6 +241,10 @@ class StepProfile:
     # run: plain_step_ms and plain_peak_bytes are the cost model's prediction of it.
     probe: str = PLAIN_PROBE
     probe_reason: str = field(default="", compare=False)  # why that probe, for the report
+    # The batch shape (batch, length) these figures are for (offload.planner.shapes): the
+    # probe's, or the one offload.planner.scaling predicted them at. None: not known (a profile
+    # of an older version), it then plans for its own shape only.
+    shape: Optional[tuple[int, int]] = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)):
@@ -219,6 +274,11 @@ class StepProfile:
             raise ValueError(f"StepProfile.device must be 'cuda' or 'cpu', got {self.device!r}")
         if self.probe not in PROBES:
             raise ValueError(f"StepProfile.probe must be one of {PROBES}, got {self.probe!r}")
+        if self.shape is not None:
+            if not isinstance(self.shape, (list, tuple)) or len(self.shape) != 2 or any(
+                    isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in self.shape):
+                raise ValueError(f"StepProfile.shape must be (batch, length), ints >= 1, got {self.shape!r}")
+            object.__setattr__(self, "shape", tuple(self.shape))
 
     def signature(self) -> str:
         """Fingerprint of the model: layer count and a short hash of each layer's signature."""

@@ -41,7 +41,7 @@ import torch
 from ..group import Group, GroupState
 from ..layout import ALIGNMENT
 from ..planner.model import (
-    PREFETCH_DEPTH, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes, resident_bytes, transient_bytes,
+    PREFETCH_DEPTH, copied_slots, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
 )
 from ..planner.types import Action, Plan, StepProfile
 from .base import Schedule
@@ -92,6 +92,9 @@ class PlannedSchedule(Schedule):
         self._kept = sum(self._held_after_release)
         self._steps: dict[int, Holding] = {}  # step index -> what it holds (those in flight)
         self.grads = 0  # the model's gradient bytes backward has left allocated so far
+        # This step's tokens over the tokens the plan's profile is for (a plan is made for the
+        # top of a bucket of shapes, offload.plan_steps): its size floors and byte checks scale.
+        self.scale = 1.0
         # Set to a list to record (event, layer, model's bytes, allocated bytes) at every
         # decision point: where a measured peak departs from the prediction, this shows where.
         self.trace: Optional[list[tuple[str, int, int, int]]] = None
@@ -106,7 +109,7 @@ class PlannedSchedule(Schedule):
         sizes = []
         for layer, lp in zip(self.profile.layers, self.plan.layers):
             if lp.action is Action.OFFLOAD:
-                slots = [n for n in layer_slots(layer, lp) if n >= lp.min_offload_bytes]
+                slots = copied_slots(layer, lp)
                 sizes.append(sum(slots) + ALIGNMENT * len(slots))
             elif lp.action is Action.RECOMPUTE:
                 sizes.append(layer.input_bytes + ALIGNMENT * 4)  # a layer's few input tensors
@@ -116,9 +119,11 @@ class PlannedSchedule(Schedule):
         return sum(self._copies[layer + 1:])
 
     def min_offload_bytes(self, layer: int) -> Optional[int]:
-        """Offload only slots of at least this size in ``layer`` (None: the policy's default)."""
+        """Offload only tensors of at least this size in ``layer`` (None: the policy's default):
+        the plan's floor, scaled to this step's tokens (:attr:`scale`)."""
         if layer < len(self.actions) and self.actions[layer] is Action.OFFLOAD:
-            return self.plan.layers[layer].min_offload_bytes or None
+            floor = self.plan.layers[layer].min_offload_bytes
+            return int(floor * self.scale) if floor else None
         return None
 
     def recomputes(self, layer: int) -> bool:
@@ -226,13 +231,13 @@ class PlannedSchedule(Schedule):
         # budget accounting is off. Say so once, with the figures.
         if self.actions[layer] is not Action.OFFLOAD:
             return
-        expected = offloaded_bytes(self.profile.layers[layer], self.plan.layers[layer])
+        expected = offloaded_bytes(self.profile.layers[layer], self.plan.layers[layer]) * self.scale
         got = group.copy_bytes
         if expected and abs(got - expected) > 0.1 * expected + (64 << 10):
             engine.warn_once(
                 "plan-bytes",
                 f"offload: layer {layer} saved {got} bytes to offload, but the plan was made for "
-                f"{expected}: the model, batch or sequence length differs from the probe's. The "
+                f"{int(expected)}: the model, batch or sequence length differs from the probe's. The "
                 "plan's memory figures no longer hold; make a new plan (offload.plan(...)).",
             )
 

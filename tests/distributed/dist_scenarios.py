@@ -169,7 +169,8 @@ def _offload(s: Setup, stack: Stack, form: str, sharded: list[torch.Tensor]) -> 
         stack.ctx, stack.sync = offload.get_cpu_offload_context(True, num_layers=n - 1, model_layers=n, **s.offload_kw())
         engine, owner = stack.ctx.engine, stack.ctx
     else:
-        stack.oa = offload.OffloadActivations(stack.layers, **s.offload_kw())
+        # The fixed count (as the TE form's), on CUDA too, where the default would plan.
+        stack.oa = offload.OffloadActivations(stack.layers, num_offload_layers=n - 1, **s.offload_kw())
         engine, owner = stack.oa.engine, stack.oa
     return owner, Watch(engine, stack.layers, sharded)
 

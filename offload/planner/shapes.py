@@ -1,0 +1,120 @@
+"""Batch shapes: what a step's shape is, how a saved tensor's size grows with it, and the buckets
+plans are cached by. Pure Python (no torch): the probe and the runtime pass plain tuples.
+
+A step's shape is read off the first layer's input, the hidden states, batch first:
+``(B, T, H)`` gives batch ``B`` and length ``T``; ``(T, H)`` (tokens flattened, or one sequence)
+gives ``B = 1``. ``tokens = B * T``. Sequence-first models (``(T, B, H)``, Megatron) swap ``B``
+and ``T``: their linear terms still scale right (``B * T`` is the same), attention's quadratic
+term does not.
+
+A saved tensor grows as ``B ** a * T ** b``; :func:`size_exponents` reads ``(a, b)`` from its
+shape at the probe's ``(B0, T0)``:
+
+- two trailing dims equal to ``T0`` in a tensor of four dims or more: attention scores
+  ``(B, heads, T, T)`` (eager attention, SDPA's math backend), ``b = 2``;
+- otherwise one dim equal to ``T0``, ``b = 1``; a dim equal to ``B0 * T0`` (tokens flattened)
+  gives ``a = b = 1``;
+- ``a = 1`` where another dim equals ``B0``, or is a multiple of it (the batch merged with the
+  heads, ``(B x heads, T, head_dim)``), unless the first dim is 1 (broadcast over the batch,
+  ``(1, T, head_dim)`` rotary tables). At ``B0 = 1`` no dim can tell, and a tensor that grows
+  with ``T`` is taken to grow with ``B`` too (per-sample activations): at worst it is
+  over-counted, never under-counted.
+- no such dim: a constant (a weight's FP8 copy, a scale).
+
+Where ``T0`` equals another size of the tensor (``T0 == hidden``) the rules above still read a
+3-dim ``(B, T, H)`` as linear, and heads ``(B, h, T, head_dim)`` with ``head_dim == T0`` are
+told from scores by ``h * head_dim == hidden``. The one ambiguity left: grouped-query heads
+(fewer key/value heads) whose ``head_dim`` equals ``T0``, read as quadratic: over-counted again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+# Plans are cached per bucket of the length, this many buckets per doubling, and made for the
+# bucket's top: a plan for a length 9% longer than the batch's at most (its bytes over-counted
+# by as much, never under-counted), and at most 8 plans per doubling of lengths seen.
+BUCKETS_PER_OCTAVE = 8
+
+
+@dataclass(frozen=True, order=True)
+class StepShape:
+    """A step's batch size and sequence length (the first layer's input, batch first)."""
+
+    batch: int
+    length: int
+
+    def __post_init__(self) -> None:
+        for name in ("batch", "length"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"StepShape.{name} must be an int >= 1, got {value!r}")
+
+    @property
+    def tokens(self) -> int:
+        """``batch * length``."""
+        return self.batch * self.length
+
+    def scale(self, exponents: Sequence[int], probe: "StepShape") -> float:
+        """How much a size with ``(a, b)`` exponents measured at ``probe`` grows at this shape."""
+        a, b = exponents
+        return (self.batch / probe.batch) ** a * (self.length / probe.length) ** b
+
+    def bucket(self) -> "StepShape":
+        """The shape plans for this one are made and cached at: the batch, and the length
+        rounded up to the next of :data:`BUCKETS_PER_OCTAVE` steps per doubling."""
+        if self.length <= 8:
+            return self
+        k = math.ceil(math.log2(self.length) * BUCKETS_PER_OCTAVE - 1e-9)
+        top = max(self.length, math.ceil(2 ** (k / BUCKETS_PER_OCTAVE)))
+        return StepShape(self.batch, top)
+
+    def __str__(self) -> str:
+        return f"batch {self.batch} x length {self.length}"
+
+
+def shape_of(sizes: Sequence[int]) -> StepShape:
+    """The step shape of a first-layer input of these sizes (see the module notes)."""
+    sizes = [int(s) for s in sizes]
+    if len(sizes) < 2 or any(s < 1 for s in sizes):
+        raise ValueError(
+            f"offload: cannot read a batch shape from a first-layer input of shape {tuple(sizes)}; "
+            "the first layer's first tensor argument must be the hidden states, (batch, length, "
+            "hidden) or (length, hidden)"
+        )
+    length = sizes[-2]
+    return StepShape(math.prod(sizes[:-2]) if len(sizes) > 2 else 1, length)
+
+
+def size_exponents(sizes: Sequence[int], probe: StepShape, hidden: Optional[int] = None) -> tuple[int, int]:
+    """``(a, b)``: a tensor of these sizes at ``probe`` grows as ``batch ** a * length ** b``.
+    ``hidden``: the hidden size (the first layer input's last dim), which tells heads
+    ``(B, heads, T, head_dim)`` whose ``head_dim`` equals ``T0`` (``heads * head_dim == hidden``)
+    from attention scores."""
+    dims = [int(s) for s in sizes]
+    b0, t0 = probe.batch, probe.length
+    if len(dims) >= 4 and dims[-1] == t0 and dims[-2] == t0 and dims[-3] * dims[-1] != hidden:
+        b = 2
+        rest = dims[:-2]
+    elif t0 in dims:
+        b = 1
+        rest = list(dims)
+        rest.remove(t0)
+    elif b0 * t0 in dims and b0 > 1:
+        return 1, 1
+    else:
+        return 0, 0
+    if b0 == 1 or b0 in rest:
+        return 1, b
+    if rest and rest[0] == 1:
+        return 0, b  # a leading 1: broadcast over the batch (rotary tables)
+    # The batch merged with another dim ((batch x heads, ...), eager attention's bmm).
+    return (1 if any(d % b0 == 0 for d in rest) else 0), b
+
+
+def widest(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The faster-growing of two exponent pairs (length first): a slot shared by several
+    tensors grows as its fastest one."""
+    return max(a, b, key=lambda e: (e[1], e[0]))

@@ -1,0 +1,131 @@
+"""Plans per batch shape on a CUDA GPU (issue 33): a stream of lengths under a byte budget, bit
+for bit under delayed copy streams and within the budget at every step; a planned step that runs
+out of memory (the process's memory cap lowered after planning) followed by one that fits, with
+no change to the loop; and "device" turning the allocator's expandable segments on unless the
+process configured them.
+
+Bitwise comparisons use the efficient/math SDPA backends (the FLASH backward is not repeatable
+on our H100); the plain run is checked to repeat itself first.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import offload
+from offload.planner import PEAK_MODEL_ERROR
+
+from _util import assert_bitwise, make_gpt_layers, oa_step, sleepy, train_step
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
+
+HIDDEN, HEADS = 512, 8
+CYCLES = 5_000_000
+
+
+def gpt(n: int = 6) -> nn.ModuleList:
+    return make_gpt_layers(n, HIDDEN, HEADS, device="cuda", dtype=torch.bfloat16)
+
+
+def batch(length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randn(2, length, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
+
+
+def peak_of(fn) -> tuple[object, int]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated()
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_stream_of_lengths_within_budget_bit_for_bit(delay: bool) -> None:
+    layers = gpt()
+    lengths = [1024, 1024, 1024, 2048, 512, 1536, 2048, 768, 1024, 2048]  # three probe steps first
+    plain = {}
+    for n in set(lengths):
+        expected = train_step(layers, batch(n, n))
+        assert_bitwise(expected, train_step(layers, batch(n, n)))
+        plain[n] = peak_of(lambda: train_step(layers, batch(n, n)))[1]
+    # Between the lowest plan's peak and the plain peak at the longest length.
+    budget = (plain[2048] + plain[512]) // 2
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
+    if delay:
+        sleepy(oa, CYCLES)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # "the plan was made for ..." is a failure
+        for step, n in enumerate(lengths):
+            x = batch(n, n)
+            got, peak = peak_of(lambda: oa_step(layers, x, oa))
+            assert_bitwise(train_step(layers, x), got)
+            if step >= 3:  # planned steps: within the budget, up to the cost model's peak error
+                assert peak <= budget * (1 + PEAK_MODEL_ERROR), (n, peak, budget, oa.plan.describe())
+                assert oa.plan.profile.shape[1] >= n
+    assert len(oa._planned._plans) >= 4
+
+
+def test_out_of_memory_step_lowers_the_budget_and_the_next_fits() -> None:
+    layers = gpt(8)
+    x = batch(2048, 0)
+    expected = train_step(layers, x)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes="device")
+    for _ in range(4):  # the probe steps, then a planned one (on an idle GPU: keep everything)
+        oa_step(layers, x, oa)
+    assert "keep" in oa.plan.describe()
+    base = torch.cuda.memory_allocated()
+    peak = oa.plan.prediction.peak_bytes
+    capacity = torch.cuda.get_device_properties(0).total_memory
+    try:
+        # A cap the plan in force does not fit and the lowest plan does (the caller's code
+        # does not change: it retries, as the README's OOM loop does). The cap bounds reserved
+        # memory, which holds what earlier tests left in private pools too.
+        torch.cuda.empty_cache()
+        cap = torch.cuda.memory_reserved() + (peak - base) * 0.75
+        torch.cuda.set_per_process_memory_fraction(cap / capacity)
+        with pytest.raises(torch.cuda.OutOfMemoryError):
+            oa_step(layers, x, oa)
+        with pytest.warns(UserWarning, match="ran out of device memory"):
+            got, measured = peak_of(lambda: oa_step(layers, x, oa))
+        assert_bitwise(expected, got)
+        assert measured <= cap
+        assert "ran out of device memory" in oa.plan.budget_reason
+        assert oa.plan.prediction.peak_bytes < peak
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+
+
+_CHECK_EXPANDABLE = """
+import torch, offload
+from offload.models import GPTBlock
+layers = torch.nn.ModuleList(GPTBlock(256, 4).cuda() for _ in range(3))
+oa = offload.OffloadActivations(layers, memory_budget_bytes="device")
+for _ in range(4):
+    x = torch.randn(2, 256, 256, device="cuda", requires_grad=True)
+    with oa:
+        y = x
+        for layer in layers:
+            y = layer(y)
+    y.sum().backward()
+print("EXPANDABLE" if "expandable segments turned on" in oa.plan.budget_reason else "DEFAULT")
+"""
+
+
+@pytest.mark.parametrize("conf, expected", [(None, "EXPANDABLE"), ("expandable_segments:False", "DEFAULT")])
+def test_device_budget_turns_expandable_segments_on_unless_configured(conf, expected) -> None:
+    # Process-wide: each case runs in its own process.
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    if conf is not None:
+        env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+    out = subprocess.run([sys.executable, "-c", _CHECK_EXPANDABLE], env=env, capture_output=True, text=True,
+                         timeout=300, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == expected
