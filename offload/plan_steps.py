@@ -19,14 +19,15 @@ ranks agree on the shape first (:mod:`offload.planner.agree`; ``plan_group``: th
 does, e.g. the data-parallel one under pipeline parallelism, or False for none).
 
 **Out of memory.** A planned step that ran out of device memory (the allocator's OOM count grew
-while the step did not finish) lowers the budget plans are made for to 90% of the least of that
+since the previous planned step's entry) lowers the budget plans are made for to 90% of the least of that
 plan's predicted peak, its budget and what the device gives now, and the next step is planned again: an OOM-retry loop, or the Trainer's next
 step, fits. A warning and the plan's ``budget_reason`` say what happened.
 
-**Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: where a
-calibration step follows it, its host regions are pinned in the background during that step, so
-the first planned step does not stall on pinning (the measured step waits for them: pinning takes
-the driver's lock, and kernels launched late would be timed into its layers). With plans per
+**Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: its host
+regions are pinned in the background from then on, during the calibration step where one
+follows, and the measured step waits for them at its entry (pinning takes the driver's lock, and
+kernels launched late would be timed into its layers). Pinning is then part of the probe steps,
+and the first planned step does not stall on it. With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 """
 
@@ -334,10 +335,6 @@ class PlannedSteps:
         sizing = self._sequence.sizing if self._sequence is not None else None
         if self._pinned_ahead or sizing is None or self.profile is not None:
             return
-        if self._sequence.todo[:1] == ["measure"]:  # type: ignore[union-attr]
-            # The measured step comes next: pinning now would have to finish before it (see
-            # enter), on the critical path all the same. The first planned step pins instead.
-            return
         self._pinned_ahead = True
         try:
             sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
@@ -347,13 +344,11 @@ class PlannedSteps:
         self._pin(PlannedSchedule(plan, sizing).region_bytes())
 
     def _check_out_of_memory(self) -> None:
-        # Only when the last planned step did not finish (its backward raised, or a forward's
-        # did): the allocator's count is read then, not on every step.
+        # The allocator's count, read at each planned step's entry (tens of microseconds): the
+        # engine cannot tell a step that failed from one that finished when the plan keeps
+        # every layer (no group to hand back), and the error may come outside the ``with``.
         index = self._step_index
         if index is None or self._ooms is None or self.plan is None:
-            return
-        last = self.engine.last_finished
-        if last is not None and last.step >= index:
             return
         count = _oom_count(self.device)
         if count <= self._ooms:
