@@ -159,14 +159,10 @@ class OffloadActivations:
     the fourth step on, or the third when the plain step does not fit. ``selective``: the
     submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
     :func:`offload.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
-    ``plan=offload.plan(...)`` follows a plan made beforehand. Each step follows a plan made for
-    its batch shape (read at the first layer); under ``torch.distributed`` the ranks of
-    ``plan_group`` (default: all; a pipeline passes its data-parallel group, or False) agree on
-    it. Recomputed layers are run under
-    non-reentrant checkpointing here: leave the model's own checkpointing off.
-    :attr:`plan` is the plan in force and :meth:`plan_report` its table with the measured step
-    time and peak: ``measure_peak`` (default None: on for planned steps on CUDA) resets CUDA's
-    peak-memory counter at each planned step's entry to read the step's own peak.
+    ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan;
+    ranks of ``plan_group`` (default all; False: none) agree on it. Recomputed layers run under
+    non-reentrant checkpointing: leave the model's own off. :attr:`plan` is the plan in force,
+    :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
     """
 
     def __init__(
