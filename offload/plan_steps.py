@@ -189,12 +189,13 @@ class PlannedSteps:
                 plan = self._make(profile_at(profile, bucket), bucket)
             except BudgetError as exc:
                 failed = exc
-            # Every rank meets a new agreed bucket at the same step: decide together, so no rank
-            # raises alone while the others wait in their next collective.
-            if agreed_new and agreeing and agree_flag(failed is not None, self.device, self._group) \
-                    and failed is None:
-                failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
-                                     "see its error")
+        # Every rank meets a new agreed bucket at the same step, whatever its own cache holds (an
+        # out-of-memory step empties one rank's): decide together, so no rank raises alone while
+        # the others wait in their next collective.
+        if agreed_new and agreeing and agree_flag(failed is not None, self.device, self._group) \
+                and failed is None:
+            failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
+                                 "see its error")
         if failed is not None:
             raise failed
         if bucket not in self._plans:
