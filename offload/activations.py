@@ -35,63 +35,8 @@ from .planner.types import Plan
 from .plan_steps import PlannedSteps
 from .plan_wrappers import install_plan_wrappers, remove_plan_wrappers
 from .selective import Candidates, describe_candidates, selective_candidates
-
-
-class _LayerHook:
-    """A forward pre-hook (``after=False``) or forward hook on a layer module.
-
-    Holds a weak reference to its ``OffloadActivations`` and nothing else, so the module stays
-    copyable; its copies are inert (``owner`` None).
-    """
-
-    __slots__ = ("_owner", "_after")
-
-    def __init__(self, owner: Optional["OffloadActivations"], after: bool) -> None:
-        self._owner = weakref.ref(owner) if owner is not None else None
-        self._after = after
-
-    @property
-    def dead(self) -> bool:
-        """Its context is gone (garbage collected), or it is an inert copy: it can never act."""
-        return self._owner is None or self._owner() is None
-
-    @run_eagerly
-    def __call__(self, module: torch.nn.Module, args: Any, third: Any = None) -> None:
-        # third: the output (after=True), or the keyword arguments (the pre-hook, registered
-        # with_kwargs: a layer called as layer(hidden_states=h) has its input there).
-        owner = self._owner() if self._owner is not None else None
-        # Several contexts may hook the same modules (one per thread on one model): each acts
-        # only for forwards run in the thread whose `with` it is in; the saved-tensor hooks are
-        # per thread too, so each thread's tensors reach its own engine.
-        if owner is None or not owner.active or owner._thread != threading.get_ident():
-            return
-        if self._after:
-            owner._after_layer(third)
-        else:
-            owner._before_layer(module, args, third)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "_LayerHook":
-        return _LayerHook(None, self._after)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_LayerHook, (None, self._after))
-
-
-class _GroupBoundary:
-    """A global module forward hook (the no-layers form): after each module call, closes the
-    open group if it holds ``group_bytes``. Weak like :class:`_LayerHook`; registered only while
-    the ``with`` is open."""
-
-    __slots__ = ("_owner",)
-
-    def __init__(self, owner: "OffloadActivations") -> None:
-        self._owner = weakref.ref(owner)
-
-    @run_eagerly
-    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        owner = self._owner()
-        if owner is not None and owner.active:
-            owner._module_done(output)
+from .layer_hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
+from . import model_form
 
 
 # The no-layers form closes a group once it holds this many offloadable bytes. Large enough that
@@ -128,12 +73,9 @@ class OffloadActivations:
     nothing is offloaded, and a warning says so. ``NVTE_CPU_OFFLOAD_V1=1`` (or ``mode="v1"``)
     only changes the default selection to opt-in (``mark_activation_offload``) here.
 
-    torchtune's options are accepted with their meanings: ``min_offload_size`` is
-    ``min_offload_bytes`` (default 64 KiB here, 1 KiB in torchtune); ``max_fwd_stash_size``
-    (no-layers form only) counts groups here, not tensors; ``use_pin_memory=True`` and
-    ``use_streams=None/True`` are what the engine always does (a pinned arena reused every step,
-    copies on their own streams); ``use_pin_memory=False`` and ``use_streams=False`` are refused
-    with a ``ValueError``. Use :class:`offload.keep_on_gpu` for torchtune's ``NoOpManager``.
+    torchtune's options keep their meanings (``min_offload_size`` is ``min_offload_bytes``; ``max_fwd_stash_size``
+    counts groups here); ``use_pin_memory=False`` and ``use_streams=False`` are refused. Use
+    :class:`offload.keep_on_gpu` for torchtune's ``NoOpManager``.
 
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
     those of :func:`offload.get_cpu_offload_context`; ``device=None`` is the current CUDA device,
@@ -142,13 +84,9 @@ class OffloadActivations:
 
     Threads: one context runs one forward at a time, but each thread may have its own context on
     the same model; the module hooks of each act only in the thread whose ``with`` is open.
-    ``torch.compile``: create the context (and enter it) before the first compiled call. Code
-    compiled before its module hooks existed never calls them (Dynamo does not guard on module
-    hooks by default); the warning at the end of such a forward says so and how to recompile.
-
-    Checkpointing composes: layers run under ``torch.utils.checkpoint`` (reentrant or not,
-    around ``forward`` or ``__call__``, e.g. HF ``activation_checkpointing_enable``) offload only
-    their checkpoint inputs, which come back before the layer's recompute.
+    ``torch.compile``: create the context before the first compiled call (code compiled before
+    the module hooks existed never calls them; a warning says how to recompile). Layers under
+    ``torch.utils.checkpoint`` (HF's included) offload only their checkpoint inputs.
 
     Plans (per layer keep / offload / recompute, each kept or offloaded layer with or without its
     MLP under selective recompute; see ``offload.planner``; with layers only):
@@ -163,6 +101,9 @@ class OffloadActivations:
     ranks of ``plan_group`` (default all; False: none) agree on it. Recomputed layers run under
     non-reentrant checkpointing: leave the model's own off. :attr:`plan` is the plan in force,
     :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
+    ``model=`` (a HF ``*ForCausalLM``): plans may also tile its LM head and loss and the MLPs
+    where nothing untiled fits (long context), and a long first batch is probed short
+    (:mod:`offload.model_form`).
     """
 
     def __init__(
@@ -177,6 +118,7 @@ class OffloadActivations:
         probe: Optional[str] = None,
         selective: Candidates = None,
         plan_group: Any = None,
+        model: Optional[torch.nn.Module] = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -214,12 +156,14 @@ class OffloadActivations:
         self._handles: list[Any] = []
         self._boundary: Any = None  # the global module hook of the no-layers form, while open
         self._thread = 0
+        self._entered = False  # inside this context's with (any step: probe, planned, fixed)
+        self._model: Optional[torch.nn.Module] = None  # model=: its forward is seen (model_form)
         # Disabled: the modules whose FP8 weight copies stats counts (params_from's, as enabled).
         self._weight_modules: list[torch.nn.Module] = []
         if self.auto:
             planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
                        "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak,
-                       "plan_group": plan_group is not None}
+                       "plan_group": plan_group is not None, "model": model is not None}
             self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
                             keep_last_groups, max_fwd_stash_size, options)
             return
@@ -296,6 +240,12 @@ class OffloadActivations:
                 self.engine, self.layers, self._candidates, budget=self._budget, plan=plan, probe=probe,
                 measure_peak=self.measure_peak, on_plan=self._install_plan_wrappers, group=plan_group,
             )
+        if model is not None:
+            # Given to any context: plans use it; without plans it is checked and left alone.
+            self._model = model_form.check_model(model, self.layers)
+            if self._planned is not None:
+                self._planned.head = model_form.head_info(model)
+                model_form.install(self, model)
 
     def _init_auto(
         self, num_offload_layers: Optional[int], planner_options: list[str], group_bytes: Optional[int],
@@ -342,22 +292,45 @@ class OffloadActivations:
         if self.auto:
             self._enter_auto()
             return self
+        self._entered, self._thread = True, threading.get_ident()
         if self._planned is not None and torch.is_grad_enabled() and self._planned.enter():
             # A probe step (offload.plan_steps): its forward runs under the probe, measured or
             # (a warm-up) plainly.
             self._tracking = self._probe_step = self._planned.probe is not None
             return self
+        self._start_step()
+        return self
+
+    def _start_step(self) -> None:
         if not self._handles:
             self._register_hooks()
-        self._tracking = self.engine.begin_forward()
+        self._tracking = self.engine.begin_forward()  # type: ignore[union-attr]
         # The thread first: a hook in another thread that sees `active` must already see
         # that this forward is not its own.
         self._thread = threading.get_ident()
         self.active = self._tracking
-        return self
+
+    def _entered_here(self) -> bool:
+        return self._entered and self._thread == threading.get_ident() and torch.is_grad_enabled()
+
+    def _model_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # The model's forward begins inside this context (model_form): a long first batch is
+        # probed short, a planned step is planned for its shape before its head runs.
+        planned, model = self._planned, self._model
+        shape = model_form.call_shape(fn, args, kwargs)
+        head_tokens = 0
+        if planned is not None and model is not None and shape is not None:
+            short = model_form.short_step(model, fn, args, kwargs, shape) if planned.profile is None else None
+            if planned.at_model_entry(shape, short, model_form.probe_tokens(planned.head, planned.device)):
+                self._probe_step = False
+                self._start_step()
+            if self.active:
+                head_tokens = planned.plan_at_entry(shape)
+        return model_form.run_call(model, fn, args, kwargs, head_tokens)  # type: ignore[arg-type]
 
     @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self._entered = False
         if self.engine is None or not self._tracking:
             return
         self.active = False
@@ -469,6 +442,13 @@ class OffloadActivations:
         return engine is not None and engine.in_layer and engine.schedule.recomputes(engine.current_layer)
 
     @run_eagerly  # as _recompute_current
+    def _tile_current(self) -> int:
+        engine = self.engine
+        if engine is None or not self.active or threading.get_ident() != self._thread or not engine.in_layer:
+            return 0
+        return engine.schedule.tile_tokens(engine.current_layer)
+
+    @run_eagerly  # as _recompute_current
     def _selective_current(self) -> bool:
         # Only this context's own forward, in its thread, in a layer the plan makes selective.
         engine = self.engine
@@ -494,6 +474,8 @@ class OffloadActivations:
         # After close() the plan's wrappers are gone with the hooks: both come back together.
         if self._planned is not None:
             self._planned.put_wrappers_on()
+            if self._model is not None:
+                model_form.install(self, self._model)
         # One pair of hooks per distinct module: a module listed twice is called twice.
         for module in dict.fromkeys(self.layers):
             prune_dead_hooks(module, _LayerHook)
@@ -509,6 +491,8 @@ class OffloadActivations:
             handle.remove()
         self._handles.clear()
         remove_plan_wrappers(self, self.layers, self._candidates)
+        if self._model is not None:
+            model_form.uninstall(self._model)
 
     def _refuse_second_entry(self) -> None:
         # One engine runs one forward at a time: a second forward inside the first (or beside

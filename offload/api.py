@@ -97,7 +97,7 @@ ACCEPTED_OPTIONS = {
     "get_cpu_offload_context": ("enabled",) + ENGINE_OPTIONS,
     "OffloadActivations": (
         "layers", "num_offload_layers", "enabled", "plan", "memory_budget_bytes", "measure_peak",
-        "group_bytes", "keep_last_groups",
+        "group_bytes", "keep_last_groups", "model",
     ) + TORCHTUNE_OPTIONS + ENGINE_OPTIONS,
 }
 

@@ -45,13 +45,14 @@ from .engine import OffloadEngine
 from .planner.agree import agree_flag, agree_shape, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
-from .planner.make import Budget, check_device_budget, choose, probe_policy, read_device_budget, \
+from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
     step_figures, use_expandable_segments
 from .planner.probe import ProbeStep
 from .planner.scaling import profile_at, profile_shape
 from .planner.search import BudgetError
 from .planner.sequence import ProbeSequence
 from .planner.shapes import StepShape, shape_of
+from .planner.tiling import HeadInfo, longest_fitting
 from .planner.types import Plan, StepProfile
 from .recompute import checkpoint_inputs
 from .schedules.planned import PlannedSchedule
@@ -108,6 +109,8 @@ class PlannedSteps:
         self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
         self._sequence: Optional[ProbeSequence] = None
         self._step_mark: Any = None
+        self._entry_step: Optional[int] = None  # the engine step planned at the model's entry
+        self.head: Optional[HeadInfo] = None    # the LM head plans may tile (the model form)
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
         device = self.device
         check_device_budget(budget, device, "OffloadActivations:")
@@ -172,8 +175,43 @@ class PlannedSteps:
         if hidden is None:
             return  # no hidden states to read a shape from: the plan in force goes on
         step = self.engine.step
+        if step is not None and step.index == self._entry_step:
+            return  # planned at the model's entry already (the model form)
+        self._plan_shape(shape_of(hidden.shape))
+
+    def at_model_entry(self, shape: StepShape, short_step: Optional[Callable[[int], None]], probe_tokens: int) -> bool:
+        """The model's forward begins (``OffloadActivations(..., model=model)``). A probe step of
+        more than twice ``probe_tokens`` tokens is not probed at its own length: the probe steps
+        run now, as ``short_step(length)`` calls at ``probe_tokens`` (a minute-long step probed
+        at full length would cost minutes), and this step becomes a planned one. Returns whether
+        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`)."""
+        if not self._probing or self.profile is not None or short_step is None or shape.tokens <= 2 * probe_tokens:
+            return False
+        if self.probe is not None:
+            self.probe.end_forward()  # nothing ran under it yet: its hooks come off unused
+        self.probe, self._probing = None, False
+        length = max(1, probe_tokens // shape.batch)
+        self.profile = self._sequence.run(lambda: short_step(length), "offload (probe at a short length)")  # type: ignore[union-attr]
+        self._pin_ahead()
+        self._wrappers(self.profile)
+        return True
+
+    def plan_at_entry(self, shape: StepShape) -> int:
+        """A planned step's model forward begins: plan for its shape here, before the head runs
+        (:meth:`at_first_layer` then finds it done); the tokens per chunk of its tiled head (0:
+        untiled, or a probe step)."""
+        step = self.engine.step
+        if self.profile is None or self.profile.shape is None or step is None or self._probing:
+            return 0
+        self._plan_shape(shape)
+        self._entry_step = step.index
+        return self.plan.head_tokens if self.plan is not None else 0
+
+    def _plan_shape(self, shape: StepShape) -> None:
+        profile = self.profile
+        assert profile is not None
+        step = self.engine.step
         self._step_index = step.index if step is not None else None
-        shape = shape_of(hidden.shape)
         bucket = shape.bucket()
         agreeing = self._group is not False and ranks_agree_enabled(self._group)
         if agreeing:
@@ -261,14 +299,27 @@ class PlannedSteps:
             torch.cuda.empty_cache()
         try:
             plan = choose(profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable,
-                          emptied=emptied)
+                          emptied=emptied, head=self.head, host_budget=self.engine.arena.budget_bytes)
         except BudgetError as exc:
             if shape is None:
                 raise
-            raise BudgetError(f"offload: no plan fits a step of {shape}: {exc}") from None
+            raise BudgetError(f"offload: no plan fits a step of {shape}: {exc}{self._what_fits(shape)}") from None
         if self._lowered:
             plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
         return plan
+
+    def _what_fits(self, shape: StepShape) -> str:
+        # The longest length of this batch size whose lowest plan fits (bisected on the profile
+        # at each length): what the user can train instead.
+        if self.profile is None or self.profile.shape is None or self.budget is None or self.budget == LOWEST:
+            return ""
+        budget = self._read_device().budget_bytes if self.budget == DEVICE else int(self.budget)
+        if self._cap is not None:
+            budget = min(budget, self._cap)
+        longest = longest_fitting(self.profile, shape.batch, budget, self.head, self.engine.arena.budget_bytes)
+        if longest is None:
+            return ""
+        return f". At batch {shape.batch}, lengths up to about {longest} fit"
 
     def follow(self, plan: Plan) -> None:
         """Put ``plan`` in force: its schedule on the engine (from the step in progress on, if
@@ -307,10 +358,11 @@ class PlannedSteps:
         on_plan = self._on_plan()
         if on_plan is None:
             return
+        tiles = plan is not None and plan.tiles()  # (a tiled plan's profile has no candidates left)
         if profile.shape is not None:
-            on_plan(True, any(layer.selective is not None for layer in profile.layers))
+            on_plan(True, tiles or any(layer.selective is not None for layer in profile.layers))
         elif plan is not None:
-            on_plan(plan.recomputes(), plan.selects())
+            on_plan(plan.recomputes(), plan.selects() or tiles)
 
     def _pin(self, sizes: list[int]) -> None:
         # Only the regions no idle block serves: with plans for several shapes the blocks of

@@ -15,6 +15,7 @@ unfollowed.
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import weakref
 from typing import Any, Iterable, Optional, Protocol
@@ -24,6 +25,7 @@ import torch
 from .eager import run_eagerly
 from .recompute import checkpoint_call
 from .selective import SelectiveForward
+from .tiling.tokenwise import TiledForward
 
 
 class PlanFollower(Protocol):
@@ -36,6 +38,8 @@ class PlanFollower(Protocol):
     def _recompute_current(self) -> bool: ...
 
     def _selective_current(self) -> bool: ...
+
+    def _tile_current(self) -> int: ...
 
 
 class _Owners:
@@ -82,8 +86,11 @@ class RecomputeForward:
         owner = self.owners.running()
         if owner is not None and owner._recompute_current():
             # The pre-hook has opened the layer's group: checkpoint's inputs are saved into it
-            # (and offloaded), everything inside goes to checkpoint's own hooks.
-            return checkpoint_call(self.fn, args, kwargs)
+            # (and offloaded), everything inside goes to checkpoint's own hooks. Its tiling is
+            # fixed now, for the forward and the recompute alike.
+            tokens = owner._tile_current()
+            fn = functools.partial(_tiled_as, tokens, self.fn) if tokens else self.fn
+            return checkpoint_call(fn, args, kwargs)
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "RecomputeForward":
@@ -113,6 +120,38 @@ class SelectiveWhen:
         return (SelectiveWhen, (None,))
 
 
+class TileWhen:
+    """The ``chunk`` of a planned :class:`~offload.tiling.tokenwise.TiledForward`: the plan's
+    tokens per chunk while a context it serves runs a layer its plan tiles, else 0 (plainly)."""
+
+    __slots__ = ("owners",)
+
+    def __init__(self, owners: _Owners) -> None:
+        self.owners = owners  # the SelectiveWhen's beside it: one set of contexts per candidate
+
+    def __call__(self) -> int:
+        replayed = getattr(_REPLAY, "tokens", None)
+        if replayed is not None:
+            return replayed
+        owner = self.owners.running()
+        return owner._tile_current() if owner is not None else 0
+
+
+# The tiling of the recomputed layer running in this thread, while it runs. A checkpoint's
+# recompute runs in backward, outside any context's forward, and must save exactly what the
+# layer's forward saved (or checkpoint refuses it): the forward's choice is replayed from here.
+_REPLAY = threading.local()
+
+
+def _tiled_as(tokens: int, fn: Any, *args: Any, **kwargs: Any) -> Any:
+    before = getattr(_REPLAY, "tokens", None)
+    _REPLAY.tokens = tokens
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _REPLAY.tokens = before
+
+
 def _planned_selective(module: torch.nn.Module) -> Optional[SelectiveWhen]:
     wrapper = module.__dict__.get("forward")
     if isinstance(wrapper, SelectiveForward) and isinstance(wrapper.when, SelectiveWhen):
@@ -137,14 +176,22 @@ def install_plan_wrappers(owner: PlanFollower, layers: Iterable[torch.nn.Module]
             when.owners.attach(owner)
         elif not isinstance(module.__dict__.get("forward"), SelectiveForward):
             # (A module the user runs under selective_recompute is always selective already.)
-            module.forward = SelectiveForward(module.forward, when=SelectiveWhen(owner))
+            # Tiled inside selective: a layer's plan runs its candidates one way or the other
+            # (never both), and inside a recomputed layer the selective one runs plainly while
+            # the tiled one still tiles.
+            when = SelectiveWhen(owner)
+            tiled = TiledForward(module, module.forward, TileWhen(when.owners))
+            module.forward = SelectiveForward(tiled, when=when)
 
 
 def _unwrap(module: torch.nn.Module, wrapper: Any) -> None:
-    if getattr(wrapper.fn, "__self__", None) is module:
+    fn = wrapper.fn
+    if isinstance(fn, TiledForward) and isinstance(fn.chunk, TileWhen):
+        fn = fn.fn  # the planned tiling under the planned selective wrapper
+    if getattr(fn, "__self__", None) is module:
         del module.forward  # it wrapped the class's forward (a bound method)
     else:
-        module.forward = wrapper.fn  # an instance attribute set before (a user's selective wrapper)
+        module.forward = fn  # an instance attribute set before (a user's selective wrapper)
 
 
 def remove_plan_wrappers(owner: PlanFollower, layers: Iterable[torch.nn.Module],

@@ -51,6 +51,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .instance_forward import check_own_forward, module_list
 from .recompute import checkpoint_call
 
 aten = torch.ops.aten
@@ -156,25 +157,11 @@ def selective_recompute(modules: Union[torch.nn.Module, Iterable[torch.nn.Module
     that is not a module, and ``ValueError`` for a module wrapped already or one whose
     ``forward`` was replaced on the instance by someone else (wrapping it would hide theirs).
     """
-    if isinstance(modules, torch.nn.Module):
-        modules = [modules]
-    try:
-        chosen = list(modules)
-    except TypeError:
-        raise TypeError(
-            f"offload.selective_recompute takes a module or an iterable of modules, got {type(modules).__name__}"
-        ) from None
+    where = "offload.selective_recompute"
+    chosen = module_list(modules, where)
     for i, module in enumerate(chosen):
-        if not isinstance(module, torch.nn.Module):
-            raise TypeError(f"offload.selective_recompute: item {i} is a {type(module).__name__}, not a torch.nn.Module")
-        own = module.__dict__.get("forward")
-        if isinstance(own, SelectiveForward):
-            raise ValueError(f"offload.selective_recompute: item {i} ({type(module).__name__}) is wrapped already")
-        if own is not None:
-            raise ValueError(
-                f"offload.selective_recompute: item {i} ({type(module).__name__}) has a forward set on the "
-                "instance by other code; wrap the module it calls instead, or remove that override first"
-            )
+        check_own_forward(module, SelectiveForward, f"{where}: item {i} ({type(module).__name__})", "is wrapped already",
+                          "wrap the module it calls instead, or remove that override first")
     if len({id(m) for m in chosen}) != len(chosen):
         raise ValueError("offload.selective_recompute: a module is listed twice")
     for module in chosen:

@@ -89,6 +89,16 @@ class _TrainingForward:
         self.offload.__exit__(*exc_info)
 
 
+def _causal_lm(model: torch.nn.Module, layer: torch.nn.Module) -> Optional[torch.nn.Module]:
+    # The innermost module with an LM head that runs the layers: the *ForCausalLM under PEFT's
+    # and DDP's wrappers.
+    found = None
+    for module in model.modules():
+        if isinstance(getattr(module, "lm_head", None), torch.nn.Linear) and any(m is layer for m in module.modules()):
+            found = module
+    return found
+
+
 def offload_trainer(trainer: Any, layers: Optional[Any] = None, **options: Any) -> OffloadActivations:
     """Offload the activations of every training forward ``trainer`` runs; returns the context.
 
@@ -142,6 +152,11 @@ def offload_trainer(trainer: Any, layers: Optional[Any] = None, **options: Any) 
         # here, not the default plan.
         layers = layer_list(layers)
         options["num_offload_layers"] = len(layers) - 1
+    if "model" not in options and "num_offload_layers" not in options:
+        # The causal-LM module (under PEFT too): plans may then tile its head and loss, and a
+        # long first batch is probed at a short length (offload.model_form).
+        layers = layer_list(layers)
+        options["model"] = _causal_lm(model, layers[0]) if layers else None
     offload = OffloadActivations(layers, **options)
     entry = _TrainingForward(offload)
     model.register_forward_pre_hook(entry.before)

@@ -24,6 +24,7 @@ from ..selective import Candidates, selective_candidates
 from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
 from .search import BudgetError, best_plan, lowest_peak
+from .tiling import HeadInfo, choose_tiled, lowest_tiled, mark_lowest
 from .types import LinkProfile, Plan, StepProfile
 
 Budget = Union[int, str, None]
@@ -123,12 +124,16 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
 
 
 def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None, *,
-           cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False) -> Plan:
+           cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False,
+           head: Optional[HeadInfo] = None, host_budget: Optional[int] = None) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
     is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now, with
     ``expandable`` segments' headroom if :func:`use_expandable_segments` turned them on).
     ``cap_bytes``: a ceiling on a budget in bytes or "device" (after a step ran out of memory);
     ``emptied``: the caller emptied the allocator's cache just now (see :func:`read_device_budget`).
+    ``head``: the LM head plans may tile; with a shape-aware profile, plans tile the MLPs and the
+    head where no untiled plan fits (:mod:`offload.planner.tiling`). ``host_budget``: bytes a
+    plan may hold on the host.
 
     The plan's ``budget_reason`` says which budget was used and why.
     """
@@ -140,12 +145,22 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
         elif memory_budget_bytes is not None and memory_budget_bytes <= cap_bytes:
             cap_bytes = None
         if cap_bytes is not None:
-            made = choose(profile, cap_bytes, device)
+            made = choose(profile, cap_bytes, device, head=head, host_budget=host_budget)
             return dataclasses.replace(made, budget_reason=f"{memory_budget_bytes!r}, capped at {format_bytes(cap_bytes)}")
+
+    def best(budget: int) -> Plan:
+        return choose_tiled(profile, lambda p: best_plan(p, budget, host_budget=host_budget), head)
+
     if memory_budget_bytes == LOWEST:
         # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that
-        # much headroom before it must stall on forced releases.
-        made = lowest_peak(profile, tolerance=LOWEST_TOLERANCE)
+        # much headroom before it must stall on forced releases. Untiled where that fits the
+        # device (tiling changes the sums); the lowest tiled plan where it does not.
+        made = lowest_peak(profile, tolerance=LOWEST_TOLERANCE, host_budget=host_budget)
+        if device is not None and device.type == "cuda" and profile.device == "cuda" and profile.shape is not None \
+                and made.prediction.peak_bytes > read_device_budget(device, expandable, emptied).budget_bytes:
+            variant, tile_tokens, head_tokens = lowest_tiled(profile, head)
+            made = mark_lowest(lowest_peak(variant, tolerance=LOWEST_TOLERANCE, host_budget=host_budget),
+                               profile, head, tile_tokens, head_tokens)
         return dataclasses.replace(made, budget_reason=f"lowest (the lowest predicted peak, up to "
                                                        f"{LOWEST_TOLERANCE:.0%} more for speed)")
     if memory_budget_bytes == DEVICE:
@@ -154,15 +169,15 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
             raise ValueError(f"offload: memory_budget_bytes='device' needs the CUDA device to plan "
                              f"for, got {device!r} (profile measured on {profile.device!r})")
         measured = read_device_budget(device, expandable, emptied)
-        made = best_plan(profile, measured.budget_bytes)
+        made = best(measured.budget_bytes)
         reason = measured.describe() + (" (expandable segments turned on)" if expandable else "")
         if made.budget_bytes != measured.budget_bytes:  # the lowest plan, followed with a warning
             reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
         return dataclasses.replace(made, budget_reason=reason)
     if memory_budget_bytes is None:
-        made = best_plan(profile, profile.plain_peak_bytes)
+        made = best_plan(profile, profile.plain_peak_bytes, host_budget=host_budget)
         return dataclasses.replace(made, budget_reason="none given (the plain step's peak)")
-    made = best_plan(profile, int(memory_budget_bytes))
+    made = best(int(memory_budget_bytes))
     reason = "memory_budget_bytes"
     if made.budget_bytes != memory_budget_bytes:
         reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
@@ -207,31 +222,7 @@ def profile_step(
         link=(lambda: link) if link is not None else (lambda: measure_link(dev)),
         device_limit=(lambda: read_device_budget(dev).budget_bytes) if dev.type == "cuda" else None,
     )
-    while True:
-        current = sequence.next_step()
-        try:
-            if current is not None:
-                current.begin()
-            step_fn()
-        except Exception as exc:
-            if current is not None:
-                current.end_forward()
-            if not sequence.step_failed(current, exc):  # out of memory: a lower-memory probe next
-                raise RuntimeError(
-                    f"offload.plan: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
-                    "step_fn() as it is (no offload); fix the step so that it runs on its own first"
-                ) from exc
-            continue
-        if current is not None:
-            current.end_step()
-            if current.records and not current.complete():
-                raise RuntimeError(
-                    "offload.plan: step_fn() ran the forward but not the whole backward; it must be "
-                    "one whole training step (loss.backward() included)"
-                )
-        profile = sequence.step_done(current)
-        if profile is not None:
-            return profile
+    return sequence.run(step_fn, "offload.plan")
 
 
 def plan(

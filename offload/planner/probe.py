@@ -80,8 +80,7 @@ class _LayerRecord:
         self.module: Optional[torch.nn.Module] = None
         self.new_grads = 0  # bytes of its weights that require grad and have none yet
         self.cached = 0     # bytes its selectively recomputed modules cached (offload.selective)
-        self.rec_start: Any = None  # its recompute in backward (low-memory probe)
-        self.rec_end: Any = None
+        self.rec_start = self.rec_end = None  # its recompute in backward (low-memory probe)
         # Allocated bytes at the layer's start and end, and its peak above the start (forward);
         # at the start of its backward, and its peak above that (backward). 0 on CPU.
         self.mem_start = self.mem_end = self.forward_peak = 0
@@ -437,7 +436,8 @@ class ProbeStep:
         tally = r.selective_tally
         return SelectiveProfile(slot_bytes=tally.sizes, cached_bytes=r.selective_cached,
                                 extra_backward_ms=extra, slot_keys=tuple(tally.keys),
-                                slot_growth=tally.growth(self.shape, self.hidden_size))
+                                slot_growth=tally.growth(self.shape, self.hidden_size),
+                                forward_ms=sum(ms(start, end) for start, end, _ in r.candidate_spans))
 
     def profile(
         self,

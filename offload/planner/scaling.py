@@ -82,6 +82,7 @@ def _layer_at(layer: LayerProfile, shape: StepShape, probe: StepShape) -> LayerP
             slot_keys=(_scaled(selective.slot_keys, selective.slot_growth, shape, probe)
                        if selective.slot_keys else ()),
             slot_growth=selective.slot_growth,
+            forward_ms=selective.forward_ms * r,
         )
     fwd_attn, bwd_attn = layer.attention_forward_ms, layer.attention_backward_ms
     return replace(

@@ -99,10 +99,12 @@ def layer_candidates(layer: LayerProfile) -> list[LayerPlan]:
 
 
 class _Evaluator:
-    """Simulates keys once each and remembers the fastest one that fits the budget."""
+    """Simulates keys once each and remembers the fastest one that fits the budget (and the
+    host budget: every offloaded byte is held on the host until its layer's backward)."""
 
-    def __init__(self, profile: StepProfile, cands: list[list[LayerPlan]], budget: int) -> None:
-        self.profile, self.cands, self.budget = profile, cands, budget
+    def __init__(self, profile: StepProfile, cands: list[list[LayerPlan]], budget: int,
+                 host_budget: Optional[int] = None) -> None:
+        self.profile, self.cands, self.budget, self.host = profile, cands, budget, host_budget
         self.memo: dict[Key, Prediction] = {}
         self.best: Optional[tuple[float, int, Key]] = None
 
@@ -111,14 +113,18 @@ class _Evaluator:
         if pred is None:
             plans = [c[k] for c, k in zip(self.cands, key)]
             pred = self.memo[key] = simulate(self.profile, plans, self.budget)
-            if pred.peak_bytes <= self.budget:
+            if self.ok(pred):
                 rank = (pred.step_ms, pred.peak_bytes, key)
                 if self.best is None or rank < self.best:
                     self.best = rank
         return pred
 
+    def ok(self, pred: Prediction) -> bool:
+        """Whether a predicted plan fits both budgets."""
+        return pred.peak_bytes <= self.budget and (self.host is None or pred.d2h_bytes <= self.host)
+
     def fits(self, key: Key) -> bool:
-        return self(key).peak_bytes <= self.budget
+        return self.ok(self(key))
 
 
 # ------------------------------------------------------------------------------------- families
@@ -283,7 +289,7 @@ def _improve(ev: _Evaluator, key: Key, max_evals: int) -> None:
                 if len(ev.memo) - start >= max_evals:
                     break
                 p = ev(m)
-                if p.peak_bytes <= ev.budget and p.step_ms < bar and (best is None or (p.step_ms, m) < best):
+                if ev.ok(p) and p.step_ms < bar and (best is None or (p.step_ms, m) < best):
                     best = (p.step_ms, m)
         if best is None:
             return
@@ -306,22 +312,34 @@ def _to_plan(profile: StepProfile, plans: Sequence[LayerPlan], budget: Optional[
     return Plan(tuple(plans), budget, simulate(profile, plans, budget), profile.signature(), profile=profile)
 
 
-def _floor(profile: StepProfile, cands: list[list[LayerPlan]]) -> tuple[int, Key]:
-    """The lowest peak of the least-memory plans, forcing every release (a 1-byte budget)."""
+def _floor(profile: StepProfile, cands: list[list[LayerPlan]], host_budget: Optional[int] = None) -> tuple[int, Key]:
+    """The lowest peak of the least-memory plans, forcing every release (a 1-byte budget), among
+    those within the host budget (layers kept from the end when all of them copied is too much)."""
     ev = _Evaluator(profile, cands, 1)
     n = len(cands)
     keys = {tuple(len(c) - 1 for c in cands), tuple(max(0, len(c) - 2) for c in cands)}
     for o in _o_grid(n):  # offload-all first, recompute after
         keys.add(tuple(max(0, len(c) - 2) if i < o else len(c) - 1 for i, c in enumerate(cands)))
-    best = min((ev(k).peak_bytes, k) for k in sorted(keys))
-    return best
+    if host_budget is not None:
+        for k in _o_grid(n):  # the last k layers kept (they copy nothing), the rest recomputed
+            keys.add(tuple(0 if i >= n - k else len(c) - 1 for i, c in enumerate(cands)))
+    scored = sorted((ev(k).peak_bytes, k) for k in keys)
+    within = [(peak, k) for peak, k in scored if host_budget is None or ev(k).d2h_bytes <= host_budget]
+    if not within:
+        least = min(ev(k).d2h_bytes for _, k in scored)
+        raise BudgetError(
+            f"every plan needs more host memory than the host budget of {_exact(host_budget or 0)}: the "
+            f"least is {_exact(least)}. Raise host_budget_bytes (or offload.host_ledger."
+            f"set_process_host_budget), or shrink the step")
+    return within[0]
 
 
 def _search(
-    profile: StepProfile, cands: list[list[LayerPlan]], budget: int, seeds: Sequence[Key]
+    profile: StepProfile, cands: list[list[LayerPlan]], budget: int, seeds: Sequence[Key],
+    host_budget: Optional[int] = None,
 ) -> _Evaluator:
     """Run the search stages at ``budget``; the evaluator returned holds the best fitting key."""
-    ev = _Evaluator(profile, cands, budget)
+    ev = _Evaluator(profile, cands, budget, host_budget)
     for s in seeds:
         ev(s)
     size = 1
@@ -337,7 +355,7 @@ def _search(
     # The families assume one kind of layer; the greedy also serves models whose layers differ.
     _greedy(ev, profile, max_evals=GREEDY_EVALS // n + 1)
     # Polish the few best distinct plans so far: one start alone often sits in a local optimum.
-    fitting = sorted((p.step_ms, k) for k, p in ev.memo.items() if p.peak_bytes <= budget)
+    fitting = sorted((p.step_ms, k) for k, p in ev.memo.items() if ev.ok(p))
     per_start = min(IMPROVE_EVALS // n, IMPROVE_MAX) // IMPROVE_STARTS + 1
     for _, key in fitting[:IMPROVE_STARTS]:
         _improve(ev, key, max_evals=per_start)
@@ -352,19 +370,21 @@ def _enumerate(ev: _Evaluator, i: int, prefix: Key) -> None:
         _enumerate(ev, i + 1, prefix + (c,))
 
 
-def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK_MODEL_ERROR) -> Plan:
+def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK_MODEL_ERROR,
+              host_budget: Optional[int] = None) -> Plan:
     """The fastest predicted plan whose predicted peak is at most ``budget_bytes``.
 
     When no plan fits but the budget is within ``model_error`` (a fraction) of the lowest peak
     reachable, the model cannot tell them apart: the lowest plan (:func:`lowest_peak`, no
     tolerance) is returned with a ``UserWarning`` naming both figures. Below that, raises
-    :class:`BudgetError` naming the lowest peak reachable.
+    :class:`BudgetError` naming the lowest peak reachable. ``host_budget``: bytes the plan may
+    hold on the host (None: no limit).
     """
     budget = _check_budget(budget_bytes)
     if not 0 <= model_error < 1:
         raise ValueError(f"model_error must be a fraction in [0, 1), got {model_error!r}")
     cands = _space(profile)
-    floor, floor_key = _floor(profile, cands)
+    floor, floor_key = _floor(profile, cands, host_budget)
     if floor > budget:
         if floor - budget <= model_error * floor:
             warnings.warn(
@@ -374,7 +394,7 @@ def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK
                 f"Raise the budget to at least {_exact(floor)} to silence this.",
                 UserWarning, stacklevel=2,
             )
-            return lowest_peak(profile, tolerance=0.0, model_error=model_error)
+            return lowest_peak(profile, tolerance=0.0, model_error=model_error, host_budget=host_budget)
         raise BudgetError(
             f"no plan fits a memory budget of {_exact(budget)}: the lowest peak reachable is "
             f"{_exact(floor)}, {format_bytes(floor - budget)} more (weights, optimizer state and "
@@ -382,7 +402,7 @@ def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK
             f"the budget to at least {format_bytes(floor)}, or shrink the step: a shorter "
             f"sequence, a smaller batch, or more GPUs (fewer layers or a smaller shard on each)."
         )
-    ev = _search(profile, cands, budget, seeds=[floor_key])
+    ev = _search(profile, cands, budget, seeds=[floor_key], host_budget=host_budget)
     if ev.best is None:  # the floor plan fits any budget >= its floor: a bug if not
         raise RuntimeError(f"best_plan: the floor plan does not fit {budget} bytes")
     key = ev.best[2]
@@ -395,7 +415,7 @@ def _exact(nbytes: int) -> str:
 
 
 def lowest_peak(profile: StepProfile, tolerance: float = LOWEST_PEAK_TOLERANCE,
-                model_error: float = PEAK_MODEL_ERROR) -> Plan:
+                model_error: float = PEAK_MODEL_ERROR, host_budget: Optional[int] = None) -> Plan:
     """The plan with the lowest predicted peak; among peaks within ``tolerance`` (a fraction) of
     it, the fastest. The plan's budget is that lowest peak plus the tolerance.
 
@@ -410,15 +430,17 @@ def lowest_peak(profile: StepProfile, tolerance: float = LOWEST_PEAK_TOLERANCE,
     if not 0 <= model_error < 1:
         raise ValueError(f"model_error must be a fraction in [0, 1), got {model_error!r}")
     cands = _space(profile)
-    floor, floor_key = _floor(profile, cands)
+    floor, floor_key = _floor(profile, cands, host_budget)
     recompute = [c[-1] for c in cands]
     # Its lowest peak: every release forced (as in _floor), so no plan is ever held to less.
-    rec_peak = simulate(profile, recompute, 1).peak_bytes
+    rec = simulate(profile, recompute, 1)
+    rec_peak = rec.peak_bytes
+    within_host = host_budget is None or rec.d2h_bytes <= host_budget
     certain = int(rec_peak * (1 - model_error))  # predicted below this: lower than all-recompute
-    if floor > certain:
+    if floor > certain and within_host:
         return _to_plan(profile, recompute, max(1, rec_peak))
-    budget = max(1, min(int(floor * (1 + tolerance)), certain))
-    ev = _search(profile, cands, budget, seeds=[floor_key])
+    budget = max(1, int(floor * (1 + tolerance)) if not within_host else min(int(floor * (1 + tolerance)), certain))
+    ev = _search(profile, cands, budget, seeds=[floor_key], host_budget=host_budget)
     if ev.best is None:  # the floor plan fits any budget >= its floor: a bug if not
         raise RuntimeError(f"lowest_peak: the floor plan does not fit {budget} bytes")
     key = ev.best[2]

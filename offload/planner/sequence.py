@@ -174,3 +174,32 @@ class ProbeSequence:
                            else "low-memory probe: the plain probe step did not finish its backward (out of "
                                 "memory there, or it raised)")
         return True
+
+    def run(self, step_fn: Callable[[], object], where: str) -> StepProfile:
+        """Run ``step_fn()`` (one whole training step) as the sequence's steps until the measured
+        one is done; its profile. ``where`` names the caller in errors."""
+        while True:
+            current = self.next_step()
+            try:
+                if current is not None:
+                    current.begin()
+                step_fn()
+            except Exception as exc:
+                if current is not None:
+                    current.end_forward()
+                if not self.step_failed(current, exc):  # out of memory: a lower-memory probe next
+                    raise RuntimeError(
+                        f"{where}: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
+                        "the step as it is (no offload); fix the step so that it runs on its own first"
+                    ) from exc
+                continue
+            if current is not None:
+                current.end_step()
+                if current.records and not current.complete():
+                    raise RuntimeError(
+                        f"{where}: the step ran the forward but not the whole backward; it must be "
+                        "one whole training step (loss.backward() included)"
+                    )
+            profile = self.step_done(current)
+            if profile is not None:
+                return profile

@@ -20,6 +20,8 @@ def _action_text(lp: LayerPlan) -> str:
     text = lp.action.value
     if lp.action is Action.OFFLOAD and lp.min_offload_bytes:
         text = f"offload >= {format_bytes(lp.min_offload_bytes)}"
+    if lp.tile_tokens:
+        return f"{text}, MLP tiled /{lp.tile_tokens}"
     return f"{text} selective" if lp.selective else text
 
 
@@ -62,6 +64,8 @@ def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str
     lines.append(f"plan: {plan.describe()}; budget {budget}")
     if plan.budget_reason:
         lines.append(f"budget: {plan.budget_reason}")
+    if plan.head_note:
+        lines.append(plan.head_note)
     if profile.probe_reason or profile.probe != "plain":
         lines.append(f"probe: {profile.probe_reason or profile.probe}"
                      + ("; the 'plain' figures are predicted" if profile.probe != "plain" else ""))

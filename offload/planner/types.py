@@ -120,11 +120,15 @@ class SelectiveProfile:
     extra_backward_ms: float     # the candidates' forward time less their GEMMs' time
     slot_keys: tuple[int, ...] = ()                 # as LayerProfile's
     slot_growth: tuple[tuple[int, int], ...] = ()   # as LayerProfile's
+    # The candidates' whole forward time (GEMMs included): what a tiled candidate's backward
+    # recomputes (offload.tiling). 0: not measured (profiles of older versions).
+    forward_ms: float = 0.0
 
     def __post_init__(self) -> None:
         _check_slots("SelectiveProfile", self)
         _check_int("SelectiveProfile", "cached_bytes", self.cached_bytes)
         _check_ms("SelectiveProfile", "extra_backward_ms", self.extra_backward_ms)
+        _check_ms("SelectiveProfile", "forward_ms", self.forward_ms)
 
     @property
     def saved_bytes(self) -> int:
@@ -313,10 +317,16 @@ class LayerPlan:
     action: Action
     min_offload_bytes: int = 0  # OFFLOAD only: offload slots >= this size, keep the rest resident
     selective: bool = False     # KEEP / OFFLOAD only: the layer's candidates run selectively
+    # Any action: the layer's candidates (its MLP) run tiled over chunks of this many tokens
+    # (offload.tiling.tokenwise); 0: untiled.
+    tile_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.selective, bool):
             raise ValueError(f"LayerPlan.selective must be a bool, got {self.selective!r}")
+        _check_int("LayerPlan", "tile_tokens", self.tile_tokens)
+        if self.tile_tokens and self.selective:
+            raise ValueError("LayerPlan: a layer's candidates run tiled or selectively, not both")
         try:
             object.__setattr__(self, "action", Action(self.action))
         except ValueError:
@@ -367,6 +377,10 @@ class Plan:
     profile: Optional["StepProfile"] = field(default=None, compare=False, repr=False)
     # Which budget was used and why, for the report (e.g. how "device" was worked out).
     budget_reason: str = field(default="", compare=False)
+    # The LM head and its loss run over chunks of this many tokens (offload.tiling); 0: untiled.
+    head_tokens: int = 0
+    # Why the head is not tiled or why it is, for the table ("" when nothing needed saying).
+    head_note: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)) or not self.layers:
@@ -382,6 +396,7 @@ class Plan:
         count, _ = parse_signature(self.signature)
         if count != len(self.layers):
             raise ValueError(f"Plan has {len(self.layers)} layer actions but its signature is for {count} layers")
+        _check_int("Plan", "head_tokens", self.head_tokens)
 
     def check_matches(self, signature: str, num_layers: int) -> None:
         """Raise ValueError naming what differs if this plan was not made for that model."""
@@ -416,6 +431,10 @@ class Plan:
         """Whether any layer runs its candidates under selective recompute."""
         return any(lp.selective for lp in self.layers)
 
+    def tiles(self) -> bool:
+        """Whether any layer's candidates, or the head, run tiled (offload.tiling)."""
+        return self.head_tokens > 0 or any(lp.tile_tokens for lp in self.layers)
+
     def describe(self) -> str:
         """Counts of each action, e.g. ``keep 2, offload 3 (1 partial, 3 selective), recompute 11``."""
         keep = [lp for lp in self.layers if lp.action is Action.KEEP]
@@ -435,6 +454,11 @@ class Plan:
             parts.append(f"{name} {len(group)}" + (f" ({', '.join(notes)})" if notes else ""))
         if rec:
             parts.append(f"recompute {rec}")
+        tiled = sum(lp.tile_tokens > 0 for lp in self.layers)
+        if tiled:
+            parts.append(f"{tiled} MLPs tiled")
+        if self.head_tokens:
+            parts.append("head tiled")
         return ", ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
@@ -442,8 +466,10 @@ class Plan:
         was made from, which following it needs (the runtime's budget accounting, the table)."""
         p = self.prediction
         return {
-            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective] for lp in self.layers],
+            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective, lp.tile_tokens] for lp in self.layers],
             "budget_bytes": self.budget_bytes,
+            "head_tokens": self.head_tokens,
+            "head_note": self.head_note,
             "signature": self.signature,
             "prediction": {k: getattr(p, k) for k in p.__dataclass_fields__},
             "budget_reason": self.budget_reason,
@@ -456,12 +482,15 @@ class Plan:
         loads, but cannot be followed: make it again with ``offload.plan``."""
         profile = data.get("profile")
         return cls(
-            # Plans saved before selective actions existed list two fields per layer.
-            layers=tuple(LayerPlan(Action(a), int(m), bool(sel[0]) if sel else False)
-                         for a, m, *sel in data["layers"]),
+            # Plans saved before selective (tiled) actions existed list two (three) fields per layer.
+            layers=tuple(LayerPlan(Action(a), int(m), bool(more[0]) if more else False,
+                                   int(more[1]) if len(more) > 1 else 0)
+                         for a, m, *more in data["layers"]),
             budget_bytes=data["budget_bytes"],
             prediction=Prediction(**data["prediction"]),
             signature=data["signature"],
             profile=StepProfile.from_dict(profile) if profile is not None else None,
             budget_reason=data.get("budget_reason", ""),
+            head_tokens=int(data.get("head_tokens", 0)),
+            head_note=data.get("head_note", ""),
         )

@@ -130,6 +130,10 @@ class PlannedSchedule(Schedule):
         """Whether ``layer`` runs under checkpointing in this plan."""
         return layer < len(self.actions) and self.actions[layer] is Action.RECOMPUTE
 
+    def tile_tokens(self, layer: int) -> int:
+        """Tokens per chunk of ``layer``'s tiled candidates in this plan (0: untiled)."""
+        return self.plan.layers[layer].tile_tokens if layer < len(self.actions) else 0
+
     def selective(self, layer: int) -> bool:
         """Whether ``layer`` runs its candidates under selective recompute in this plan."""
         return layer < len(self.actions) and self.plan.layers[layer].selective

@@ -1,0 +1,39 @@
+"""Forward stand-ins set on a module instance (``module.forward = wrapper``): how the tools that do
+it (selective recompute, tiling, the model form) take their modules and refuse a forward someone
+else already set there.
+
+Why an instance attribute: ``nn.Module.__call__`` reads ``self.forward``, so hooks and the class
+stay as they are, and deleting the attribute gives the class's forward back. Why refuse another
+tool's: wrapping it would hide it, and removing ours would then drop theirs.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Union
+
+from torch import nn
+
+
+def module_list(modules: Union[nn.Module, Any], where: str) -> list[nn.Module]:
+    """``modules`` (a module or an iterable of them) as a list; ``TypeError`` naming ``where``
+    for anything else."""
+    if isinstance(modules, nn.Module):
+        return [modules]
+    try:
+        chosen = list(modules)
+    except TypeError:
+        raise TypeError(f"{where} takes a module or an iterable of modules, got {type(modules).__name__}") from None
+    for i, module in enumerate(chosen):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{where}: item {i} is a {type(module).__name__}, not a torch.nn.Module")
+    return chosen
+
+
+def check_own_forward(module: nn.Module, ours: type, who: str, already: str, advice: str) -> None:
+    """Raise ``ValueError`` if ``module`` has a forward set on the instance: ``f"{who} {already}"``
+    when it is one of ``ours``, else that another tool set it, with ``advice``."""
+    own = module.__dict__.get("forward")
+    if isinstance(own, ours):
+        raise ValueError(f"{who} {already}")
+    if own is not None:
+        raise ValueError(f"{who} has a forward set on the instance by other code; {advice}")

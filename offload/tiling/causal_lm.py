@@ -1,0 +1,322 @@
+"""The tiled LM head for a HuggingFace ``*ForCausalLM``: :func:`tile_head` puts a stand-in on
+``model.forward`` that, when the call has labels, runs the base model, then the head and the
+loss over chunks of tokens (:func:`offload.tiling.loss.causal_lm_loss`): the ``tokens x vocab``
+logits never exist whole.
+
+Which models. Those whose class ``forward`` follows transformers' causal-LM template: the base
+model's last hidden state goes through ``self.lm_head`` (exactly an ``nn.Linear``) and then
+``self.loss_function`` (``ForCausalLMLoss``), with nothing in between (no logit softcapping or
+scaling, no auxiliary loss). :func:`head_support` reads the class's source once and says what is
+missing otherwise.
+
+What changes. On the tiled path the output's ``logits`` are None (as liger-kernel's fused loss
+does in training): the point is never to build them. The loss, the cache, the hidden states and
+the attentions are those HF returns; with ``return_dict=False`` the tuple is
+``output.to_tuple()`` as HF builds it, so it lacks the logits (``out[0]`` is still the loss).
+Calls without labels, with ``logits_to_keep``, or for which the chunk is 0 run the original
+forward unchanged (bitwise HF's). A call with only ``shift_labels`` has no loss in HF either, so
+it runs the original forward too.
+
+Copies. The stand-in is an instance attribute bound to its model (through the bound method it
+wraps: a cycle the garbage collector handles, as for any bound forward kept on an instance).
+``copy.deepcopy(model)`` gives the copy a stand-in of its own, bound to the copy, with the same
+chunk; pickling rebuilds it on the unpickled model (a chunk callable must then pickle too).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import inspect
+import re
+import types
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from ..instance_forward import check_own_forward
+from .loss import causal_lm_loss, check_chunk_tokens, default_head_chunk
+
+__all__ = ["head_support", "tile_head", "tiled_head_installed", "TiledCausalLMForward", "TiledHead"]
+
+# tokens per chunk, or ``chunk(batch, length) -> tokens`` asked once per call (0: untiled).
+Chunk = Union[int, Callable[[int, int], int]]
+
+_NOT_TILEABLE = "the head is not an nn.Linear followed by cross-entropy: "
+
+# The lines of transformers' causal-LM template, compared with all whitespace removed. Up to 5.17
+# the head reads ``hidden_states[:, slice_indices, :]``; later ``slice_logits_to_keep`` slices
+# the hidden states first.
+_HEAD_CALLS = (
+    "logits=self.lm_head(hidden_states[:,slice_indices,:])",
+    "hidden_states=slice_logits_to_keep(hidden_states,logits_to_keep)logits=self.lm_head(hidden_states)",
+)
+_LOSS_CALL = "loss=self.loss_function(logits=logits,labels=labels,vocab_size=self.config.vocab_size,**kwargs)"
+_BASE_CALL = re.compile(r"^\s*outputs\s*(?::[^=\n]+)?=\s*self\.(\w+)\(", re.MULTILINE)
+# An assignment statement (``x = ``, ``x *= ``): black puts spaces around it, never around a
+# keyword argument (``logits=logits``).
+_ASSIGN = r"^\s*{}\s*(?:[-+*/@%]|//|\*\*)?=\s"
+# What a head that does more than the linear and the cross-entropy mentions.
+_EXTRAS = ("softcap", "logit_scale", "logits_scaling", "aux_loss")
+
+# Arguments of the standard forward that the base model does not take (the rest go to it).
+_HEAD_ARGS = ("labels", "logits_to_keep")
+_LOSS_KWARGS = ("num_items_in_batch", "shift_labels", "ignore_index", "return_dict")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Template:
+    """What :func:`_read_template` found in a class's forward: ``reason`` if it is not the
+    template, else the attribute holding the base model."""
+
+    base: str = ""
+    reason: str = ""
+
+
+@functools.lru_cache(maxsize=None)
+def _read_template(cls: type) -> _Template:
+    # Once per class: reading and scanning a forward's source takes a millisecond or so.
+    name = f"{cls.__name__}.forward"
+    try:
+        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, TypeError):
+        return _Template(reason=_NOT_TILEABLE + f"the source of {name} cannot be read, so it cannot be checked")
+    flat = re.sub(r"\s+", "", source)
+    for word in _EXTRAS:
+        if word in source:
+            return _Template(reason=_NOT_TILEABLE + f"{name} mentions {word!r}: it changes the logits or the loss "
+                                                    "beyond the linear and the cross-entropy")
+    if not any(call in flat for call in _HEAD_CALLS):
+        return _Template(reason=_NOT_TILEABLE + f"{name} does not call self.lm_head(hidden_states...) as "
+                                                "transformers' causal-LM forward does")
+    if _LOSS_CALL not in flat:
+        return _Template(reason=_NOT_TILEABLE + f"{name} does not compute its loss with "
+                                                "self.loss_function(logits=logits, labels=labels, ...)")
+    if len(re.findall(_ASSIGN.format("logits"), source, re.MULTILINE)) != 1 or re.search(r"\blogits\.\w+_\(", source):
+        return _Template(reason=_NOT_TILEABLE + f"{name} changes the logits after self.lm_head")
+    if len(re.findall(_ASSIGN.format("loss"), source, re.MULTILINE)) != 2:
+        return _Template(reason=_NOT_TILEABLE + f"{name} changes the loss after self.loss_function")
+    if "@can_return_tuple" not in source or "returnCausalLMOutputWithPast(" not in flat:
+        return _Template(reason=_NOT_TILEABLE + f"{name} does not return a CausalLMOutputWithPast through "
+                                                "@can_return_tuple as transformers' causal-LM forward does")
+    found = _BASE_CALL.search(source)
+    if found is None:
+        return _Template(reason=f"the base model is not reachable: {name} does not call it as outputs = self.<name>(...)")
+    return _Template(base=found.group(1))
+
+
+def _head_module_problem(model: nn.Module) -> str:
+    # Instance checks, cheap enough for every call: the head must be what the template calls.
+    head = getattr(model, "lm_head", None)
+    if type(head) is not nn.Linear:
+        kind = "missing" if head is None else f"a {type(head).__name__}, not exactly torch.nn.Linear"
+        return _NOT_TILEABLE + f"model.lm_head is {kind} (another module may compute something else)"
+    if head._forward_hooks or head._forward_pre_hooks or "forward" in head.__dict__:
+        return _NOT_TILEABLE + "model.lm_head has forward hooks or an instance forward, which the tiled head would skip"
+    return ""
+
+
+def head_support(model: nn.Module) -> tuple[bool, str]:
+    """Whether :func:`tile_head` can tile ``model``'s head, and if not, why (in words for the
+    user; empty when it can).
+
+    It can for a HuggingFace ``*ForCausalLM`` whose ``lm_head`` is exactly an ``nn.Linear``, whose
+    loss is transformers' ``ForCausalLMLoss``, whose config has no ``final_logit_softcapping``, and
+    whose class ``forward`` follows transformers' causal-LM template (see the module notes).
+    """
+    try:
+        from transformers import PreTrainedModel
+        from transformers.loss.loss_utils import ForCausalLMLoss
+    except ImportError:
+        return False, "transformers is not installed, and only its *ForCausalLM models can be tiled"
+    if not isinstance(model, PreTrainedModel):
+        return False, f"a {type(model).__name__} is not a HuggingFace transformers model (PreTrainedModel)"
+    problem = _head_module_problem(model)
+    if problem:
+        return False, problem
+    config = model.config
+    if getattr(config, "final_logit_softcapping", None) is not None:
+        return False, _NOT_TILEABLE + "the config's final_logit_softcapping caps the logits before the loss"
+    template = _read_template(type(model))
+    if template.reason:
+        return False, template.reason
+    if not isinstance(getattr(model, template.base, None), nn.Module):
+        return False, f"the base model is not reachable: model.{template.base} is not a module"
+    if model.loss_function is not ForCausalLMLoss:
+        return False, _NOT_TILEABLE + f"model.loss_function is {getattr(model.loss_function, '__name__', model.loss_function)!r}, not transformers' ForCausalLMLoss"
+    if model.lm_head.out_features != getattr(config, "vocab_size", None):
+        return False, _NOT_TILEABLE + (f"model.lm_head has {model.lm_head.out_features} outputs but config.vocab_size "
+                                       f"is {getattr(config, 'vocab_size', None)}")
+    return True, ""
+
+
+def _chunk_for(chunk: Chunk, batch: int, length: int) -> int:
+    if not callable(chunk):
+        return chunk
+    tokens = chunk(batch, length)
+    if tokens == 0 and isinstance(tokens, int) and not isinstance(tokens, bool):
+        return 0
+    return check_chunk_tokens(tokens, f"offload.tile_head: the chunk callable (for batch {batch}, length {length})")
+
+
+def _batch_shape(arguments: dict[str, Any]) -> Optional[tuple[int, int]]:
+    ids, embeds = arguments.get("input_ids"), arguments.get("inputs_embeds")
+    source = ids if ids is not None else embeds
+    if not isinstance(source, torch.Tensor) or source.dim() < 2:
+        return None
+    return int(source.shape[0]), int(source.shape[1])
+
+
+def _keeps_all_logits(arguments: dict[str, Any]) -> bool:
+    keep = arguments.get("logits_to_keep", 0)
+    return isinstance(keep, int) and not isinstance(keep, bool) and keep == 0
+
+
+class TiledCausalLMForward:
+    """Stands in for a causal LM's ``forward`` (an instance attribute, like
+    :class:`offload.selective.SelectiveForward`): with labels, the head and loss run tiled over
+    ``chunk`` tokens; otherwise, or when the chunk is 0, the original ``fn`` runs unchanged.
+
+    ``model``: the model; ``fn``: its original bound forward (``fn.__self__`` is the model);
+    ``chunk``: tokens per chunk, or ``chunk(batch, length) -> tokens`` asked once per call.
+    ``inspect.signature`` of the stand-in is the original's (Trainer and ``generate`` read it).
+    """
+
+    __slots__ = ("fn", "chunk", "base", "_signature", "_var_keyword")
+
+    def __init__(self, model: nn.Module, fn: Callable[..., Any], chunk: Chunk) -> None:
+        if getattr(fn, "__self__", None) is not model:
+            raise ValueError("offload.TiledCausalLMForward: fn must be the model's own bound forward")
+        template = _read_template(type(model))
+        if template.reason:
+            raise ValueError(f"offload.TiledCausalLMForward: {template.reason}")
+        self.fn = fn
+        self.chunk = chunk
+        self.base = template.base
+        self._signature = inspect.signature(fn)
+        self._var_keyword = next(
+            (p.name for p in self._signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
+
+    @property
+    def __signature__(self) -> inspect.Signature:
+        return self._signature
+
+    @property
+    def model(self) -> nn.Module:
+        """The model whose forward this stands in for."""
+        return self.fn.__self__  # type: ignore[attr-defined]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            bound = self._signature.bind(*args, **kwargs)
+        except TypeError:
+            return self.fn(*args, **kwargs)  # HF's own error for a call that does not fit
+        arguments = dict(bound.arguments)
+        extra = dict(arguments.pop(self._var_keyword, {})) if self._var_keyword else {}
+        shape = _batch_shape(arguments)
+        if arguments.get("labels") is None or shape is None or not _keeps_all_logits(arguments):
+            return self.fn(*args, **kwargs)
+        chunk = _chunk_for(self.chunk, *shape)
+        if chunk == 0:
+            return self.fn(*args, **kwargs)
+        return self._tiled(arguments, extra, chunk)
+
+    def _tiled(self, arguments: dict[str, Any], extra: dict[str, Any], chunk: int) -> Any:
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        model = self.model
+        problem = _head_module_problem(model)
+        if problem:
+            raise RuntimeError(f"offload.tile_head: {problem}; it changed after tile_head, so remove the tiling first")
+        # As transformers' can_return_tuple decides it: the call's return_dict, else the config's.
+        return_dict = extra.pop("return_dict", None)
+        if return_dict is None:
+            return_dict = getattr(model.config, "return_dict", True)
+        num_items = extra.pop("num_items_in_batch", None)
+        shift_labels = extra.pop("shift_labels", None)
+        ignore_index = extra.pop("ignore_index", -100)
+        labels = arguments.pop("labels")
+        arguments.pop("logits_to_keep", None)
+        # The base model gets what the template passes it: the named arguments and the rest of
+        # the keyword arguments (attention kwargs, output_hidden_states, ...).
+        outputs = getattr(model, self.base)(**arguments, **extra)
+        loss = causal_lm_loss(
+            outputs[0], model.lm_head, labels, chunk_tokens=chunk, ignore_index=ignore_index,
+            num_items_in_batch=num_items, shift_labels=shift_labels,
+        )
+        # The cache field is ``past_key_values`` up to 5.17, ``cache`` later: carry what exists.
+        carried = {f.name: getattr(outputs, f.name, None)
+                   for f in dataclasses.fields(CausalLMOutputWithPast) if f.name not in ("loss", "logits")}
+        output = CausalLMOutputWithPast(loss=loss, logits=None, **carried)
+        return output if return_dict else output.to_tuple()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> "TiledCausalLMForward":
+        fn = copy.deepcopy(self.fn, memo)  # a bound method: bound to the copied model
+        return TiledCausalLMForward(fn.__self__, fn, copy.deepcopy(self.chunk, memo))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Not the bound method itself: unpickling it reads model.forward, which may be this.
+        return (_rebuild, (self.model, self.chunk))
+
+
+def _rebuild(model: nn.Module, chunk: Chunk) -> TiledCausalLMForward:
+    return TiledCausalLMForward(model, types.MethodType(type(model).forward, model), chunk)
+
+
+def tiled_head_installed(model: nn.Module) -> Optional[TiledCausalLMForward]:
+    """The tiled-head stand-in on ``model``'s ``forward``, if :func:`tile_head` put one there."""
+    wrapper = model.__dict__.get("forward")
+    return wrapper if isinstance(wrapper, TiledCausalLMForward) else None
+
+
+class TiledHead:
+    """What :func:`tile_head` returns: :meth:`remove` gives the model its own forward back.
+    Usable as a context manager."""
+
+    def __init__(self, model: nn.Module, wrapper: TiledCausalLMForward) -> None:
+        self.model: Optional[nn.Module] = model
+        self.wrapper = wrapper
+
+    def remove(self) -> None:
+        """Take the stand-in off the model (idempotent; a stand-in put there since by someone
+        else is left alone)."""
+        if self.model is not None and self.model.__dict__.get("forward") is self.wrapper:
+            del self.model.forward
+        self.model = None
+
+    def __enter__(self) -> "TiledHead":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()
+
+
+def tile_head(model: nn.Module, chunk_tokens: Optional[Chunk] = None) -> TiledHead:
+    """Run ``model``'s LM head and loss over chunks of ``chunk_tokens`` tokens whenever it is
+    called with labels, until ``remove()`` (see the module notes for what the output holds).
+
+    ``chunk_tokens``: an int >= 1; a callable ``(batch, length) -> tokens`` asked once per call
+    (0: that call runs untiled); None: :func:`offload.tiling.loss.default_head_chunk` of the
+    vocabulary (about 1 GiB of working set). Raises ``ValueError`` for a model
+    :func:`head_support` refuses (with its reason), one tiled already, one whose ``forward`` was
+    replaced on the instance by other code, or a bad ``chunk_tokens``.
+    """
+    ok, reason = head_support(model)
+    if not ok:
+        raise ValueError(f"offload.tile_head: cannot tile {type(model).__name__}'s head: {reason}")
+    check_own_forward(model, TiledCausalLMForward, f"offload.tile_head: {type(model).__name__}",
+                      "has a tiled head already; remove() that one first",
+                      "remove that override first (tiling would hide it)")
+    if chunk_tokens is None:
+        chunk: Chunk = default_head_chunk(model.lm_head.out_features)
+    elif callable(chunk_tokens):
+        chunk = chunk_tokens
+    else:
+        chunk = check_chunk_tokens(chunk_tokens, "offload.tile_head")
+    # An instance attribute: nn.Module.__call__ reads self.forward, so hooks and the class stay
+    # as they are, and deleting it restores the class's forward.
+    wrapper = TiledCausalLMForward(model, model.forward, chunk)
+    model.forward = wrapper
+    return TiledHead(model, wrapper)
