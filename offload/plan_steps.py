@@ -52,7 +52,7 @@ from .planner.scaling import profile_at, profile_shape
 from .planner.search import BudgetError
 from .planner.sequence import ProbeSequence
 from .planner.shapes import StepShape, shape_of
-from .planner.tiling import HeadInfo, longest_fitting
+from .planner.tiling import HeadInfo, longest_fitting, lowest_at
 from .planner.types import Plan, StepProfile
 from .recompute import checkpoint_inputs
 from .schedules.planned import PlannedSchedule
@@ -316,10 +316,12 @@ class PlannedSteps:
         budget = self._read_device().budget_bytes if self.budget == DEVICE else int(self.budget)
         if self._cap is not None:
             budget = min(budget, self._cap)
-        longest = longest_fitting(self.profile, shape.batch, budget, self.head, self.engine.arena.budget_bytes)
-        if longest is None:
-            return ""
-        return f". At batch {shape.batch}, lengths up to about {longest} fit"
+        host_budget = self.engine.arena.budget_bytes
+        device, host = lowest_at(self.profile, shape, self.head)
+        said = (f". Its lowest plan (every layer recomputed, tiled where it can be) needs {format_bytes(device)} "
+                f"of device memory and {format_bytes(host)} of host memory (host budget {format_bytes(host_budget)})")
+        longest = longest_fitting(self.profile, shape.batch, budget, self.head, host_budget)
+        return said + (f". At batch {shape.batch}, lengths up to about {longest} fit" if longest is not None else "")
 
     def follow(self, plan: Plan) -> None:
         """Put ``plan`` in force: its schedule on the engine (from the step in progress on, if

@@ -279,3 +279,26 @@ def test_the_model_keeps_its_forward_signature_and_gets_it_back() -> None:
     assert inspect.signature(model.forward) == before
     ctx.close()
     assert "forward" not in model.__dict__
+
+
+def test_a_length_no_plan_fits_is_refused_before_the_forward_naming_what_fits(profile) -> None:
+    from offload.planner.tiling import lowest_at
+
+    model = _model()
+    budget = lowest_at(profile, StepShape(2, 64), HEAD)[0]
+    ctx = offload.OffloadActivations(model.model.layers, model=model, memory_budget_bytes=budget, device="cpu",
+                                     min_offload_bytes=0)
+    short = torch.randint(0, 128, (2, 32))
+    for _ in range(4):  # the probe steps, then a planned one
+        _step(model, short, ctx)
+    assert ctx.plan is not None
+    calls = []
+    hook = model.model.layers[0].register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(BudgetError) as caught:
+        _step(model, torch.randint(0, 128, (2, 4096)), ctx)
+    hook.remove()
+    text = str(caught.value)
+    assert "length 4096" in text and "device memory" in text and "host memory" in text, text
+    assert "lengths up to about" in text, text
+    assert not calls, "a layer ran before the BudgetError"
+    _step(model, short, ctx)  # the context goes on at a length that fits

@@ -188,25 +188,33 @@ def mark_lowest(plan: Plan, profile: StepProfile, head: Optional[HeadInfo], tile
     return _mark(plan, profile, tile_tokens, head_tokens, head_note(head, head_tokens))
 
 
+def lowest_at(profile: StepProfile, shape: StepShape, head: Optional[HeadInfo]) -> tuple[int, int]:
+    """(device peak, host bytes) of the lowest-memory plan at ``shape``: every layer recomputed,
+    the MLPs and the head tiled where they can be."""
+    variant, _, _ = lowest_tiled(profile_at(profile, shape), head)
+    pred = simulate(variant, [LayerPlan(Action.RECOMPUTE)] * len(variant.layers), 1)
+    return pred.peak_bytes, pred.d2h_bytes
+
+
 def longest_fitting(profile: StepProfile, batch: int, budget: int, head: Optional[HeadInfo],
                     host_budget: Optional[int]) -> Optional[int]:
-    """The longest length (a multiple of 256, to within 1/16) at which a step of ``batch``
+    """The longest length (to within 1/16; a multiple of 256 from 4096 up) at which a step of ``batch``
     sequences fits ``budget`` device bytes and ``host_budget`` host bytes with the lowest plan
-    (every layer recomputed, the MLPs and the head tiled where they can be); None if none does."""
+    (:func:`lowest_at`); None if none does."""
 
     def fits(length: int) -> bool:
-        variant, _, _ = lowest_tiled(profile_at(profile, StepShape(batch, length)), head)
-        pred = simulate(variant, [LayerPlan(Action.RECOMPUTE)] * len(variant.layers), 1)
-        return pred.peak_bytes <= budget and (host_budget is None or pred.d2h_bytes <= host_budget)
+        device, host = lowest_at(profile, StepShape(batch, length), head)
+        return device <= budget and (host_budget is None or host <= host_budget)
 
-    if not fits(256):
+    if not fits(16):
         return None
-    low, high = 256, 512
+    low, high = 16, 32
     while fits(high):
         low, high = high, high * 2
         if high > 1 << 26:
             return low
-    while high - low > max(256, low // 16):
-        mid = (low + high) // 2 // 256 * 256
+    step = 256 if low >= 4096 else 16
+    while high - low > max(step, low // 16):
+        mid = (low + high) // 2 // step * step
         low, high = (mid, high) if fits(mid) else (low, mid)
     return low
