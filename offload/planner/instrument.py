@@ -25,7 +25,7 @@ its timing marks, dispatch mode and counting hooks cannot be traced.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -36,8 +36,18 @@ from ..eager import run_eagerly
 from ..recompute import checkpoint_call
 from ..selective import EXPENSIVE_OPS
 
-if TYPE_CHECKING:
-    from .probe import ProbeStep
+class ProbeStep(Protocol):
+    """What the wrappers call on the probe step that installed them
+    (:class:`offload.planner.probe.ProbeStep`; a protocol, so that this module, which the probe
+    imports, does not import it back)."""
+
+    active: bool
+
+    def run_candidate(self, fn: Callable[..., Any], fixed: bool, args: Any, kwargs: Any) -> Any: ...
+
+    def count_saved(self, t: torch.Tensor) -> None: ...
+
+    def mark_recompute(self, start: bool) -> None: ...
 
 
 class ExpensiveOutputs(TorchDispatchMode):
@@ -76,7 +86,7 @@ class _Wrapper:
 
     __slots__ = ("probe", "module", "fn", "previous")
 
-    def __init__(self, probe: "ProbeStep", module: torch.nn.Module) -> None:
+    def __init__(self, probe: ProbeStep, module: torch.nn.Module) -> None:
         self.probe = weakref.ref(probe)
         self.module = module
         self.fn = module.forward
@@ -117,7 +127,7 @@ class FixedSelectiveInside:
 
     __slots__ = ("probe", "wrapper", "fn")
 
-    def __init__(self, probe: "ProbeStep", wrapper: Any) -> None:
+    def __init__(self, probe: ProbeStep, wrapper: Any) -> None:
         self.probe = weakref.ref(probe)
         self.wrapper = wrapper
         self.fn = wrapper.fn
@@ -146,7 +156,7 @@ class CountingPack:
     __slots__ = ("probe", "outer")
     inside_checkpoint = True
 
-    def __init__(self, probe: "ProbeStep", outer: Callable[[torch.Tensor], Any]) -> None:
+    def __init__(self, probe: ProbeStep, outer: Callable[[torch.Tensor], Any]) -> None:
         self.probe = probe
         self.outer = outer
 
@@ -164,7 +174,7 @@ class CheckpointedLayer(_Wrapper):
 
     __slots__ = ("timed",)
 
-    def __init__(self, probe: "ProbeStep", module: torch.nn.Module, timed: bool = True) -> None:
+    def __init__(self, probe: ProbeStep, module: torch.nn.Module, timed: bool = True) -> None:
         super().__init__(probe, module)
         self.timed = timed
 

@@ -67,87 +67,16 @@ from __future__ import annotations
 from collections import deque
 from typing import Optional, Sequence
 
-from .types import Action, LayerPlan, LayerProfile, Prediction, SelectiveProfile, StepProfile, slot_keys
+from .layer_costs import (  # noqa: F401 - re-exported: the cost model's per-layer figures
+    backward_cost_ms, cached_bytes, copied_slots, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes,
+    resident_bytes, transient_bytes,
+)
+from .types import LayerPlan, Prediction, StepProfile
 
 PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides its own)
 
 # Group states in the simulation.
 _HELD, _IN_FLIGHT, _RELEASED, _RELOADING, _ORIGINALS, _FREED = range(6)
-
-
-def _selective(layer: LayerProfile, lp: LayerPlan) -> Optional[SelectiveProfile]:
-    if not lp.selective:
-        return None
-    if layer.selective is None:
-        raise ValueError("a plan runs a layer selectively, but its profile has no selective candidates: "
-                         "make the plan for this profile")
-    return layer.selective
-
-
-def layer_slots(layer: LayerProfile, lp: LayerPlan) -> tuple[int, ...]:
-    """The storage slots the layer saves through the hooks under ``lp`` (its selective ones when
-    the plan runs its candidates selectively)."""
-    sel = _selective(layer, lp)
-    return layer.slot_bytes if sel is None else sel.slot_bytes
-
-
-def copied_slots(layer: LayerProfile, lp: LayerPlan) -> list[int]:
-    """The sizes of the slots an OFFLOAD layer copies: those whose largest tensor reaches the
-    plan's floor (the engine's policy compares each tensor with it)."""
-    sel = _selective(layer, lp)
-    source = layer if sel is None else sel
-    return [s for s, k in zip(source.slot_bytes, slot_keys(source)) if k >= lp.min_offload_bytes]
-
-
-def cached_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
-    """Bytes held outside the hooks (selective caches) from the layer's forward to its backward."""
-    sel = _selective(layer, lp)
-    return layer.cached_bytes if sel is None else sel.cached_bytes
-
-
-def offloaded_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
-    """Bytes the layer copies to host (and back): its offloaded slots, or its inputs."""
-    if lp.action is Action.OFFLOAD:
-        return sum(copied_slots(layer, lp))
-    if lp.action is Action.RECOMPUTE:
-        return layer.input_bytes
-    return 0
-
-
-def held_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
-    """GPU bytes the layer holds from the end of its forward until its group is released (its
-    selective-recompute caches, which are never offloaded, included)."""
-    if lp.action is Action.RECOMPUTE:
-        return layer.input_bytes
-    return sum(layer_slots(layer, lp)) + cached_bytes(layer, lp)
-
-
-def resident_bytes(layer: LayerProfile, lp: LayerPlan) -> int:
-    """GPU bytes the layer holds after its release, until its reload (slots never offloaded)."""
-    return held_bytes(layer, lp) - offloaded_bytes(layer, lp)
-
-
-def transient_bytes(layer: LayerProfile, lp: LayerPlan, recompute_factor: float = 1.0) -> int:
-    """Extra bytes during the layer's backward: its measured backward peak, and for a
-    recompute the activations it rebuilds, scaled by the profile's measured
-    ``recompute_factor``."""
-    if lp.action is Action.RECOMPUTE:
-        return int(recompute_factor * (layer.saved_bytes + layer.cached_bytes + layer.backward_peak_bytes))
-    return layer.backward_peak_bytes
-
-
-def forward_need_bytes(layer: LayerProfile) -> int:
-    """Bytes the layer's forward needs on top of what is held: its measured peak, at least
-    what it saves."""
-    return max(layer.saved_bytes + layer.cached_bytes, layer.forward_peak_bytes)
-
-
-def backward_cost_ms(layer: LayerProfile, lp: LayerPlan, recompute_time_factor: float = 1.0) -> float:
-    """Compute time of the layer's backward, recompute included (before any slowdown)."""
-    if lp.action is Action.RECOMPUTE:
-        return layer.backward_ms + recompute_time_factor * layer.forward_ms
-    sel = _selective(layer, lp)
-    return layer.backward_ms + (sel.extra_backward_ms if sel is not None else 0.0)
 
 
 class _Link:

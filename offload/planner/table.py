@@ -9,14 +9,14 @@ from __future__ import annotations
 from typing import Any, Mapping, Optional
 
 from ..stats import format_bytes
-from .model import backward_cost_ms, offloaded_bytes, resident_bytes
-from .types import Action, LayerPlan, Plan, StepProfile
+from .actions import Action
+from .layer_costs import ChoiceLike, backward_cost_ms, offloaded_bytes, resident_bytes
 
 _MIB = 1 << 20
 _MEASURED_KEYS = ("step_ms", "peak_bytes")
 
 
-def _action_text(lp: LayerPlan) -> str:
+def _action_text(lp: ChoiceLike) -> str:
     text = lp.action.value
     if lp.action is Action.OFFLOAD and lp.min_offload_bytes:
         text = f"offload >= {format_bytes(lp.min_offload_bytes)}"
@@ -36,8 +36,11 @@ def _figure(value: float, plain: float, show: Any) -> str:
     return f"{show(value)} ({value / plain:.3f}x plain)"
 
 
-def format_plan(plan: Plan, profile: StepProfile, measured: Optional[Mapping[str, Any]] = None) -> str:
-    """Render ``plan`` for ``profile`` as a per-layer table plus a footer of predicted figures.
+def format_plan(plan: Any, profile: Any, measured: Optional[Mapping[str, Any]] = None) -> str:
+    """Render ``plan`` (a :class:`~offload.planner.types.Plan`) for ``profile`` (its
+    :class:`~offload.planner.types.StepProfile`; both read by their fields, so that ``types``
+    can print its plans without an import cycle) as a per-layer table plus a footer of predicted
+    figures.
 
     ``measured`` (optional) holds ``step_ms`` and/or ``peak_bytes`` from a real step; they are
     shown next to the prediction with the prediction's error in percent.

@@ -11,16 +11,9 @@ import dataclasses
 import hashlib
 import math
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Optional
 
-
-class Action(str, Enum):
-    """What a plan does with one layer's saved tensors."""
-
-    KEEP = "keep"            # saved tensors stay on the GPU until the layer's backward
-    OFFLOAD = "offload"      # copied to host (all, or slots >= a size), released, reloaded
-    RECOMPUTE = "recompute"  # non-reentrant checkpoint: only the inputs are saved (and offloaded)
+from .actions import Action, slot_keys
 
 
 # How a probe step ran the layers (StepProfile.probe).
@@ -79,12 +72,6 @@ def _check_slots(owner: str, profile: Any) -> None:
     for name in ("slot_keys", "slot_growth"):
         if len(getattr(profile, name)) not in (0, n):
             raise ValueError(f"{owner}.{name} has {len(getattr(profile, name))} entries for {n} slots")
-
-
-def slot_keys(profile: Any) -> tuple[int, ...]:
-    """Per slot of a :class:`LayerProfile` or :class:`SelectiveProfile`, the largest tensor saved
-    into it (the slot itself where the profile does not say)."""
-    return profile.slot_keys or profile.slot_bytes
 
 
 def _layer_hash(signature: str) -> str:
@@ -423,7 +410,7 @@ class Plan:
         """The per-layer table (see :func:`offload.planner.table.format_plan`)."""
         if self.profile is None:
             raise ValueError("this plan carries no profile to print a table from; make it with offload.plan(...)")
-        from .table import format_plan  # table imports this module
+        from .table import format_plan  # (lazily: printing is not what loading a plan needs)
 
         return format_plan(self, self.profile, measured)
 
