@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -13,8 +13,6 @@ from .eager import run_eagerly
 from .group import Group
 from .stats import StepCounters
 
-if TYPE_CHECKING:
-    from .engine import OffloadEngine
 
 
 class StepGroups:
@@ -160,13 +158,20 @@ def first_grad_tensor(value: Any) -> Optional[torch.Tensor]:
     return None
 
 
+class ReachListener(Protocol):
+    """What :class:`BackwardReach` tells (the engine; a protocol, so that this module, which the
+    engine imports, does not import it back)."""
+
+    def on_backward_reach(self, step: int, layer: int) -> None: ...
+
+
 class BackwardReach:
     """Fired when the gradient of a layer's output is computed (backward reaches it): a pre-hook
     of the node that made the output, or a hook of the output itself where it has no node."""
 
     __slots__ = ("engine", "step", "layer")
 
-    def __init__(self, engine: "OffloadEngine", step: int, layer: int) -> None:
+    def __init__(self, engine: ReachListener, step: int, layer: int) -> None:
         self.engine = engine
         self.step = step
         self.layer = layer

@@ -29,8 +29,9 @@ from ..group import Group, GroupState
 from ..policy import KEEP_LAYER
 from .base import Schedule
 
+from .engine_view import EngineView
+
 if TYPE_CHECKING:
-    from ..engine import OffloadEngine
     from ..step import StepState
 
 
@@ -57,11 +58,11 @@ class ScheduleAuto(Schedule):
         """This schedule always means to offload something."""
         return True
 
-    def on_step_start(self, engine: "OffloadEngine") -> None:
+    def on_step_start(self, engine: EngineView) -> None:
         self._waiting.clear()
         self._in_flight.clear()
 
-    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+    def on_layer_end(self, engine: EngineView, layer: int, group: Optional[Group]) -> None:
         if group is None:
             return  # nothing offloadable was saved since the last boundary
         groups = engine.step.groups
@@ -78,7 +79,7 @@ class ScheduleAuto(Schedule):
             if done is not None:
                 engine.release(done)
 
-    def on_forward_end(self, engine: "OffloadEngine") -> None:
+    def on_forward_end(self, engine: EngineView) -> None:
         groups = engine.step.groups
         while self._in_flight:
             done = groups.get(self._in_flight.popleft())
@@ -92,7 +93,7 @@ class ScheduleAuto(Schedule):
             if kept is not None and kept.state is GroupState.RESIDENT:
                 counters.keep(KEEP_LAYER, len(kept.entries))
 
-    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Reload ``step``'s group ``layer`` and prefetch the ``prefetch_depth`` below it (in its
         own micro-batch when several forwards are in flight)."""
         groups = step.groups

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Optional
 
 from ..group import Group
 
+from .engine_view import EngineView
+
 if TYPE_CHECKING:
-    from ..engine import OffloadEngine
     from ..step import StepState
 
 
@@ -52,23 +53,23 @@ class Schedule:
         """Whether ``layer`` runs its candidates under selective recompute (planned schedules only)."""
         return False
 
-    def on_step_start(self, engine: "OffloadEngine") -> None:
+    def on_step_start(self, engine: EngineView) -> None:
         """A new step (forward) begins."""
 
-    def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
+    def on_layer_start(self, engine: EngineView, layer: int) -> None:
         """Forward is about to run ``layer``."""
 
-    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+    def on_layer_end(self, engine: EngineView, layer: int, group: Optional[Group]) -> None:
         """Forward finished ``layer``; ``group`` is its closed group (None if not offloaded)."""
 
-    def on_forward_end(self, engine: "OffloadEngine") -> None:
+    def on_forward_end(self, engine: EngineView) -> None:
         """The last layer of the forward finished."""
 
-    def on_abort(self, engine: "OffloadEngine", step: "StepState") -> None:
+    def on_abort(self, engine: EngineView, step: "StepState") -> None:
         """The forward of ``step`` raised: forget what the schedule holds for it, so that its
         groups die with autograd's graph (the engine drops the step itself)."""
 
-    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step`` (the gradient of its output is ready).
 
         ``step`` is ``engine.step``, or an earlier micro-batch still in flight (its forward ended
@@ -78,7 +79,7 @@ class Schedule:
         reloaded when backward needs them (``on_unpack_miss``).
         """
 
-    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
+    def on_unpack_miss(self, engine: EngineView, group: Group) -> None:
         """Backward needs ``group`` and it is not on the GPU: as if backward had just reached its
         layer (the marker fired late, or there is none), in the group's own micro-batch. The
         engine then reloads the group itself if that did not, as it does for a group of a step
@@ -87,7 +88,7 @@ class Schedule:
         if step is not None:
             self.on_backward_reach(engine, step, group.layer)
 
-    def on_consumed(self, engine: "OffloadEngine", group: Group) -> None:
+    def on_consumed(self, engine: EngineView, group: Group) -> None:
         """Every saved tensor of ``group`` has been handed back once since its reload."""
 
 

@@ -46,8 +46,9 @@ from ..planner.model import (
 from ..planner.types import Action, Plan, StepProfile
 from .base import Schedule
 
+from .engine_view import EngineView
+
 if TYPE_CHECKING:
-    from ..engine import OffloadEngine
     from ..step import StepState
 
 
@@ -147,34 +148,34 @@ class PlannedSchedule(Schedule):
             holding = self._steps[step.index] = Holding([0] * len(self.actions))
         return holding
 
-    def _micro_batches(self, engine: "OffloadEngine", step: "StepState") -> list["StepState"]:
+    def _micro_batches(self, engine: EngineView, step: "StepState") -> list["StepState"]:
         """``step`` and the other micro-batches in flight, oldest first."""
         if not engine.in_flight:
             return [step]
         others = [s for s in engine.micro_batches() if s is not step]
         return sorted([*others, step], key=lambda s: s.index)
 
-    def _held(self, engine: "OffloadEngine", step: "StepState") -> tuple[int, int]:
+    def _held(self, engine: EngineView, step: "StepState") -> tuple[int, int]:
         """(the model's GPU bytes: base, gradients and every micro-batch in flight, how many
         micro-batches besides ``step`` that counts)."""
         steps = self._micro_batches(engine, step)
         held = sum(sum(self._holding(s).held) for s in steps)
         return self.profile.base_bytes + held + self.grads, len(steps) - 1
 
-    def _record(self, engine: "OffloadEngine", step: "StepState", event: str, layer: int) -> None:
+    def _record(self, engine: EngineView, step: "StepState", event: str, layer: int) -> None:
         if self.trace is not None:
             device = engine.transport.device
             actual = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
             self.trace.append((event, layer, self._held(engine, step)[0], actual))
 
-    def _over(self, engine: "OffloadEngine", step: "StepState", extra: int) -> bool:
+    def _over(self, engine: EngineView, step: "StepState", extra: int) -> bool:
         if self.budget is None:
             return False
         held, others = self._held(engine, step)
         # The budget is for one micro-batch: each other one brings what the plan keeps anyway.
         return held + extra > self.budget + others * self._kept
 
-    def _release(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def _release(self, engine: EngineView, step: "StepState", layer: int) -> None:
         holding = self._holding(step)
         holding.copying.remove(layer)
         group = step.groups.get(layer)
@@ -182,14 +183,14 @@ class PlannedSchedule(Schedule):
             engine.release(group)
             holding.held[layer] = self._held_after_release[layer]
 
-    def _release_finished(self, engine: "OffloadEngine", step: "StepState") -> None:
+    def _release_finished(self, engine: EngineView, step: "StepState") -> None:
         for owner in self._micro_batches(engine, step):
             for layer in list(self._holding(owner).copying):
                 group = owner.groups.get(layer)
                 if group is None or engine.transport.offload_finished(group):
                     self._release(engine, owner, layer)
 
-    def _force(self, engine: "OffloadEngine", step: "StepState", extra: int) -> None:
+    def _force(self, engine: EngineView, step: "StepState", extra: int) -> None:
         # Oldest copy first: earlier micro-batches', then in layer order. Every layer listed is
         # below the one its backward reached (on_backward_reach drops the others).
         for owner in self._micro_batches(engine, step):
@@ -198,21 +199,21 @@ class PlannedSchedule(Schedule):
                 self._release(engine, owner, copying[0])
 
     # -- forward ---------------------------------------------------------------------------------
-    def on_step_start(self, engine: "OffloadEngine") -> None:
+    def on_step_start(self, engine: EngineView) -> None:
         # Forget the micro-batches that are done; keep those in flight (their backward is to come).
         live = {step.index for step in engine.in_flight.values()}
         self._steps = {index: holding for index, holding in self._steps.items() if index in live}
         self._holding(engine.step)
         self.grads = 0
 
-    def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
+    def on_layer_start(self, engine: EngineView, layer: int) -> None:
         n = len(self.actions)
         step = engine.step
         self._release_finished(engine, step)
         self._force(engine, step, self._need[layer] if layer < n else 0)
         self._record(engine, step, "forward", layer)
 
-    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+    def on_layer_end(self, engine: EngineView, layer: int, group: Optional[Group]) -> None:
         n = len(self.actions)
         if layer >= n:
             return
@@ -229,7 +230,7 @@ class PlannedSchedule(Schedule):
             self._force(engine, step, self.profile.head_bytes)
             self._record(engine, step, "head", layer)
 
-    def _check_bytes(self, engine: "OffloadEngine", layer: int, group: Group) -> None:
+    def _check_bytes(self, engine: EngineView, layer: int, group: Group) -> None:
         # A plan made for another model (or another batch or sequence length) saves other
         # bytes than the probe saw: the plan still runs and gradients stay exact, but its
         # budget accounting is off. Say so once, with the figures.
@@ -246,7 +247,7 @@ class PlannedSchedule(Schedule):
             )
 
     # -- backward --------------------------------------------------------------------------------
-    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step``: reload its group, release by force
         while over the budget, prefetch below it while the budget allows (the module's rules)."""
         holding = self._holding(step)

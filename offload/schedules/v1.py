@@ -45,8 +45,9 @@ import torch
 from ..group import Group, GroupState
 from .base import Schedule
 
+from .engine_view import EngineView
+
 if TYPE_CHECKING:
-    from ..engine import OffloadEngine
     from ..step import StepState
 
 
@@ -80,10 +81,10 @@ class ScheduleV1(Schedule):
         # The occupant was consumed, but the node that read its last tensor may not have run yet.
         self._draining = [False, False]
 
-    def on_step_start(self, engine: "OffloadEngine") -> None:
+    def on_step_start(self, engine: EngineView) -> None:
         self._forget_groups()
 
-    def on_abort(self, engine: "OffloadEngine", step: "StepState") -> None:
+    def on_abort(self, engine: EngineView, step: "StepState") -> None:
         # The only schedule that holds groups strongly (its queue and buffers' occupants); the
         # two reload buffers go too: a step that failed may have failed for want of memory.
         self._forget_groups()
@@ -97,26 +98,26 @@ class ScheduleV1(Schedule):
         self._draining = [False, False]
 
     # -- forward ---------------------------------------------------------------------------------
-    def _pump(self, engine: "OffloadEngine") -> None:
+    def _pump(self, engine: EngineView) -> None:
         while self._in_flight is None and self._queue:
             group = self._queue.popleft()
             engine.start_offload(group)
             if group.state is GroupState.OFFLOADING:
                 self._in_flight = group
 
-    def _release_due(self, engine: "OffloadEngine", layer: int) -> None:
+    def _release_due(self, engine: EngineView, layer: int) -> None:
         while self._in_flight is not None and self.windows[self._in_flight.layer] <= layer:
             engine.release(self._in_flight)
             self._in_flight = None
             self._pump(engine)
 
-    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+    def on_layer_end(self, engine: EngineView, layer: int, group: Optional[Group]) -> None:
         if group is not None:
             self._queue.append(group)
         self._pump(engine)
         self._release_due(engine, layer)
 
-    def on_forward_end(self, engine: "OffloadEngine") -> None:
+    def on_forward_end(self, engine: EngineView) -> None:
         self._release_due(engine, self.model_layers)
         while self._queue or self._in_flight is not None:
             self._pump(engine)
@@ -132,7 +133,7 @@ class ScheduleV1(Schedule):
                 )
 
     # -- backward --------------------------------------------------------------------------------
-    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Reload the groups of ``step`` whose window is ``layer`` (that micro-batch's own, when
         several are in flight)."""
         if self.double_buffering:
@@ -143,12 +144,12 @@ class ScheduleV1(Schedule):
                 if group is not None and group.state is GroupState.OFFLOADED:
                     self._reload(engine, group, defer=True)
 
-    def on_unpack_miss(self, engine: "OffloadEngine", group: Group) -> None:
+    def on_unpack_miss(self, engine: EngineView, group: Group) -> None:
         if self.double_buffering:
             self._settle(engine)
         self._reload(engine, group, defer=False)
 
-    def _settle(self, engine: "OffloadEngine") -> None:
+    def _settle(self, engine: EngineView) -> None:
         # Called where backward has moved past the nodes that consumed the draining groups: their
         # buffers are free, and a reload that was waiting for one goes in now.
         for slot in (0, 1):
@@ -161,7 +162,7 @@ class ScheduleV1(Schedule):
             if waiting is not None and waiting.state is GroupState.OFFLOADED:
                 self._reload(engine, waiting, defer=False)
 
-    def _reload(self, engine: "OffloadEngine", group: Group, *, defer: bool) -> None:
+    def _reload(self, engine: EngineView, group: Group, *, defer: bool) -> None:
         if not self.double_buffering or torch.is_grad_enabled():
             # Grad mode in backward means create_graph=True: the views may outlive this backward.
             engine.start_reload(group)
@@ -183,7 +184,7 @@ class ScheduleV1(Schedule):
         self._occupant[slot] = weakref.ref(group)
         engine.start_reload(group, into=buffer)
 
-    def on_consumed(self, engine: "OffloadEngine", group: Group) -> None:
+    def on_consumed(self, engine: EngineView, group: Group) -> None:
         if not self.double_buffering:
             return
         slot = group.layer % 2

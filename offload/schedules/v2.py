@@ -39,8 +39,9 @@ from typing import TYPE_CHECKING, Optional
 from ..group import Group, GroupState
 from .base import Schedule
 
+from .engine_view import EngineView
+
 if TYPE_CHECKING:
-    from ..engine import OffloadEngine
     from ..step import StepState
 
 
@@ -65,7 +66,7 @@ class ScheduleV2(Schedule):
             return max(0, min(step.layers_started, self.model_layers) - self.num_layers)
         return self._non_offloaded_through(step.reached)
 
-    def _others(self, engine: "OffloadEngine", this: "StepState") -> tuple[int, int]:
+    def _others(self, engine: EngineView, this: "StepState") -> tuple[int, int]:
         """(layers the other micro-batches in flight hold on the GPU, what they keep anyway)."""
         held = share = 0
         for step in engine.micro_batches():
@@ -75,7 +76,7 @@ class ScheduleV2(Schedule):
             share += self.model_layers - self.num_layers
         return held, share
 
-    def on_layer_start(self, engine: "OffloadEngine", layer: int) -> None:
+    def on_layer_start(self, engine: EngineView, layer: int) -> None:
         step = engine.step
         pending = [g for g in step.groups.values() if g.state is GroupState.OFFLOADING]
         resident = len(pending) + self._non_offloaded_through(layer) + (1 if self.offloads(layer) else 0)
@@ -87,16 +88,16 @@ class ScheduleV2(Schedule):
         for group in pending[: max(0, resident - limit)]:
             engine.release(group)
 
-    def on_layer_end(self, engine: "OffloadEngine", layer: int, group: Optional[Group]) -> None:
+    def on_layer_end(self, engine: EngineView, layer: int, group: Optional[Group]) -> None:
         if group is not None:
             engine.start_offload(group)
 
-    def on_forward_end(self, engine: "OffloadEngine") -> None:
+    def on_forward_end(self, engine: EngineView) -> None:
         for group in list(engine.step.groups.values()):
             if group.state is GroupState.OFFLOADING:
                 engine.release(group)
 
-    def on_backward_reach(self, engine: "OffloadEngine", step: "StepState", layer: int) -> None:
+    def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step``: its group must come back now, and the
         ones below it are prefetched while the budget (of every micro-batch in flight) allows."""
         groups = step.groups
