@@ -13,8 +13,8 @@ from typing import Optional, Protocol
 from .actions import Action, slot_keys
 
 
-class SlotsLike(Protocol):
-    """Saved slots, as :class:`~offload.planner.types.SelectiveProfile` has them."""
+class Slots(Protocol):
+    """Saved slots and the cache beside them, as a layer profile and its selective one have them."""
 
     @property
     def slot_bytes(self) -> tuple[int, ...]: ...
@@ -22,19 +22,18 @@ class SlotsLike(Protocol):
     def slot_keys(self) -> tuple[int, ...]: ...
     @property
     def cached_bytes(self) -> int: ...
+
+
+class SlotsLike(Slots, Protocol):
+    """A :class:`~offload.planner.types.SelectiveProfile`, as these functions read it."""
+
     @property
     def extra_backward_ms(self) -> float: ...
 
 
-class LayerLike(Protocol):
+class LayerLike(Slots, Protocol):
     """A :class:`~offload.planner.types.LayerProfile`, as these functions read it."""
 
-    @property
-    def slot_bytes(self) -> tuple[int, ...]: ...
-    @property
-    def slot_keys(self) -> tuple[int, ...]: ...
-    @property
-    def cached_bytes(self) -> int: ...
     @property
     def selective(self) -> Optional[SlotsLike]: ...
     @property
