@@ -9,7 +9,7 @@ tool's: wrapping it would hide it, and removing ours would then drop theirs.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 from torch import nn
 
@@ -37,3 +37,26 @@ def check_own_forward(module: nn.Module, ours: type, who: str, already: str, adv
         raise ValueError(f"{who} {already}")
     if own is not None:
         raise ValueError(f"{who} has a forward set on the instance by other code; {advice}")
+
+
+class InstalledForwards:
+    """The handle a tool returns for the stand-ins it put on modules (``wrapper``: their type):
+    :meth:`remove` gives each module its own ``forward`` back; usable as a context manager."""
+
+    wrapper: ClassVar[type] = object
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        self.modules = modules
+
+    def remove(self) -> None:
+        """Give every wrapped module its own ``forward`` back (idempotent)."""
+        for module in self.modules:
+            if isinstance(module.__dict__.get("forward"), self.wrapper):
+                del module.forward
+        self.modules = []
+
+    def __enter__(self) -> "InstalledForwards":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.remove()

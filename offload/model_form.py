@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
+from .instance_forward import check_own_forward
 from .planner.shapes import StepShape
 from .planner.tiling import LOGIT_BYTES, HeadInfo
 from .tiling.causal_lm import TiledCausalLMForward, head_support
@@ -171,11 +172,8 @@ def install(owner: ModelCaller, model: torch.nn.Module) -> None:
     if isinstance(current, ModelForward):
         current.owner = weakref.ref(owner)
         return
-    if current is not None:
-        raise ValueError(
-            f"offload: model= ({type(model).__name__}) has a forward set on the instance by other code "
-            "(tile_head, or another tool); remove it first, or leave model= out"
-        )
+    check_own_forward(model, (), f"offload: model= ({type(model).__name__})", "",
+                      "(tile_head, or another tool): remove it first, or leave model= out")
     model.forward = ModelForward(owner, model.forward)
 
 

@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .instance_forward import check_own_forward, module_list
+from .instance_forward import InstalledForwards, check_own_forward, module_list
 from .recompute import checkpoint_call
 
 aten = torch.ops.aten
@@ -129,24 +129,10 @@ def always_selective(module: torch.nn.Module) -> bool:
     return isinstance(wrapper, SelectiveForward) and wrapper.when is None
 
 
-class SelectiveRecompute:
+class SelectiveRecompute(InstalledForwards):
     """What :func:`selective_recompute` returns: the wrapped modules; :meth:`remove` unwraps."""
 
-    def __init__(self, modules: list[torch.nn.Module]) -> None:
-        self.modules = modules
-
-    def remove(self) -> None:
-        """Give every wrapped module its own ``forward`` back (idempotent)."""
-        for module in self.modules:
-            if isinstance(module.__dict__.get("forward"), SelectiveForward):
-                del module.forward
-        self.modules = []
-
-    def __enter__(self) -> "SelectiveRecompute":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+    wrapper = SelectiveForward
 
 
 def selective_recompute(modules: Union[torch.nn.Module, Iterable[torch.nn.Module]]) -> SelectiveRecompute:

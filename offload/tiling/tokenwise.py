@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..instance_forward import check_own_forward, module_list
+from ..instance_forward import InstalledForwards, check_own_forward, module_list
 
 __all__ = ["tiled_tokenwise", "tokenwise_support", "TiledForward", "TiledTokenwise", "tile_tokenwise"]
 
@@ -308,24 +308,10 @@ class TiledForward:
         return (TiledForward, (self._module(), self.fn, chunk))
 
 
-class TiledTokenwise:
+class TiledTokenwise(InstalledForwards):
     """What :func:`tile_tokenwise` returns: the wrapped modules; :meth:`remove` unwraps."""
 
-    def __init__(self, modules: list[nn.Module]) -> None:
-        self.modules = modules
-
-    def remove(self) -> None:
-        """Give every wrapped module its own ``forward`` back (idempotent)."""
-        for module in self.modules:
-            if isinstance(module.__dict__.get("forward"), TiledForward):
-                del module.forward
-        self.modules = []
-
-    def __enter__(self) -> "TiledTokenwise":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.remove()
+    wrapper = TiledForward
 
 
 def tile_tokenwise(modules: Union[nn.Module, Iterable[nn.Module]], chunk_tokens: int) -> TiledTokenwise:
