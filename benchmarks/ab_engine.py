@@ -1,4 +1,4 @@
-"""A/B of two engine trees: GPT-A and SMALL step times, one process per tree and round, alternating.
+"""A/B of two engine trees: GPT-A, LLAMA-1B, SMALL and MOE step times, one process per tree and round, alternating.
 
 For checking that an engine change does not slow steps down: the same workloads run under the
 package ``offload`` of this tree and of another tree's copy under ``--base`` (default
@@ -10,9 +10,11 @@ so that the host's drift (tens of percent within minutes on our VM) falls on bot
 ratio quoted is new/base of the medians over all rounds.
 
 Contenders per workload: plain, the TransformerEngine call shape (``get_cpu_offload_context``)
-and ``OffloadActivations(layers)``, each at the counts given.
+and ``OffloadActivations(layers)``, each at the counts given; on LLAMA-1B (HF's model, needs
+transformers) plain and ``OffloadActivations(model.model.layers, num_offload_layers=8)``.
 
-Usage: ``python benchmarks/ab_engine.py [--base .bench_base] [--rounds 3] [--steps 15]``.
+Usage: ``python benchmarks/ab_engine.py [--base .bench_base] [--rounds 3] [--steps 15]
+[--workloads GPT-A,LLAMA-1B,SMALL,MOE]``.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from workloads import gpt_a, small  # noqa: E402
+from workloads import gpt_a, llama_1b, llama_step, moe, small  # noqa: E402
 
 
 def time_ms(step: Callable[[], None], warmup: int, steps: int) -> tuple[float, float]:
@@ -88,7 +90,14 @@ def worker(tree: str, workload: str, steps: int) -> None:
     where = Path(pkg.__file__).resolve().parent.parent
     assert tree == "new" or where == Path(tree).resolve(), f"imported offload from {where}, not {tree}"
     assert pkg.native_available(), f"{where}: the native extension is not live"
-    spec, counts, n = {"GPT-A": (gpt_a(), [2, 7], steps), "SMALL": (small(), [15], steps * 8)}[workload]
+    if workload == "LLAMA-1B":
+        model, ids = llama_1b().build(torch.device("cuda"))
+        oa = pkg.OffloadActivations(model.model.layers, num_offload_layers=8)
+        variants = {"plain": llama_step(model, ids), "layers k=8": llama_step(model, ids, lambda: oa)}
+        print(json.dumps({name: time_ms(step, 3, steps) for name, step in variants.items()}))
+        return
+    spec, counts, n = {"GPT-A": (gpt_a(), [2, 7], steps), "SMALL": (small(), [15], steps * 8),
+                       "MOE": (moe(), [7], steps * 2)}[workload]
     layers, make_input = spec.build("cuda")
     x = make_input().requires_grad_(True)
     out = {name: time_ms(step, 3, n) for name, step in make_steps(pkg, layers, x, counts).items()}
@@ -101,13 +110,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=15, help="timed GPT-A steps a round (SMALL: 8x)")
     parser.add_argument("--out", default=None, help="write the JSON here")
+    parser.add_argument("--workloads", default="GPT-A,LLAMA-1B,SMALL,MOE", help="comma-separated")
     parser.add_argument("--worker", nargs=2, metavar=("TREE", "WORKLOAD"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(*args.worker, args.steps)
         return
     results: dict[str, dict[str, list[tuple[float, float]]]] = {}
-    for workload in ("GPT-A", "SMALL"):
+    for workload in args.workloads.split(","):
         for r in range(args.rounds):
             order = ("new", "base") if r % 2 else ("base", "new")
             for name in order:

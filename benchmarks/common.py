@@ -429,7 +429,7 @@ def _offload_package() -> Optional[str]:
 def metadata(env: Env) -> dict[str, Any]:
     """Device, versions, date and how the offload package was found."""
     try:
-        from offload import native
+        from offload.host import native
 
         native_state = {"available": native.native_available(), "reason": native.native_reason()}
         if env.cuda:

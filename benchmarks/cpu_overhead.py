@@ -136,7 +136,7 @@ def driver_calls_in_step(env: common.Env, spec: Any, *, pairs: int, rounds: int,
     stream wait on it, ``pairs`` times (two driver calls a pair, each a command for the GPU: what
     the engine's copy submissions and waits are made of); the same hook making none is the
     baseline. Rounds alternate the two; medians. None without the extension or a GPU."""
-    from offload import native
+    from offload.host import native
 
     ext = native.extension()
     if ext is None or not env.cuda:

@@ -1,13 +1,13 @@
 """MANY-SMALL: how fast one group of many small GPU tensors reaches one pinned host buffer.
 
 One group of N tensors (default 256) per tensor size (default 4 KB, 64 KB, 1 MB) is copied device
-to host into one pinned buffer, at the offsets ``offload.native.plan_layout`` gives, on a side
+to host into one pinned buffer, at the offsets ``offload.host.native.plan_layout`` gives, on a side
 stream (as the engine's offload stream does). Contenders, all in this one process:
 
   (a) copy_ loop       one ``copy_(non_blocking=True)`` per tensor into precomputed pinned views
   (b) fallback loop    what the transport's torch fallback does: narrow the pinned buffer, view it
                        as the tensor, ``copy_`` (the views are built inside the timed loop)
-  (c) native batch     ``offload.native.copy_batch``: one ``cuMemcpyBatchAsync`` for the group
+  (c) native batch     ``offload.host.native.copy_batch``: one ``cuMemcpyBatchAsync`` for the group
   (d) native loop      ``copy_batch(force_loop=True)``: a C++ loop of ``cuMemcpyAsync``
   (e) gather + 1 D2H   ``torch.cat`` of the flattened bytes into a bounded GPU staging buffer
                        (``out=``), then one large D2H per staging fill
@@ -244,9 +244,9 @@ def main() -> int:
         )
         return 2
     try:
-        import offload.native as native
+        import offload.host.native as native
     except ImportError as exc:  # layout.py is plain Python: this means the package is not found
-        print(f"cannot import offload.native ({exc}); run from the repository root "
+        print(f"cannot import offload.host.native ({exc}); run from the repository root "
               "after `pip install --no-build-isolation --no-deps -e .`", file=sys.stderr)
         return 2
 

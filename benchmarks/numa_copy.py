@@ -8,7 +8,7 @@ first touch, touched, registered), on the native copy path the engine uses. Meas
   1 GPU     GPU 0 alone
   2 GPUs    GPUs 0 and 1 at once (the host's memory system is shared), each GPU's own GB/s
 
-each with the buffer on the GPU's own node (``local``: what the engine does, ``offload.numa``)
+each with the buffer on the GPU's own node (``local``: what the engine does, ``offload.host.numa``)
 and, where the host has more than one node, on another node (``remote``). The node the kernel
 really put the buffer on is read back (``get_mempolicy``) and printed. On a host with a single
 NUMA node there is no remote: the script says so, and shows that the placement path ran (the
@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Env, exit_status, make_parser, print_table, setup, write_json  # noqa: E402
 
 from offload import native  # noqa: E402
-from offload.numa import online_nodes, placement_for_gpu  # noqa: E402
+from offload.host.numa import online_nodes, placement_for_gpu  # noqa: E402
 
 
 class HostBuffer:

@@ -8,7 +8,7 @@ call shape + backward + grads set to None):
 
 * ``plain``,
 * offload v2, ``num_layers=15``, default ``min_offload_bytes``, with the native extension, and
-  again with ``OFFLOAD_NATIVE=0`` (``offload.native.reload_native_setting()`` and a fresh context),
+  again with ``OFFLOAD_NATIVE=0`` (``offload.host.native.reload_native_setting()`` and a fresh context),
 * ``torch.autograd.graph.save_on_cpu(pin_memory=True)``.
 
 Per variant: step ms (CUDA events, median), ratio to plain, host ms per step (perf_counter around
@@ -58,7 +58,7 @@ MICRO_SHAPES = {
 
 def set_native(enabled: bool) -> tuple[bool, str]:
     """Turn the native extension on/off for contexts built from now on."""
-    from offload import native
+    from offload.host import native
 
     os.environ["OFFLOAD_NATIVE"] = "1" if enabled else "0"
     native.reload_native_setting()
@@ -169,7 +169,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             os.environ.pop("OFFLOAD_NATIVE", None)
         else:
             os.environ["OFFLOAD_NATIVE"] = env_native
-        from offload import native
+        from offload.host import native
 
         native.reload_native_setting()
 

@@ -46,12 +46,12 @@ from .api import (
 from .activations import OffloadActivations
 from . import graphs, planner
 from .planner import BudgetError, plan
-from .arena import CaptureError
-from .marks import mark_activation_offload, mark_not_offload, start_offload
-from .native import native_available
+from .host.arena import CaptureError
+from .engine.marks import mark_activation_offload, mark_not_offload, start_offload
+from .host.native import native_available
 from .scope import is_cpu_offload_enabled, is_cpu_offload_layer, keep_on_gpu
-from .selective import selective_recompute
-from .stats import StepStats
+from .forwards.selective import selective_recompute
+from .engine.stats import StepStats
 
 __all__ = [
     "BudgetError",

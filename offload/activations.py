@@ -21,22 +21,22 @@ from typing import Any, Iterable, Optional
 import torch
 
 from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_option_values, check_unknown_options
-from .layer_args import (
+from .layers.args import (
     COMPILED_FIRST, check_offload_count, check_torchtune_options, default_budget, default_inputs, dynamo_compiled_code,
     layer_list, prune_dead_hooks, second_forward_error,
 )
-from .schedules.auto import ScheduleAuto
-from .stats import DISABLED_REPORT, StepStats, disabled_stats
-from .eager import run_eagerly
-from .step import first_grad_tensor
+from .engine.schedules.auto import ScheduleAuto
+from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
+from .engine.eager import run_eagerly
+from .engine.step import first_grad_tensor
 from .planner.make import Budget, check_budget
 from .planner.sequence import AUTO, check_probe
 from .planner.types import Plan
 from .plan_steps import PlannedSteps
-from .plan_wrappers import install_plan_wrappers, remove_plan_wrappers
-from .selective import Candidates, describe_candidates, selective_candidates
-from .layer_hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
-from . import model_form
+from .forwards.plan_wrappers import install_plan_wrappers, remove_plan_wrappers
+from .forwards.selective import Candidates, describe_candidates, selective_candidates
+from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
+from .layers import model_form
 
 
 # The no-layers form closes a group once it holds this many offloadable bytes. Large enough that
@@ -58,7 +58,7 @@ class OffloadActivations:
     or budget, it plans for ``memory_budget_bytes="device"`` on CUDA (below; its first steps are
     probe steps) and offloads all layers but the last on the CPU, with the v1 schedule or
     ``manual_synchronization``, and for layers the model checkpoints itself
-    (:func:`offload.layer_args.default_budget`); :attr:`budget` says which. ``num_offload_layers=N``
+    (:func:`offload.layers.args.default_budget`); :attr:`budget` says which. ``num_offload_layers=N``
     offloads layers ``0..N-1`` everywhere.
 
     **Without layers** (``OffloadActivations()``, torchtune's form): the forward is cut into
@@ -96,14 +96,14 @@ class OffloadActivations:
     it is predicted to fit), then follows the fastest plan whose predicted peak fits ``N``: from
     the fourth step on, or the third when the plain step does not fit. ``selective``: the
     submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
-    :func:`offload.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
+    :func:`offload.forwards.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
     ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan;
     ranks of ``plan_group`` (default all; False: none) agree on it. Recomputed layers run under
     non-reentrant checkpointing: leave the model's own off. :attr:`plan` is the plan in force,
     :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
     ``model=`` (a HF ``*ForCausalLM``): plans may also tile its LM head and loss and the MLPs
     where nothing untiled fits (long context), and a long first batch is probed short
-    (:mod:`offload.model_form`).
+    (:mod:`offload.layers.model_form`).
     """
 
     def __init__(
@@ -392,7 +392,7 @@ class OffloadActivations:
                 or torch._C._current_graph_task_id() != -1:
             return
         engine = self.engine
-        group = engine.open_group  # type: ignore[union-attr]
+        group = engine.forward.open_group  # type: ignore[union-attr]
         if group is None or group.saved_bytes < self.group_bytes:
             return
         layer = engine.end_layer()  # type: ignore[union-attr]
@@ -439,21 +439,21 @@ class OffloadActivations:
     @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
     def _recompute_current(self) -> bool:
         engine = self.engine
-        return engine is not None and engine.in_layer and engine.schedule.recomputes(engine.current_layer)
+        return engine is not None and engine.forward.in_layer and engine.schedule.recomputes(engine.forward.layer)
 
     @run_eagerly  # as _recompute_current
     def _tile_current(self) -> int:
         engine = self.engine
-        if engine is None or not self.active or threading.get_ident() != self._thread or not engine.in_layer:
+        if engine is None or not self.active or threading.get_ident() != self._thread or not engine.forward.in_layer:
             return 0
-        return engine.schedule.tile_tokens(engine.current_layer)
+        return engine.schedule.tile_tokens(engine.forward.layer)
 
     @run_eagerly  # as _recompute_current
     def _selective_current(self) -> bool:
         # Only this context's own forward, in its thread, in a layer the plan makes selective.
         engine = self.engine
         return engine is not None and self.active and threading.get_ident() == self._thread \
-            and engine.in_layer and engine.schedule.selective(engine.current_layer)
+            and engine.forward.in_layer and engine.schedule.selective(engine.forward.layer)
 
     def plan_report(self) -> str:
         """The plan in force, layer by layer, with predicted and (after a step) measured figures."""
@@ -558,7 +558,7 @@ class OffloadActivations:
     @property
     def stats(self) -> StepStats:
         """Figures of the last finished step (or of the step in progress if none finished): every
-        key, its unit and meaning in :class:`offload.stats.StepStats`; with ``enabled=False``
+        key, its unit and meaning in :class:`offload.engine.stats.StepStats`; with ``enabled=False``
         the same keys, ``mode`` ``"disabled"`` and every figure 0 but ``weight_cache_bytes``."""
         return self.engine.stats() if self.engine is not None else disabled_stats(self._weight_modules)
 

@@ -21,17 +21,17 @@ from typing import Any, Iterable, Optional, Union
 
 import torch
 
-from . import native
-from .arena import HostArena
-from .numa import placement_for_gpu
-from .eager import run_eagerly
-from .engine import OffloadEngine
-from .group import GroupState
+from .host import native
+from .host.arena import HostArena
+from .host.numa import placement_for_gpu
+from .engine.eager import run_eagerly
+from .engine.core import OffloadEngine
+from .engine.group import GroupState
 from .keywords import reject_unknown
-from .policy import SELECTIONS, SelectionPolicy
-from .schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
-from .stats import DISABLED_REPORT, StepStats, disabled_stats
-from .transport import CudaTransport, HostTransport
+from .engine.policy import SELECTIONS, SelectionPolicy
+from .engine.schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
+from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
+from .engine.transport import CudaTransport, HostTransport
 
 MODE_ENV_VAR = "NVTE_CPU_OFFLOAD_V1"
 _ENV_TRUE = ("1", "true", "yes")
@@ -345,7 +345,7 @@ class OffloadContext:
     @property
     def stats(self) -> StepStats:
         """Figures of the last finished step (or of the step in progress if none finished):
-        every key, its unit and meaning in :class:`offload.stats.StepStats`."""
+        every key, its unit and meaning in :class:`offload.engine.stats.StepStats`."""
         return self.engine.stats()
 
     def report(self) -> str:
@@ -374,7 +374,7 @@ class SyncFunction:
         # Under no_grad, or after a frozen layer, no gradient will reach this tensor: nothing to
         # mark (TransformerEngine hands it back unchanged too). Backward then reloads on demand.
         # After a passive layer (recomputed in backward) there is no layer to mark either.
-        layer = self.engine.last_closed_layer
+        layer = self.engine.forward.last_closed
         if layer is not None and torch.is_grad_enabled() and tensor.requires_grad:
             self.engine.attach_backward_marker(tensor, layer)
         return tensor
@@ -445,7 +445,7 @@ class DisabledContext:
 
     @property
     def stats(self) -> StepStats:
-        """Every key of :class:`offload.stats.StepStats`, ``mode`` ``"disabled"``, all figures 0
+        """Every key of :class:`offload.engine.stats.StepStats`, ``mode`` ``"disabled"``, all figures 0
         but ``weight_cache_bytes``."""
         return disabled_stats(self.modules)
 

@@ -31,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 import offload
 from offload.models import GPTBlock
 from offload.repeatable import repeatable_attention
-from offload.stats import format_bytes
+from offload.engine.stats import format_bytes
 
 Forward = Callable[[torch.nn.ModuleList, torch.Tensor], torch.Tensor]
 

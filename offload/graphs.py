@@ -44,10 +44,10 @@ from typing import Any, Callable, Optional, Sequence, Union
 import torch
 from torch.utils import _pytree
 
-from .arena import CaptureError
-from .engine import OffloadEngine
+from .host.arena import CaptureError
+from .engine.core import OffloadEngine
 from .keywords import parameter_names, reject_unknown
-from .stats import StepCounters, snapshot
+from .engine.stats import StepCounters, snapshot
 
 __all__ = ["CaptureError", "GraphedLayer", "StepGraph", "make_graphed_callables"]
 

@@ -41,7 +41,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .engine import OffloadEngine
+from .engine.core import OffloadEngine
 from .planner.agree import agree_flag, agree_shape, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
@@ -54,9 +54,9 @@ from .planner.sequence import ProbeSequence
 from .planner.shapes import StepShape, shape_of
 from .planner.tiling import HeadInfo, longest_fitting, lowest_at
 from .planner.types import Plan, StepProfile
-from .recompute import checkpoint_inputs
-from .schedules.planned import PlannedSchedule
-from .stats import format_bytes
+from .forwards.recompute import checkpoint_inputs
+from .engine.schedules.planned import PlannedSchedule
+from .engine.stats import format_bytes
 
 __all__ = ["PlannedSteps", "OOM_BACKOFF"]
 
@@ -337,7 +337,7 @@ class PlannedSteps:
         if step is not None and not step.forward_done:
             schedule.on_step_start(engine)
             step.counters.mode = "planned"
-            pending = engine.pending_group  # saved before the first layer, under the old plan
+            pending = engine.forward.pending_group  # saved before the first layer, under the old plan
             if pending is not None:
                 pending.min_offload_bytes = schedule.min_offload_bytes(pending.layer)
         self._wrappers(plan.profile, plan)  # type: ignore[arg-type]

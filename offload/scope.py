@@ -19,10 +19,10 @@ from typing import Any, Optional
 
 import torch
 
-from .engine import OffloadEngine
-from .packing import keep_handle
-from .policy import KEEP_REGION
-from .stats import StepCounters
+from .engine.core import OffloadEngine
+from .engine.packing import keep_handle
+from .engine.policy import KEEP_REGION
+from .engine.stats import StepCounters
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
@@ -33,7 +33,7 @@ def current_engine() -> tuple[Optional[OffloadEngine], bool]:
     top = _top_hooks(False)
     if top is None:
         return None, False
-    # The engine's hooks are wrapped to run eagerly under torch.compile (offload.eager): the
+    # The engine's hooks are wrapped to run eagerly under torch.compile (offload.engine.eager): the
     # bound method is the wrapper's __wrapped__.
     pack = getattr(top[0], "__wrapped__", top[0])
     owner = getattr(pack, "__self__", None)
@@ -65,7 +65,7 @@ def is_cpu_offload_layer() -> bool:
     engine, local = current_engine()
     if engine is None:
         return False
-    return local or engine.open_group is not None
+    return local or engine.forward.open_group is not None
 
 
 class _KeepPack:
@@ -81,14 +81,14 @@ class _KeepPack:
         engine = self.engine
         counters: Optional[StepCounters]
         if self.local:
-            group = engine.local_group
+            group = engine.forward.local_group
             counters = group.counters if group is not None else None
         else:
             counters = engine.step.counters if engine.step is not None else None
         if counters is None:
             # The engine's step is gone (aborted): kept uncounted, through the same handle as
-            # every kept tensor (never the bare tensor: the cycle reason in offload.packing).
-            return keep_handle(t, engine.current_layer)
+            # every kept tensor (never the bare tensor: the cycle reason in offload.engine.packing).
+            return keep_handle(t, engine.forward.layer)
         return engine.pack_kept(t, KEEP_REGION, counters)
 
 

@@ -1,4 +1,4 @@
-"""torch.compile with offloading (see offload/eager.py): the context inside the compiled region
+"""torch.compile with offloading (see offload/engine/eager.py): the context inside the compiled region
 (both call shapes), the context around a compiled model, per-layer compile, and failures.
 
 A context inside a compiled region splits the graph at every layer boundary, and inductor may

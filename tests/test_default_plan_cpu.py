@@ -3,7 +3,7 @@
 On CUDA, told no count, plan or budget, it plans for ``memory_budget_bytes="device"``; on the
 CPU (and with the v1 schedule, manual synchronization, or layers the model checkpoints itself) it
 offloads all layers but the last, as an explicit ``num_offload_layers`` does everywhere. The
-choice is a pure function (``offload.layer_args.default_budget``), tested here case by case; the
+choice is a pure function (``offload.layers.args.default_budget``), tested here case by case; the
 CUDA side of the decision is faked by patching the device type it reads, on disabled contexts
 (no engine, so no GPU needed). ``measure_peak`` defaults to on for planned steps on CUDA only.
 The GPU side runs in ``tests/test_default_plan_gpu.py``.
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import offload
-from offload import layer_args
+from offload.layers import args as layer_args
 from offload.api import resolve_device
-from offload.layer_args import default_budget, device_type
+from offload.layers.args import default_budget, device_type
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference
 

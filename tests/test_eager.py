@@ -1,4 +1,4 @@
-"""offload.eager.run_eagerly: the mechanism that keeps Dynamo out of offload's code (CPU).
+"""offload.engine.eager.run_eagerly: the mechanism that keeps Dynamo out of offload's code (CPU).
 
 ``tests/test_compile.py`` checks the behaviour with the real entry points; these tests check the
 mechanism itself: the function comes back unwrapped (no per-call cost), compiled code breaks the
@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from offload import eager
-from offload.eager import GRAPH_BREAK_REASON, run_eagerly
+from offload.engine import eager
+from offload.engine.eager import GRAPH_BREAK_REASON, run_eagerly
 
 MARKERS = pytest.mark.skipif(eager._mark_skipped is None, reason="this torch lacks Dynamo's code markers")
 
@@ -127,7 +127,7 @@ def test_import_leaves_dynamo_alone_and_marks_hold_once_it_loads() -> None:
 
     script = """
 import sys, torch, offload
-from offload.eager import run_eagerly
+from offload.engine.eager import run_eagerly
 assert "torch._dynamo" not in sys.modules, "import offload imported torch._dynamo"
 def inner(x): return x.sin() + 1
 def entry(x): return inner(x) * 2

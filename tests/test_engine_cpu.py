@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload
-from offload.group import GroupState
+from offload.engine.group import GroupState
 from offload.models import GPT
 
 from _util import assert_bitwise, cpu_context, hooks_installed, make_gpt_layers, make_mlp_layers, plain_reference, train_step
@@ -139,7 +139,7 @@ def test_nested_tensors_stay_on_the_gpu_and_gradients_stay_exact(layout: torch.l
 
 def record_offloaded_storages(monkeypatch) -> list[int]:
     """Storage addresses of every tensor a group takes in, from now on."""
-    from offload.group import Group
+    from offload.engine.group import Group
 
     seen: list[int] = []
     add = Group.add
@@ -232,11 +232,11 @@ def test_native_and_python_copy_paths_agree(gpt, monkeypatch) -> None:
     results = {}
     for setting in ("0", "1"):
         monkeypatch.setenv("OFFLOAD_NATIVE", setting)
-        offload.native.reload_native_setting()
+        offload.host.native.reload_native_setting()
         ctx, sync = cpu_context(3, 4)
         results[setting] = (train_step(layers, x, ctx, sync), ctx.stats["native"])
     monkeypatch.delenv("OFFLOAD_NATIVE")
-    offload.native.reload_native_setting()
+    offload.host.native.reload_native_setting()
     assert results["0"][1] is False
     assert_bitwise(expected, results["0"][0])
     assert_bitwise(results["0"][0], results["1"][0])
@@ -321,7 +321,7 @@ def test_exception_inside_context_leaves_nothing_behind(gpt) -> None:
         with ctx:
             boom(x.requires_grad_(True))
     assert not hooks_installed()
-    assert ctx.engine.step is None and ctx.engine.open_group is None and not ctx.engine.in_layer
+    assert ctx.engine.step is None and ctx.engine.forward.open_group is None and not ctx.engine.forward.in_layer
     assert_bitwise(expected, train_step(layers, x, ctx, sync))
 
 
@@ -583,7 +583,7 @@ def test_eval_forward_between_steps_installs_nothing_and_keeps_the_arena(gpt) ->
             offload.models.run_layers(probes, x, ctx, sync)
         assert [p.seen for p in probes] == [[False]] * 4
         # The eval pass is no step at all: the layers were passive (see test_layers_cpu.py).
-        assert ctx.engine.step is step_before and ctx.engine.open_group is None
+        assert ctx.engine.step is step_before and ctx.engine.forward.open_group is None
         assert arena.bytes_held == held
         train_step(probes, x, ctx, sync)
         assert ctx.stats["pinned_allocations"] == 0 and ctx.stats["groups_offloaded"] == 3
@@ -592,7 +592,7 @@ def test_eval_forward_between_steps_installs_nothing_and_keeps_the_arena(gpt) ->
 
 
 def test_arena_trims_only_after_a_step_that_asked_for_regions() -> None:
-    from offload.arena import HostArena
+    from offload.host.arena import HostArena
 
     arena = HostArena(pinned=False, budget_bytes=1 << 30, retain=False)
     regions = [arena.acquire(n, step=1) for n in (100_000, 300_000)]

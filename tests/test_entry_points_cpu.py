@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import offload
-from offload.find_layers import find_layers
+from offload.layers.find import find_layers
 from offload.models import GPT, run_layers
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, tiny_llama, train_step

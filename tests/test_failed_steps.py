@@ -26,7 +26,7 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import offload
-from offload.group import Group, empty_keeping_versions, own_alias
+from offload.engine.group import Group, empty_keeping_versions, own_alias
 from offload.planner import Action, LayerPlan, plan_for
 
 from _util import hooks_installed
@@ -232,7 +232,7 @@ def test_a_failed_step_leaves_nothing_and_the_retry_is_exact(device: str, form: 
         assert not alive, f"{form.name}, {failure}: activations outlived the failed step: {alive}"
         assert not _groups_of(engine), f"{form.name}, {failure}: groups outlived the failed step"
         assert engine.arena.claimed == 0 and engine.arena.counters.bytes_in_use == 0
-        assert engine.open_group is None and engine.pending_group is None and not engine.in_layer
+        assert engine.forward.open_group is None and engine.forward.pending_group is None and not engine.forward.in_layer
         assert not hooks_installed()
         if failure in ("in_layer", "after_last") and not form.te:
             assert engine.step is None, "the failed forward's step is still the engine's"
@@ -471,7 +471,7 @@ def test_no_pack_hook_hands_autograd_a_tensor_that_holds_its_node() -> None:
     from offload.planner.make import probe_policy
     from offload.planner.probe import ProbeStep
     from offload.scope import _KeepPack
-    from offload.stats import StepCounters
+    from offload.engine.stats import StepCounters
 
     def output() -> torch.Tensor:
         return torch.sigmoid(torch.randn(4, 8, requires_grad=True))

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import fp8, marks
+from offload import fp8
+
+from offload.engine import marks
 from offload import quantized as q
-from offload.layout import plan_layout_py
+from offload.host.layout import plan_layout_py
 
 CUDA_FP8 = torch.cuda.is_available() and fp8.scaled_mm_supported("cuda")
 DEVICES = [

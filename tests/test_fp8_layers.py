@@ -10,7 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from offload import fp8, marks
+from offload import fp8
+
+from offload.engine import marks
 from offload import quantized as q
 from offload.fp8 import cast
 from offload.fp8 import layernorm_linear as lnl_module

@@ -82,12 +82,12 @@ def test_native_and_fallback_agree_on_gpu(monkeypatch) -> None:
     expected = train_step(layers, x)
     for setting in ("0", "1"):
         monkeypatch.setenv("OFFLOAD_NATIVE", setting)
-        offload.native.reload_native_setting()
+        offload.host.native.reload_native_setting()
         ctx, sync = context(5, 6)
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
-        assert ctx.stats["native"] is (setting == "1" and offload.native.native_available())
+        assert ctx.stats["native"] is (setting == "1" and offload.host.native.native_available())
     monkeypatch.delenv("OFFLOAD_NATIVE")
-    offload.native.reload_native_setting()
+    offload.host.native.reload_native_setting()
 
 
 def test_retain_graph_twice() -> None:
@@ -143,7 +143,7 @@ def test_memory_at_release_points(mode: str) -> None:
     def measured(group):
         before = torch.cuda.memory_allocated()
         release(group)
-        drops.append((group.layer, engine.current_layer, before - torch.cuda.memory_allocated(), group.copy_bytes))
+        drops.append((group.layer, engine.forward.layer, before - torch.cuda.memory_allocated(), group.copy_bytes))
 
     engine.release = measured
     train_step(layers, x, ctx, sync)

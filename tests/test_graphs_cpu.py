@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import offload
-from offload.arena import CaptureError, HostArena
+from offload.host.arena import CaptureError, HostArena
 from offload.graphs import GraphedLayer, InputSignature, StepGraph, make_graphed_callables
 
 from _util import assert_bitwise, cpu_context, make_mlp_layers, train_step

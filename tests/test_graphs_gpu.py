@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import offload
-from offload import transport as transport_module
+from offload.engine import transport as transport_module
 from offload.graphs import StepGraph, make_graphed_callables
 from offload.models import run_layers
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import psutil
 import pytest
 
-from offload.arena import default_host_budget
+from offload.host.arena import default_host_budget
 
 from _util import cpu_context
 

@@ -4,7 +4,7 @@ A script ran several ``OffloadActivations`` contexts one after another (each clo
 native extension, and the kernel's OOM killer ended it: every context stayed within its own host
 budget, but nothing added up what they held together, and torch's pinned allocator (the
 fallback) kept every freed block pinned in its cache. These tests hold the process-wide ledger
-(``offload.host_ledger``) to its promises on the ``cpu`` transport, which charges the same ledger
+(``offload.host.ledger``) to its promises on the ``cpu`` transport, which charges the same ledger
 as the CUDA one: all contexts together stay within the process budget, ``close()`` (or dropping
 a context) gives the bytes back, a context that finds no room keeps its groups where they are
 (``kept["budget"]``) with gradients bit for bit, and the arena empties torch's pinned cache once
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import offload
-from offload import native
-from offload.arena import BLOCK_GRANULE, HostArena
-from offload.host_ledger import HostLedger, process_ledger
-from offload.pinning import HUGE_PAGE_MIN_BYTES, expected_held_bytes
+from offload.host import native
+from offload.host.arena import BLOCK_GRANULE, HostArena
+from offload.host.ledger import HostLedger, process_ledger
+from offload.host.pinning import HUGE_PAGE_MIN_BYTES, expected_held_bytes
 
 from _util import assert_bitwise, make_mlp_layers, oa_step, plain_reference
 
@@ -162,7 +162,7 @@ def test_the_pinned_cache_is_emptied_once_the_freed_blocks_are_dead(
     blocks: list[weakref.ref] = []
     dead_at_release: list[list[bool]] = []  # per call: which blocks were already freed
     monkeypatch.setattr(
-        "offload.arena.release_cached_pinned", lambda: dead_at_release.append([r() is None for r in blocks])
+        "offload.host.arena.release_cached_pinned", lambda: dead_at_release.append([r() is None for r in blocks])
     )
     for step, size in ((1, 8 * BLOCK_GRANULE), (2, 3 * BLOCK_GRANULE)):  # too small to reuse step 1's
         region = arena.acquire(size, step=step)
@@ -183,7 +183,7 @@ def test_with_the_extension_the_users_pinned_cache_is_left_alone(monkeypatch: py
     if native.extension() is None:
         pytest.skip(f"native extension not live: {native.native_reason()}")
     emptied: list[int] = []
-    monkeypatch.setattr("offload.arena.release_cached_pinned", lambda: emptied.append(1))
+    monkeypatch.setattr("offload.host.arena.release_cached_pinned", lambda: emptied.append(1))
     arena = _arena(HostLedger())
     region = arena.acquire(8 * BLOCK_GRANULE, step=1)
     assert region is not None

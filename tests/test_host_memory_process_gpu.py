@@ -6,7 +6,7 @@ pins through torch's caching host allocator, which kept every block the arena fr
 its cache, and nothing added up what the contexts held together. Here, on both transports:
 
 - all contexts of the process together stay within the process budget (the ledger,
-  ``offload.host_ledger``; torch's own count of its pinned blocks; the process's RSS);
+  ``offload.host.ledger``; torch's own count of its pinned blocks; the process's RSS);
 - ``close()`` (or dropping a context) gives the bytes back, to the ledger and to the OS;
 - a context that finds no room keeps its groups on the GPU (``kept["budget"]``);
 - gradients are bitwise those of the plain run.
@@ -23,10 +23,10 @@ import pytest
 import torch
 
 import offload
-from offload import native
-from offload.host_ledger import HostLedger, process_ledger
+from offload.host import native
+from offload.host.ledger import HostLedger, process_ledger
 from offload.models import run_layers
-from offload.pinning import release_cached_pinned
+from offload.host.pinning import release_cached_pinned
 from offload.planner import Action, LayerPlan, plan_for
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference

@@ -76,7 +76,7 @@ def test_checkpointed_layers_offload_only_their_inputs(gpt, wrap: str) -> None:
         assert stats["offloaded_bytes"] == 2 * x.numel() * x.element_size()
         assert stats["groups_offloaded"] == 2 and stats["reloads"] == 2
     # The recompute inside backward did not count as layers of a new step.
-    assert oa.engine._step_index == 2 and not hooks_installed()
+    assert oa.engine.forward.step_index == 2 and not hooks_installed()
 
 
 def test_recompute_in_backward_is_passive_in_te_call_shape(gpt) -> None:
@@ -96,7 +96,7 @@ def test_recompute_in_backward_is_passive_in_te_call_shape(gpt) -> None:
         h = sync(checkpoint(partial(in_context, layer), h, use_reentrant=False))
     (h.float() ** 2).mean().backward()
     assert_bitwise(expected, [p.grad for p in layers.parameters()] + [xin.grad])
-    assert ctx.engine._step_index == 1  # the recomputed `with ctx` blocks started no step
+    assert ctx.engine.forward.step_index == 1  # the recomputed `with ctx` blocks started no step
 
 
 def test_hf_llama_gradient_checkpointing_offloads_layer_inputs() -> None:
@@ -176,7 +176,7 @@ def test_failed_entry_leaves_the_engine_usable(gpt, shape: str) -> None:
             with pytest.raises(RuntimeError, match="no hooks here"):
                 with ctx:
                     pass
-        assert not ctx.engine.in_layer and ctx.engine.step is None
+        assert not ctx.engine.forward.in_layer and ctx.engine.step is None
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
     else:
         oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)

@@ -22,7 +22,7 @@ from offload.planner.model import held_bytes, offloaded_bytes
 from offload.planner.sequence import ProbeSequence
 from offload.planner.make import probe_policy
 from offload.planner.types import LinkProfile
-from offload.selective import SelectiveForward, selective_candidates
+from offload.forwards.selective import SelectiveForward, selective_candidates
 
 from _util import assert_bitwise, oa_step
 

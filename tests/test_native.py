@@ -1,4 +1,4 @@
-"""Tests of the native extension ``offload._C`` and its Python face ``offload.native``.
+"""Tests of the native extension ``offload._C`` and its Python face ``offload.host.native``.
 
 CPU tests run everywhere (CI builds the extension with ``pip install -e .`` and sets
 ``OFFLOAD_REQUIRE_NATIVE=1``, so a missing build fails there instead of skipping). Tests marked
@@ -18,8 +18,8 @@ import threading
 import pytest
 import torch
 
-import offload.native as native
-from offload.layout import plan_layout_py
+import offload.host.native as native
+from offload.host.layout import plan_layout_py
 
 REQUIRE_NATIVE = os.environ.get("OFFLOAD_REQUIRE_NATIVE", "") == "1"
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import offload
-from offload import native
+from offload.host import native
 
 from _util import assert_bitwise, make_gpt_layers, plain_reference, train_step
 

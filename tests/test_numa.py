@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload import native
-from offload.numa import (
+from offload.host import native
+from offload.host.numa import (
     NumaPlacement, normalize_pci_bus_id, online_nodes, parse_node_list, pci_numa_node, placement_for_gpu,
 )
 

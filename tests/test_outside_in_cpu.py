@@ -14,9 +14,9 @@ import torch
 import offload
 from offload import fp8
 from offload.planner.budget import DEVICE_HEADROOM, DEVICE_HEADROOM_EXPANDABLE
-from offload.schedules import ScheduleAuto, ScheduleV1, ScheduleV2
-from offload.schedules.planned import PlannedSchedule
-from offload.stats import StepCounters, StepStats, disabled_stats, format_report, snapshot
+from offload.engine.schedules import ScheduleAuto, ScheduleV1, ScheduleV2
+from offload.engine.schedules.planned import PlannedSchedule
+from offload.engine.stats import StepCounters, StepStats, disabled_stats, format_report, snapshot
 
 from _util import cpu_context, make_gpt_layers, train_step
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import offload
-from offload.arena import BLOCK_GRANULE, HostArena
+from offload.host.arena import BLOCK_GRANULE, HostArena
 
 from _util import assert_bitwise, cpu_context, make_mlp_layers, plain_reference, train_step
 
@@ -153,7 +153,7 @@ def test_background_pinning_at_exit_does_not_crash_the_interpreter() -> None:
     script = textwrap.dedent(
         """
         import time, torch
-        from offload.arena import HostArena
+        from offload.host.arena import HostArena
         def slow(n):
             time.sleep(0.3)
             return torch.empty(n, dtype=torch.uint8), n

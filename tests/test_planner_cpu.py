@@ -213,8 +213,8 @@ def test_planned_schedule_counts_the_gradients_backward_has_made() -> None:
     from types import SimpleNamespace
 
     from offload.planner import LayerProfile, LinkProfile, StepProfile
-    from offload.schedules.planned import PlannedSchedule
-    from offload.step import StepGroups
+    from offload.engine.schedules.planned import PlannedSchedule
+    from offload.engine.step import StepGroups
 
     layers = tuple(LayerProfile((1000,), 10, 1.0, 2.0, "l", grad_bytes=g) for g in (1, 20, 300, 4000))
     profile = StepProfile(layers, LinkProfile(1.0, 1.0, 2.0), 0, 0, 0.0, 0.0, 0.0, 10.0, 5000, "cuda",

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from offload import mark_activation_offload, mark_not_offload
-from offload.group import Group, GroupState, storage_extent_bytes
-from offload.layout import align_up, plan_layout_py
-from offload.marks import TE_KEEP_ATTR
-from offload.policy import SelectionPolicy
+from offload.engine.group import Group, GroupState, storage_extent_bytes
+from offload.host.layout import align_up, plan_layout_py
+from offload.engine.marks import TE_KEEP_ATTR
+from offload.engine.policy import SelectionPolicy
 
 
 def policy(selection: str = "auto", min_bytes: int = 16, budget: int = 1 << 30, device_index: int = -1) -> SelectionPolicy:

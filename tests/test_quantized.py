@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from offload import marks
+from offload.engine import marks
 from offload import quantized as q
-from offload.layout import plan_layout_py
+from offload.host.layout import plan_layout_py
 from offload.quantized.blockwise import _expand_block_scales
 
 CUDA_OK = torch.cuda.is_available()

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import offload
-from offload.group import HOLDS_ORIGINALS
+from offload.engine.group import HOLDS_ORIGINALS
 from offload.models import run_layers
-from offload.schedules.v1 import window_layers
+from offload.engine.schedules.v1 import window_layers
 
 from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, train_step
 
@@ -25,7 +25,7 @@ def record(ctx: Any) -> list[tuple]:
 
         def logged(group, *args, **kwargs):
             phase = "bwd" if engine.step.forward_done else "fwd"
-            log.append((name, group.layer, engine.current_layer, phase))
+            log.append((name, group.layer, engine.forward.layer, phase))
             return original(group, *args, **kwargs)
 
         setattr(engine, name, logged)

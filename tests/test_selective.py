@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 import offload
 from offload.models import MLPBlock, run_layers
-from offload.selective import SelectiveForward
+from offload.forwards.selective import SelectiveForward
 
 from _util import (
     assert_bitwise, cpu_context, hooks_installed, llama_grads, oa_step, plain_reference, tiny_llama, train_step,
@@ -80,8 +80,8 @@ def test_inside_a_whole_layer_checkpoint_it_runs_plainly(monkeypatch: pytest.Mon
     layers, x = mlp_stack(2, 32), torch.randn(4, 16, 32)
     expected = plain_reference(layers, x)
     calls: list[Any] = []
-    real = offload.selective.checkpoint
-    monkeypatch.setattr(offload.selective, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = offload.forwards.selective.checkpoint
+    monkeypatch.setattr(offload.forwards.selective, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
     with offload.selective_recompute(list(layers)):
         for p in layers.parameters():
             p.grad = None
@@ -98,7 +98,7 @@ def test_inside_a_whole_layer_checkpoint_it_runs_plainly(monkeypatch: pytest.Mon
 def test_no_grad_runs_plainly(monkeypatch: pytest.MonkeyPatch) -> None:
     layers, x = mlp_stack(2, 32), torch.randn(4, 16, 32)
     want = run_layers(layers, x)
-    monkeypatch.setattr(offload.selective, "checkpoint", lambda *a, **k: pytest.fail("checkpoint under no_grad"))
+    monkeypatch.setattr(offload.forwards.selective, "checkpoint", lambda *a, **k: pytest.fail("checkpoint under no_grad"))
     with offload.selective_recompute(list(layers)), torch.no_grad():
         assert torch.equal(run_layers(layers, x), want)
 

@@ -155,7 +155,7 @@ def test_arena_pins_only_what_no_idle_block_serves_and_holds_blocks_across_shape
     # A new shape's plan pins ahead only the regions that the blocks of other shapes' plans do
     # not serve (within the reuse slack), and with plans per shape idle blocks are not trimmed
     # after a step that did not use them.
-    from offload.arena import HostArena
+    from offload.host.arena import HostArena
 
     mib = 1 << 20
     arena = HostArena(pinned=False, budget_bytes=1 << 30, retain=False)

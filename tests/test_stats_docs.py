@@ -7,7 +7,7 @@ import typing
 import torch
 
 import offload
-from offload.stats import StepCounters, StepStats, format_report, snapshot
+from offload.engine.stats import StepCounters, StepStats, format_report, snapshot
 
 from _util import cpu_context, make_gpt_layers, train_step
 
@@ -25,7 +25,7 @@ def test_every_stats_key_is_declared_and_documented() -> None:
     train_step(layers, torch.randn(2, 16, 64), ctx, sync)
     declared = typing.get_type_hints(StepStats)
     assert set(ctx.stats) == set(declared), (
-        f"ctx.stats and offload.stats.StepStats disagree: undeclared {set(ctx.stats) - set(declared)}, "
+        f"ctx.stats and offload.engine.stats.StepStats disagree: undeclared {set(ctx.stats) - set(declared)}, "
         f"missing {set(declared) - set(ctx.stats)}"
     )
     doc = StepStats.__doc__ or ""

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import offload
-from offload import model_form
+from offload.layers import model_form
 from offload.planner import BudgetError
 from offload.planner.make import choose
 from offload.planner.model import simulate

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload
-from offload import model_form
+from offload.layers import model_form
 from offload.planner import tiling
 from offload.planner.scaling import profile_at
 from offload.planner.search import _floor, _space

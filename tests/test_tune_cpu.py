@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import offload
-from offload.schedules.auto import ScheduleAuto
+from offload.engine.schedules.auto import ScheduleAuto
 from tests._util import assert_bitwise, cpu_context, make_mlp_layers, plain_reference, train_step
 
 
@@ -98,7 +98,7 @@ def test_no_layers_release_lag_follows_max_fwd_stash_size() -> None:
     release = engine.release
 
     def counting_release(group: Any) -> None:
-        in_flight.append(sum(g.state is offload.group.GroupState.OFFLOADING for g in engine.step.groups.values()))
+        in_flight.append(sum(g.state is offload.engine.group.GroupState.OFFLOADING for g in engine.step.groups.values()))
         release(group)
 
     engine.release = counting_release

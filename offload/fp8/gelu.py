@@ -5,7 +5,7 @@
 8 bytes per hidden unit per token. :class:`GELU` saves it as FP8 e4m3 with one float32 scale
 (current tensorwise scaling, quantized by :func:`offload.fp8.cast.quantize`): half the bytes. The
 FP8 data and its scale are saved as two tensors tagged with
-:func:`~offload.marks.mark_activation_offload`, so the offload engine packs the FP8 bytes and
+:func:`~offload.engine.marks.mark_activation_offload`, so the offload engine packs the FP8 bytes and
 their scale into the layer's region (the opt-in v1 schedule moves them too). Backward
 dequantizes straight to the input's dtype (:func:`offload.fp8.cast.dequantize`; one fused kernel
 on CUDA), without a float32 copy of the widest activation of the block at backward's peak.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..marks import mark_activation_offload
+from ..engine.marks import mark_activation_offload
 from ..quantized import HIGH_PRECISION
 from .cast import dequantize, quantize
 

@@ -17,7 +17,7 @@ is bitwise forward's, and so is its FP8 quantization (current scaling: the scale
 recomputed tensor's amax, which is forward's amax). Saving the columnwise FP8 ``ln_out`` instead
 would cost ``K`` bytes per token; the recompute costs one LayerNorm and one quantization in
 backward. The saved ``x`` is a plain high-precision tensor that the offload engine moves like
-any other (it is tagged with :func:`~offload.marks.mark_activation_offload`, as
+any other (it is tagged with :func:`~offload.engine.marks.mark_activation_offload`, as
 TransformerEngine's LayerNormLinear tags its input, so the opt-in v1 schedule moves it too).
 ``mean``/``rstd`` are whatever ``native_layer_norm`` returns (float32 on CUDA; on CPU the
 input's dtype unless the LN weight is float32), exactly what ``nn.LayerNorm`` saves.
@@ -43,7 +43,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import nn
 
-from ..marks import mark_activation_offload
+from ..engine.marks import mark_activation_offload
 from .cast import quantize
 from .linear import GRAD_FP8, Linear, LinearCall, dgrad, fprop, wgrad
 from .weights import DEFAULT_WEIGHT_LAYOUTS

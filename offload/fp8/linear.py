@@ -10,7 +10,7 @@ Forward, dgrad and wgrad are three FP8 GEMMs::
 ``c`` is column-major, so every ``mat2`` above is the ``.t()`` of contiguous data, and the only
 activation autograd has to keep is the columnwise FP8 input ``(K, M)`` with its scale(s): half
 the bytes of a bf16 input. Those components are tagged with
-:func:`offload.marks.mark_activation_offload` so that the v1 schedule (opt-in selection) moves
+:func:`offload.engine.marks.mark_activation_offload` so that the v1 schedule (opt-in selection) moves
 them. The weight's FP8 copies come from a per-module cache (the Parameter itself is what autograd
 saves: the engine keeps Parameters on the GPU, and autograd's version check catches a weight
 changed in place between forward and backward).
@@ -43,7 +43,7 @@ from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 
-from ..marks import mark_activation_offload
+from ..engine.marks import mark_activation_offload
 from ..quantized import FP8_DTYPES, HIGH_PRECISION
 from .cast import Operand, quantize
 from .gemm import GEMM_MULTIPLE, features_reason, fp8_gemm, rowwise_out_dtype_reason, rowwise_supported, unsupported_reason

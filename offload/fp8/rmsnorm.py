@@ -13,7 +13,7 @@ row): 2 bytes per element instead of 6, and its output carries an
 :class:`~offload.fp8.input_source.InputSource` (see there), so the ``fp8.Linear``s it feeds
 quantize it once and save nothing of their own: in backward they remake it from ``x`` and
 ``rstd`` (bitwise forward's output) and quantize its columnwise copy once for
-all of them. Both saved tensors are tagged with :func:`~offload.marks.mark_activation_offload`,
+all of them. Both saved tensors are tagged with :func:`~offload.engine.marks.mark_activation_offload`,
 so the opt-in v1 schedule moves them.
 
 Backward is the closed form in float32 (``xhat = float32(x) * rstd``, ``g = dy * weight``)::
@@ -41,7 +41,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from ..marks import mark_activation_offload
+from ..engine.marks import mark_activation_offload
 from ..quantized import HIGH_PRECISION
 from .cast import fusable, on_device_of, triton_module
 from .input_source import Recipe, attach_source

@@ -19,7 +19,7 @@ FP8-rounded inputs, with autograd's own ops (``du = dp * silu(g~)``,
 its wgrad the remade one, quantized again (e4m3 keeps 3 mantissa bits: up to 1/16 relative per
 rounding, below that in the subnormal range; the tests bound the gradients' error against bf16).
 Every step is deterministic, so gradients are bitwise equal with and without offload. The FP8
-data and scales are tagged with :func:`~offload.marks.mark_activation_offload` (the v1 schedule
+data and scales are tagged with :func:`~offload.engine.marks.mark_activation_offload` (the v1 schedule
 moves them).
 
 Two implementations of the same arithmetic: on CUDA one Triton kernel per step
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..marks import mark_activation_offload
+from ..engine.marks import mark_activation_offload
 from ..quantized import HIGH_PRECISION
 from .cast import dequantize, fusable, on_device_of, quantize, triton_module
 from .input_source import Recipe, attach_source

@@ -51,7 +51,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from ..stats import weight_cache_bytes as _cache_bytes
+from ..engine.stats import weight_cache_bytes as _cache_bytes
 from .cast import quantize, transpose
 
 __all__ = [

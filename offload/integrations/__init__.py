@@ -5,7 +5,7 @@
   is built. For TRL it takes the place of ``activation_offloading=True`` (TRL's copy of
   torchtune's offload context).
 
-Integrations import the core (``offload.activations``, ``offload.find_layers``), never the
+Integrations import the core (``offload.activations``, ``offload.layers.find``), never the
 other way round, and import their framework only when called: ``import offload`` needs none of
 them installed.
 """

@@ -8,7 +8,7 @@ One line after the trainer is built::
     print(oa.report())
 
 How. An :class:`~offload.OffloadActivations` on the model's repeated layers (found by
-:func:`offload.find_layers.find_layers`: ``model.model.layers`` for Llama, ``transformer.h`` for
+:func:`offload.layers.find.find_layers`: ``model.model.layers`` for Llama, ``transformer.h`` for
 GPT-2, through PEFT wrappers too) is entered around every forward of the trainer's model that
 records a graph, by a forward pre-hook and an always-called forward hook on the model, and left
 when that forward returns. Hooks on the model, rather than a wrapped ``compute_loss`` or
@@ -38,9 +38,9 @@ import torch
 
 from ..activations import OffloadActivations
 from ..api import ACCEPTED_OPTIONS, check_unknown_options
-from ..eager import run_eagerly
-from ..find_layers import find_layers
-from ..layer_args import layer_list
+from ..engine.eager import run_eagerly
+from ..layers.find import find_layers
+from ..layers.args import layer_list
 
 API = "offload_trainer"
 
@@ -154,7 +154,7 @@ def offload_trainer(trainer: Any, layers: Optional[Any] = None, **options: Any) 
         options["num_offload_layers"] = len(layers) - 1
     if "model" not in options and "num_offload_layers" not in options:
         # The causal-LM module (under PEFT too): plans may then tile its head and loss, and a
-        # long first batch is probed at a short length (offload.model_form).
+        # long first batch is probed at a short length (offload.layers.model_form).
         layers = layer_list(layers)
         options["model"] = _causal_lm(model, layers[0]) if layers else None
     offload = OffloadActivations(layers, **options)

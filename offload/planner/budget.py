@@ -24,7 +24,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-from ..stats import format_bytes
+from ..engine.stats import format_bytes
 
 DEVICE = "device"
 

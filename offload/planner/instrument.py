@@ -18,7 +18,7 @@ first out):
   backward can be told from it.
 
 Both hold the probe weakly: a wrapper left behind by an exception must not keep the probe alive.
-Both run eagerly (:mod:`offload.eager`): in a compiled model a probed module runs eagerly, since
+Both run eagerly (:mod:`offload.engine.eager`): in a compiled model a probed module runs eagerly, since
 its timing marks, dispatch mode and counting hooks cannot be traced.
 """
 
@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import set_checkpoint_early_stop
 
-from ..eager import run_eagerly
-from ..recompute import checkpoint_call
-from ..selective import EXPENSIVE_OPS
+from ..engine.eager import run_eagerly
+from ..forwards.recompute import checkpoint_call
+from ..forwards.selective import EXPENSIVE_OPS
 
 class ProbeStep(Protocol):
     """What the wrappers call on the probe step that installed them
@@ -51,7 +51,7 @@ class ProbeStep(Protocol):
 
 
 class ExpensiveOutputs(TorchDispatchMode):
-    """Counts the distinct storages that :data:`offload.selective.EXPENSIVE_OPS` output (what
+    """Counts the distinct storages that :data:`offload.forwards.selective.EXPENSIVE_OPS` output (what
     selective recompute's cache would hold) and marks each such kernel's start and end on the
     probe's clock.
 
@@ -150,7 +150,7 @@ class CountingPack:
     """The saved-tensor pack hook inside a checkpointed layer's forward: the probe counts the
     tensor, then the checkpoint's own pack hook (the one in force below this one) takes it.
 
-    ``inside_checkpoint`` tells :mod:`offload.selective` that a whole-layer checkpoint is
+    ``inside_checkpoint`` tells :mod:`offload.forwards.selective` that a whole-layer checkpoint is
     running, so selective modules inside run plainly, as in a recomputed layer."""
 
     __slots__ = ("probe", "outer")

@@ -17,10 +17,10 @@ import torch
 
 from ..api import DEFAULT_MIN_OFFLOAD_BYTES, resolve_device
 from ..keywords import parameter_names, reject_unknown
-from ..policy import SelectionPolicy
-from ..stats import format_bytes
+from ..engine.policy import SelectionPolicy
+from ..engine.stats import format_bytes
 from .budget import DEVICE, DEVICE_HEADROOM_EXPANDABLE, DeviceBudget, device_budget
-from ..selective import Candidates, selective_candidates
+from ..forwards.selective import Candidates, selective_candidates
 from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
 from .search import BudgetError, best_plan, lowest_peak
@@ -202,7 +202,7 @@ def profile_step(
     :mod:`offload.planner.sequence`. ``warmup_steps``: steps before the measured one (a cold
     step allocates library workspaces and autotunes kernels, and would charge that time and
     memory to its first layers and its head). ``selective``: which submodules a plan may run
-    under selective recompute (:func:`offload.selective.selective_candidates`; default each
+    under selective recompute (:func:`offload.forwards.selective.selective_candidates`; default each
     layer's ``mlp``). ``link``: the host link's speed; measured (one pinned buffer, a few
     copies) if None.
 
@@ -246,7 +246,7 @@ def plan(
     layer checkpointed, and the plain step runs only where it is predicted to fit, so planning
     fits wherever checkpointing does (:mod:`offload.planner.sequence`). ``selective``: the
     submodules a plan may run under selective recompute, layer by layer (default each layer's
-    ``mlp``; False for none; see :func:`offload.selective.selective_candidates`).
+    ``mlp``; False for none; see :func:`offload.forwards.selective.selective_candidates`).
     ``memory_budget_bytes``: peak device bytes the
     plan may use, ``"device"`` for what this GPU can give the step (its capacity less what others
     hold, less ``DEVICE_HEADROOM``; see :mod:`offload.planner.budget`), ``"lowest"`` for the

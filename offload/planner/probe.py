@@ -12,8 +12,8 @@ It records, per layer:
 - the storage slots the layer's group would copy (the engine's own ``Group`` dedups views and
   aligns spans, and the engine's ``SelectionPolicy`` picks the tensors, so the bytes are exactly
   what an offloading step would move);
-- the bytes a checkpoint of the layer would save (its tensor inputs, :mod:`offload.recompute`);
-- the bytes its selectively recomputed modules keep in their caches (``offload.selective``),
+- the bytes a checkpoint of the layer would save (its tensor inputs, :mod:`offload.forwards.recompute`);
+- the bytes its selectively recomputed modules keep in their caches (``offload.forwards.selective``),
   which never reach the hooks;
 - the same with its selective candidates (a layer's MLP) run selectively: their insides give way
   to their inputs and their GEMM outputs' cache, and their backward recomputes the rest of their
@@ -38,12 +38,12 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..eager import run_eagerly, saved_tensors_hooks
-from ..step import first_grad_tensor
-from ..packing import keep_handle, unpack_kept
-from ..policy import SelectionPolicy
-from ..recompute import checkpoint_input_sizes, checkpoint_inputs
-from ..selective import always_selective
+from ..engine.eager import run_eagerly, saved_tensors_hooks
+from ..engine.step import first_grad_tensor
+from ..engine.packing import keep_handle, unpack_kept
+from ..engine.policy import SelectionPolicy
+from ..forwards.recompute import checkpoint_input_sizes, checkpoint_inputs
+from ..forwards.selective import always_selective
 from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .scaling import predict_plain
@@ -79,7 +79,7 @@ class _LayerRecord:
         self.candidate_spans: list[tuple[Any, Any, list[tuple[Any, Any]]]] = []
         self.module: Optional[torch.nn.Module] = None
         self.new_grads = 0  # bytes of its weights that require grad and have none yet
-        self.cached = 0     # bytes its selectively recomputed modules cached (offload.selective)
+        self.cached = 0     # bytes its selectively recomputed modules cached (offload.forwards.selective)
         self.rec_start = self.rec_end = None  # its recompute in backward (low-memory probe)
         # Allocated bytes at the layer's start and end, and its peak above the start (forward);
         # at the start of its backward, and its peak above that (backward). 0 on CPU.
@@ -174,7 +174,7 @@ class ProbeStep:
         self.step_start = self.clock.mark()
         for module in dict.fromkeys(self.layers):
             # with_kwargs: a layer called by keyword (layer(hidden_states=h)) has its inputs
-            # there, and a checkpoint of it saves them (offload.recompute).
+            # there, and a checkpoint of it saves them (offload.forwards.recompute).
             self._handles.append(module.register_forward_pre_hook(_ProbeHook(self, after=False), with_kwargs=True))
             self._handles.append(module.register_forward_hook(_ProbeHook(self, after=True)))
         self._saved_hooks.__enter__()
@@ -328,7 +328,7 @@ class ProbeStep:
         # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
         # inputs; the layer's own tensors are counted inside the checkpoint (CountingPack).
         # Never the tensor itself: it may be the saving node's own output, and a handle holding
-        # it would keep a failed probe step's graph alive for good (see offload.packing).
+        # it would keep a failed probe step's graph alive for good (see offload.engine.packing).
         if not self.recording:
             return keep_handle(t, len(self.records))
         record = self._record_now()
@@ -545,7 +545,7 @@ class ProbeStep:
 
 class _ProbeHook:
     """A layer's forward pre-hook (``after=False``, registered with kwargs) or forward hook.
-    Weak, like :class:`_Mark`; run eagerly (:mod:`offload.eager`): in a compiled model it is a
+    Weak, like :class:`_Mark`; run eagerly (:mod:`offload.engine.eager`): in a compiled model it is a
     graph break, and the layer between two of them is compiled on its own, so the probe measures
     the compiled layers."""
 

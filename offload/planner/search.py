@@ -35,7 +35,7 @@ import math
 import warnings
 from typing import Optional, Sequence, Union
 
-from ..stats import format_bytes
+from ..engine.stats import format_bytes
 from .model import backward_cost_ms, held_bytes, offloaded_bytes, resident_bytes, simulate
 from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile, slot_keys
 
@@ -329,7 +329,7 @@ def _floor(profile: StepProfile, cands: list[list[LayerPlan]], host_budget: Opti
         least = min(ev(k).d2h_bytes for _, k in scored)
         raise BudgetError(
             f"every plan needs more host memory than the host budget of {_exact(host_budget or 0)}: the "
-            f"least is {_exact(least)}. Raise host_budget_bytes (or offload.host_ledger."
+            f"least is {_exact(least)}. Raise host_budget_bytes (or offload.host.ledger."
             f"set_process_host_budget), or shrink the step")
     return within[0]
 

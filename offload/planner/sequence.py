@@ -28,8 +28,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from ..policy import SelectionPolicy
-from ..stats import format_bytes
+from ..engine.policy import SelectionPolicy
+from ..engine.stats import format_bytes
 from .probe import ProbeStep
 from .scaling import predict_plain
 from .search import PEAK_MODEL_ERROR, BudgetError

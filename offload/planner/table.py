@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from ..stats import format_bytes
+from ..engine.stats import format_bytes
 from .actions import Action
 from .layer_costs import ChoiceLike, backward_cost_ms, offloaded_bytes, resident_bytes
 

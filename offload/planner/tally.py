@@ -21,8 +21,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from ..eager import run_eagerly
-from ..group import Group
+from ..engine.eager import run_eagerly
+from ..engine.group import Group
 from .shapes import StepShape, size_exponents, widest
 
 

@@ -35,7 +35,7 @@ from .types import Action, LayerPlan, LayerProfile, Plan, StepProfile
 
 # Bytes per logit an untiled head holds at its peak (HF's: the logits in bf16, their float32
 # copy, the loss's float32 log-softmax and gradient, the gradient in bf16): what a short probe's
-# untiled head may take (offload.model_form).
+# untiled head may take (offload.layers.model_form).
 LOGIT_BYTES = 16
 # Bytes per hidden element a tiled head holds besides its chunk: the final norm's output, its
 # float32 upcast, the hidden states' gradient in float32 and in the model's dtype.

@@ -98,7 +98,7 @@ def parse_signature(signature: str) -> tuple[int, tuple[str, ...]]:
 @dataclass(frozen=True)
 class SelectiveProfile:
     """A layer with its selective-recompute candidates (e.g. its MLP) run under selective
-    recompute (:mod:`offload.selective`): what it then saves through the hooks, what the
+    recompute (:mod:`offload.forwards.selective`): what it then saves through the hooks, what the
     candidates' caches hold outside them, and the backward time the recompute of their cheap
     ops adds."""
 
@@ -138,7 +138,7 @@ class LayerProfile:
                                   # the activation gradients, workspace) without recompute
     grad_bytes: int = 0           # weight gradients its backward allocates that stay to step end
     # Held from its forward to its backward outside the saved-tensor hooks, so never offloaded:
-    # the caches of its selectively recomputed modules (offload.selective). A recomputed layer
+    # the caches of its selectively recomputed modules (offload.forwards.selective). A recomputed layer
     # holds none (inside a whole-layer checkpoint they run plainly).
     cached_bytes: int = 0
     # The layer with its selective-recompute candidates selective (None: it has none).
@@ -327,7 +327,7 @@ class LayerPlan:
                 f"with {self.action.value}"
             )
         if self.selective and self.action is Action.RECOMPUTE:
-            # Inside a whole-layer checkpoint the candidates run plainly (offload.selective).
+            # Inside a whole-layer checkpoint the candidates run plainly (offload.forwards.selective).
             raise ValueError("LayerPlan.selective applies to KEEP and OFFLOAD; a recomputed layer recomputes everything")
 
 

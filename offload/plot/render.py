@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence, Union
 
-from ..stats import format_bytes
+from ..engine.stats import format_bytes
 from .data import COMPUTE, D2H, H2D, WAITS, MemoryCurve, ParetoPoint, Timeline
 
 PathLike = Union[str, Path]

@@ -8,7 +8,7 @@ from typing import ClassVar, NamedTuple, Optional, Sequence
 import torch
 
 from .scaling import FP8_DTYPES, _is_data_dtype
-from ..layout import plan_layout_py
+from ..host.layout import plan_layout_py
 
 
 class _Alloc(NamedTuple):

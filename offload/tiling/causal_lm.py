@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from ..instance_forward import check_own_forward
+from ..forwards.instance import check_own_forward
 from .loss import causal_lm_loss, check_chunk_tokens, default_head_chunk
 
 __all__ = ["head_support", "tile_head", "tiled_head_installed", "TiledCausalLMForward", "TiledHead"]
@@ -176,7 +176,7 @@ def _keeps_all_logits(arguments: dict[str, Any]) -> bool:
 
 class TiledCausalLMForward:
     """Stands in for a causal LM's ``forward`` (an instance attribute, like
-    :class:`offload.selective.SelectiveForward`): with labels, the head and loss run tiled over
+    :class:`offload.forwards.selective.SelectiveForward`): with labels, the head and loss run tiled over
     ``chunk`` tokens; otherwise, or when the chunk is 0, the original ``fn`` runs unchanged.
 
     ``model``: the model; ``fn``: its original bound forward (``fn.__self__`` is the model);

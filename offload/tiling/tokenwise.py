@@ -47,7 +47,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from ..instance_forward import InstalledForwards, check_own_forward, module_list
+from ..forwards.instance import InstalledForwards, check_own_forward, module_list
 
 __all__ = ["tiled_tokenwise", "tokenwise_support", "TiledForward", "TiledTokenwise", "tile_tokenwise"]
 

@@ -67,7 +67,7 @@ class StepStats(TypedDict):
     - ``released_bytes`` (int, bytes): of ``offloaded_bytes``, the bytes whose originals were
       then dropped: the memory offloading really freed during the step.
     - ``kept`` (dict[str, int], tensors per reason): saved tensors left where they were, keyed by
-      the reasons ``offload.policy`` defines (its ``KEEP_*`` names: ``"parameter"``,
+      the reasons ``offload.engine.policy`` defines (its ``KEEP_*`` names: ``"parameter"``,
       ``"marked"``, ``"small"``, ``"budget"``, ...); a reason never seen has no key.
     - ``kept_tensors`` (int, tensors): the sum of ``kept``.
     - ``groups_offloaded`` (int, groups): layer groups copied out (one group per offloaded layer).

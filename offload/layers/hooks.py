@@ -13,7 +13,7 @@ from typing import Any, Optional, Protocol
 
 import torch
 
-from .eager import run_eagerly
+from ..engine.eager import run_eagerly
 
 
 class HookedContext(Protocol):

@@ -5,7 +5,7 @@ Every entry starts on an ``alignment``-byte boundary (256 by default). FP8 GEMMs
 on the DMA engine's preferred boundary. The total is rounded up to the alignment so that the
 region can be viewed as any dtype up to 256 bytes wide.
 
-This is the reference implementation; ``offload.native.plan_layout`` computes the same result in
+This is the reference implementation; ``offload.host.native.plan_layout`` computes the same result in
 C++ and is what the engine calls.
 """
 

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..group import Group, GroupState
-from ..layout import ALIGNMENT
-from ..planner.model import (
+from ...host.layout import ALIGNMENT
+from ...planner.model import (
     PREFETCH_DEPTH, copied_slots, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
 )
-from ..planner.types import Action, Plan, StepProfile
+from ...planner.types import Action, Plan, StepProfile
 from .base import Schedule
 
 from .engine_view import EngineView

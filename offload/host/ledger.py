@@ -9,7 +9,7 @@ anything raising. The ledger is where the bytes of every arena add up against on
 
 How it is kept: an arena charges its account (:class:`HostAccount`) *before* it allocates a
 block or queues one on the background pinner, with the bytes the allocator will really hold
-(page and power-of-two rounding included, :func:`offload.pinning.expected_held_bytes`), adjusts
+(page and power-of-two rounding included, :func:`offload.host.pinning.expected_held_bytes`), adjusts
 the charge to the block's real bytes once it exists, and refunds it when it frees the block. A
 charge the ledger refuses is a refusal like the arena's own budget: the group stays on the GPU
 (``kept["budget"]``), nothing is lost. The account remembers its own charge, so an arena
@@ -53,7 +53,7 @@ def default_host_budget(environ: Optional[Mapping[str, str]] = None) -> tuple[in
             raise ValueError(
                 f"offload: {LOCAL_RANKS_ENV_VAR}={text!r} is not a number of processes >= 1; fix the "
                 "launcher's environment, or pass host_budget_bytes explicitly (and set the "
-                "process's with offload.host_ledger.set_process_host_budget)"
+                "process's with offload.host.ledger.set_process_host_budget)"
             )
     total = psutil.virtual_memory().total
     budget = int(total * HOST_BUDGET_FRACTION) // ranks

@@ -38,7 +38,7 @@ class Schedule:
         return sum(self.offloads(later) for later in range(layer + 1, self.model_layers))
 
     def expects_offload(self) -> bool:
-        """Whether a step that offloads nothing is worth a warning (see ``offload.diagnose``)."""
+        """Whether a step that offloads nothing is worth a warning (see ``offload.engine.diagnose``)."""
         return self.num_layers > 0
 
     def min_offload_bytes(self, layer: int) -> Optional[int]:

@@ -1,7 +1,7 @@
 """The engine's copy primitives: what a schedule calls to move a closed group to the host and back.
 
 Separate because this is the interface between the engine and its schedules: a schedule decides
-*when* (``offload.schedules``), these methods do the work, through the transport (the copies)
+*when* (``offload.engine.schedules``), these methods do the work, through the transport (the copies)
 and the arena (the host regions). A group goes
 
     RESIDENT --start_offload--> OFFLOADING --release--> OFFLOADED --start_reload--> RELOADED
@@ -23,13 +23,14 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch.autograd.profiler import record_function
 
-from .arena import CaptureError, HostArena
+from ..host.arena import CaptureError, HostArena
 from .group import Group, GroupState
 from .policy import KEEP_BUDGET, KEEP_PINNING
 
 if TYPE_CHECKING:
     from .schedules.base import Schedule
     from .stats import StepCounters
+    from .forward import ForwardState
     from .step import InFlight, StepState
     from .transport import Transport
 
@@ -45,7 +46,7 @@ class CopyMixin:
     transport: Transport
     arena: HostArena
     layer_contexts: bool
-    step: Optional[StepState]
+    forward: ForwardState
     in_flight: InFlight
 
     def start_offload(self, group: Group) -> None:
@@ -141,7 +142,7 @@ class CopyMixin:
         if group.host is not None:
             self.arena.release(group.host, self.transport.last_host_use(group))
             group.host = None
-        step = self.step
+        step = self.forward.step
         if step is None or group.step != step.index:
             earlier = self.in_flight.get(group.step)
             if earlier is not None and group.entries and not group.consumed:

@@ -85,61 +85,46 @@ class StepState:
 MAX_IN_FLIGHT = 16
 
 
-class InFlight:
+class InFlight(dict[int, StepState]):
     """The earlier micro-batches: steps whose forward ended, and whose backward had not handed
     every group back, when the next forward began (a pipeline stage's 1F1B order).
 
-    Held by step index, so that a group is found by (micro-batch, layer): backward reaching one
-    of them still reaches the schedule, and the schedule's budgets count what each holds. A step
-    leaves when its backward has handed every group back (the engine finishes it then), when its
-    groups all died without a backward (its graph was dropped), or, past ``MAX_IN_FLIGHT``, the
-    oldest first: forwards whose outputs are kept without a backward would otherwise be counted
-    for good. ``wave_first`` is the first step of the current *wave* (steps in flight together):
-    host blocks are trimmed only when a wave ends, keeping those any of its steps used.
+    A dict of step index -> :class:`StepState`, oldest first, so that a group is found by
+    (micro-batch, layer): backward reaching one of them still reaches the schedule, and the
+    schedule's budgets count what each holds. A dict itself rather than a class holding one:
+    the schedules test ``if engine.in_flight`` at every layer boundary, and a Python ``__bool__``
+    would be a call each time. A step leaves when its backward has handed every group back (the
+    engine finishes it then), when its groups all died without a backward (its graph was
+    dropped), or, past ``MAX_IN_FLIGHT``, the oldest first: forwards whose outputs are kept
+    without a backward would otherwise be counted for good. ``wave_first`` is the first step of
+    the current *wave* (steps in flight together): host blocks are trimmed only when a wave
+    ends, keeping those any of its steps used.
     """
 
-    __slots__ = ("steps", "wave_first")
+    __slots__ = ("wave_first",)
 
     def __init__(self) -> None:
-        self.steps: dict[int, StepState] = {}
+        super().__init__()
         self.wave_first = 1
-
-    def __bool__(self) -> bool:
-        return bool(self.steps)
-
-    def __len__(self) -> int:
-        return len(self.steps)
-
-    def get(self, index: int) -> Optional[StepState]:
-        """The earlier step of that index, or None."""
-        return self.steps.get(index)
-
-    def values(self) -> list[StepState]:
-        """The earlier steps, oldest first."""
-        return list(self.steps.values())
-
-    def pop(self, index: int) -> None:
-        """Forget the step of that index (finished)."""
-        self.steps.pop(index, None)
 
     def admit(self, step: StepState) -> bool:
         """Keep ``step`` if its backward is still to come; True if kept. Captured steps never
         interleave (their backward is in the same graph)."""
         if step.forward_done and step.unconsumed > 0 and not step.abandoned and not step.captured \
                 and not step.counters.finished:
-            self.steps[step.index] = step
+            self[step.index] = step
             return True
         return False
 
     def stale(self) -> list[StepState]:
         """The steps to finish now: those whose groups all died, and the oldest past the cap."""
-        out = [step for step in self.steps.values() if step.unconsumed <= 0]
-        live = [step for step in self.steps.values() if step.unconsumed > 0]
+        out = [step for step in self.values() if step.unconsumed <= 0]
+        live = [step for step in self.values() if step.unconsumed > 0]
         return out + live[: max(0, len(live) - MAX_IN_FLIGHT)]
 
     def start(self, index: int) -> None:
         """Step ``index`` begins: with nothing in flight, it begins a new wave."""
-        if not self.steps:
+        if not self:
             self.wave_first = index
 
 

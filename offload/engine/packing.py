@@ -4,7 +4,7 @@ Separate from the rest of the engine because it is the one part that runs once p
 rather than once per layer or group: its host cost (a few microseconds a tensor, pack and unpack)
 is paid thousands of times a step. So everything here stays flat: each hook is a method of the
 engine itself (a mixin, no helper object to go through), and what is not needed per tensor lives
-in the other parts (``offload.lifecycle``, ``offload.copies``).
+in the other parts (``offload.engine.lifecycle``, ``offload.engine.copies``).
 
 What ``pack`` returns to autograd (the handle), by the tensor's fate:
 - kept where it is (the policy's decision, or a layer that is not offloaded, whose tensors
@@ -45,6 +45,7 @@ from .policy import KEEP_MARKED, KEEP_PARAMETER, KEEP_UNSUPPORTED, SelectionPoli
 if TYPE_CHECKING:
     from .schedules.base import Schedule
     from .stats import StepCounters
+    from .forward import ForwardState
     from .step import InFlight, StepState
     from .transport import Transport
 
@@ -92,11 +93,8 @@ class PackingMixin:
     policy: SelectionPolicy
     schedule: Schedule
     transport: Transport
-    step: Optional[StepState]
+    forward: ForwardState
     in_flight: InFlight
-    open_group: Optional[Group]
-    local_group: Optional[Group]
-    current_layer: int
 
     if TYPE_CHECKING:  # the other parts' methods used here
         def _between_layers_group(self) -> Optional[Group]: ...
@@ -107,13 +105,14 @@ class PackingMixin:
     def pack(self, t: torch.Tensor) -> Any:
         """Pack hook: keep ``t`` (a ``(tensor, version, layer)`` handle) or record it in the open
         group (a ``(group, index)`` handle)."""
-        group = self.open_group
+        forward = self.forward
+        group = forward.open_group
         if group is None:
             group = self._between_layers_group()
             if group is None:
                 # A layer that is not offloaded (or the head): kept, but never as the tensor
                 # itself (the cycle and in-place reasons in the module notes).
-                return keep_handle(t, self.current_layer)
+                return keep_handle(t, forward.layer)
         if _profiling():
             with record_function("offload::pack"):
                 return self._pack_into(group, t)
@@ -121,7 +120,7 @@ class PackingMixin:
 
     def _pack_local(self, t: torch.Tensor) -> Any:
         # The pack hook of a graphed layer's forward (offload.graphs): its own group, no layers.
-        return self._pack_into(self.local_group, t)  # type: ignore[arg-type]
+        return self._pack_into(self.forward.local_group, t)  # type: ignore[arg-type]
 
     def _pack_into(self, group: Group, t: Any) -> Any:
         reason = self.policy.decide(t, group.min_offload_bytes)
@@ -156,7 +155,7 @@ class PackingMixin:
         """Keep ``t`` where it is, counted under ``reason``: the pack hook of a keep region
         (``offload.keep_on_gpu``). Not on the per-tensor path of offloading contexts."""
         counters.keep(reason)
-        return keep_handle(t, self.current_layer)
+        return keep_handle(t, self.forward.layer)
 
     def unpack(self, packed: Any) -> Any:
         """Unpack hook: hand back the original, or a typed view of the reloaded group."""
@@ -171,7 +170,7 @@ class PackingMixin:
         if len(packed) == 3:  # kept: (tensor, version at pack, layer)
             return unpack_kept(packed)
         group, index = packed
-        step = self.step
+        step = self.forward.step
         if step is not None and not step.forward_done and group.step == step.index:
             self._backward_started(step)
         if group.state in HOLDS_ORIGINALS:
@@ -219,7 +218,7 @@ class PackingMixin:
         if not group.consumed:
             group.consumed = True
             self.schedule.on_consumed(self, group)
-            step = self.step
+            step = self.forward.step
             if step is None or step.index != group.step:
                 step = self.in_flight.get(group.step)  # an earlier micro-batch's group
             if step is not None:

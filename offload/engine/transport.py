@@ -49,8 +49,8 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from . import native
-from .arena import Region
+from ..host import native
+from ..host.arena import Region
 from .group import Group
 from .stats import StepCounters
 
@@ -125,9 +125,10 @@ class HostTransport:
     def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
         """Copy the group's slots into ``region``; returns the copy's end event (None here)."""
         start = WallMark() if self.timing else None
-        if self._ext is not None:
+        ext = self._ext
+        if ext is not None:
             dsts, srcs, sizes = slot_copy_lists(group, region)
-            self._ext.copy_batch(dsts, srcs, sizes, None, False)
+            ext.copy_batch(dsts, srcs, sizes, None, False)
         else:
             copy_slots_torch(group, region, device=self.device, non_blocking=False)
         if start is not None:
@@ -143,11 +144,23 @@ class HostTransport:
 
     def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
         """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
-        buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
+        nbytes = group.nbytes
+        block = group.host.block
+        ext = self._ext
+        # A fresh buffer is filled by one memcpy (the extension's, as for the offload) or made by
+        # ``clone``: 2 to 5 us a group less than ``empty`` then ``copy_`` between two slices.
+        # Like the CUDA transport's copies, these leave the buffer's version counter at 0.
+        fresh = into is None and ext is not None
+        buffer = torch.empty(nbytes, dtype=torch.uint8) if fresh else into
         start = WallMark() if self.timing else None
-        buffer[: group.nbytes].copy_(group.host.block[: group.nbytes])
+        if fresh:
+            ext.copy_batch([buffer.data_ptr()], [block.data_ptr()], [nbytes], None, False)
+        elif buffer is None:
+            buffer = block[:nbytes].clone()
+        else:
+            buffer[:nbytes].copy_(block[:nbytes])
         if start is not None:
-            counters.copies.append(("h2d", group.nbytes, start, WallMark()))
+            counters.copies.append(("h2d", nbytes, start, WallMark()))
         return buffer, None
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
@@ -217,13 +230,25 @@ class CudaTransport:
         timing = self.timing
         return timing is True or (timing is None and nbytes >= AUTO_TIMING_MIN_BYTES)
 
-    def _submit(self, copy_stream: Any, after: Optional[Any], timed: bool, lists: Callable[[], tuple[list[int], list[int], list[int]]], torch_copy: Callable[[], None]) -> tuple[Any, Any]:
+    def _submit(
+        self,
+        copy_stream: Any,
+        after: Optional[Any],
+        timed: bool,
+        lists: Optional[tuple[list[int], list[int], list[int]]],
+        torch_copy: Optional[Callable[[], None]],
+    ) -> tuple[Any, Any]:
         """One group's copy on ``copy_stream``, after the current stream and ``after``:
-        returns (start event or None, end event)."""
+        returns (start event or None, end event).
+
+        The copy is ``lists`` (dsts, srcs, sizes) with the extension, else ``torch_copy()``; the
+        caller builds only the one its path uses, instead of two closures per copy of which one
+        was never called.
+        """
         current = self._current()
-        if self._ext is not None:
-            dsts, srcs, sizes = lists()
-            return self._ext.submit_copies(dsts, srcs, sizes, copy_stream, current, after, timed)
+        if lists is not None:
+            dsts, srcs, sizes = lists
+            return self._ext.submit_copies(dsts, srcs, sizes, copy_stream, current, after, timed)  # type: ignore[union-attr]
         self._wait_stream(copy_stream, current)
         if after is not None:
             copy_stream.wait_event(after)
@@ -266,13 +291,14 @@ class CudaTransport:
         """Submit the group's D2H into ``region`` on the D2H stream; returns its end event."""
         captured = group.captured
         timed = self._timed(group.copy_bytes, captured)
-        start, done = self._submit(
-            self._d2h,
-            None if captured else region.ready,
-            timed,
-            lambda: slot_copy_lists(group, region),
-            lambda: copy_slots_torch(group, region, device=self.device, non_blocking=True),
-        )
+        after = None if captured else region.ready
+        if self._ext is not None:
+            start, done = self._submit(self._d2h, after, timed, slot_copy_lists(group, region), None)
+        else:
+            start, done = self._submit(
+                self._d2h, after, timed, None,
+                lambda: copy_slots_torch(group, region, device=self.device, non_blocking=True),
+            )
         if timed:
             counters.copies.append(("d2h", group.copy_bytes, start, done))
         return done
@@ -297,13 +323,15 @@ class CudaTransport:
         buffer = into if into is not None else torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         src = group.host.block
         timed = self._timed(nbytes, group.reload_captured)
-        start, done = self._submit(
-            self._h2d,
-            group.d2h_done if wait_d2h else None,
-            timed,
-            lambda: ([buffer.data_ptr()], [src.data_ptr()], [nbytes]),
-            lambda: buffer[:nbytes].copy_(src[:nbytes], non_blocking=True),
-        )
+        after = group.d2h_done if wait_d2h else None
+        if self._ext is not None:
+            start, done = self._submit(
+                self._h2d, after, timed, ([buffer.data_ptr()], [src.data_ptr()], [nbytes]), None
+            )
+        else:
+            start, done = self._submit(
+                self._h2d, after, timed, None, lambda: buffer[:nbytes].copy_(src[:nbytes], non_blocking=True)
+            )
         if timed:
             counters.copies.append(("h2d", nbytes, start, done))
         return buffer, done

@@ -1,6 +1,6 @@
 """Python face of the native extension ``offload._C``, with a pure-Python fallback.
 
-The extension plans a group's byte layout (same result as :func:`offload.layout.plan_layout_py`),
+The extension plans a group's byte layout (same result as :func:`offload.host.layout.plan_layout_py`),
 submits a batch of copies in one call (on a CUDA stream through the CUDA driver API, or host to
 host with ``memcpy``), and, for the CUDA transport and the arena, provides pooled events
 (``record_event``, ``submit_copies``: a group's whole copy in one call) and pinned host buffers
@@ -19,7 +19,7 @@ import os
 from types import ModuleType
 from typing import Any, Sequence
 
-from offload.layout import ALIGNMENT, plan_layout_py
+from offload.host.layout import ALIGNMENT, plan_layout_py
 
 __all__ = [
     "native_available",
@@ -81,7 +81,7 @@ def plan_layout(sizes: Sequence[int], alignment: int = ALIGNMENT) -> tuple[list[
 
     Every entry starts on an ``alignment`` boundary (a positive power of two); zero-size entries
     take no space; the total is rounded up to the alignment. The extension's when live, else
-    :func:`offload.layout.plan_layout_py`; both give identical results and raise ``ValueError``
+    :func:`offload.host.layout.plan_layout_py`; both give identical results and raise ``ValueError``
     for a negative size or a bad alignment.
     """
     ext = _STATE[0]
@@ -123,7 +123,7 @@ def copy_batch(
     ext = _STATE[0]
     if ext is None:
         raise RuntimeError(
-            f"offload.native.copy_batch needs the native extension, which is not live: {_STATE[1]}"
+            f"offload.host.native.copy_batch needs the native extension, which is not live: {_STATE[1]}"
         )
     ext.copy_batch(dst_ptrs, src_ptrs, sizes, stream, force_loop)
 

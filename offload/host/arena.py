@@ -1,7 +1,7 @@
 """Pinned host arena: reusable host blocks for group regions, capped by a host-RAM budget.
 
 Why an arena: pinning costs milliseconds per 100 MB even with the fastest method we have (see
-``offload.pinning``), so pinning per tensor or per step would dominate the step. The arena pins a
+``offload.host.pinning``), so pinning per tensor or per step would dominate the step. The arena pins a
 block the first time a region of that size is needed and hands the same block out again in later
 steps, so an unchanged model makes no pinned allocation after its first step, and the region
 addresses stay stable (what a CUDA-graph replay needs).
@@ -23,7 +23,7 @@ would overrun it keeps the excess tensors on the GPU instead of failing later. A
 refuses (out of memory, locked-memory limit) is the same as the budget saying no: the group stays
 on the GPU, counted under ``kept["budget"]``, and nothing is lost.
 
-Every arena of the process also charges one ledger (``offload.host_ledger``) that bounds them
+Every arena of the process also charges one ledger (``offload.host.ledger``) that bounds them
 all together: a block is charged before it is allocated or queued, adjusted to its real bytes,
 and refunded when freed; a refused charge is a budget refusal like the arena's own. After freeing
 blocks the arena empties torch's pinned-memory cache (the fallback allocator's blocks would stay).
@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from . import native
-from .host_ledger import HostLedger, default_host_budget, process_ledger
+from .ledger import HostLedger, default_host_budget, process_ledger
 from .layout import align_up
 from .numa import NumaPlacement
 from .pinning import Allocator, BackgroundPinner, allocate_host_block, expected_held_bytes, release_cached_pinned
@@ -122,7 +122,7 @@ class HostArena:
         # Asked on a miss that would wait for pinning: may the group stay on the device instead?
         # (None: always wait.)
         self.keep_while_pinning = keep_while_pinning
-        # The NUMA node of the blocks (the GPU's, see offload.numa), and why.
+        # The NUMA node of the blocks (the GPU's, see offload.host.numa), and why.
         self.numa = numa if numa is not None else NumaPlacement(None, "not bound")
         placement = self.numa
         # ``allocate(nbytes) -> (block, bytes held)``; tests replace it to make the host refuse.
@@ -206,7 +206,7 @@ class HostArena:
             f"offload context of the process ({ledger.held_bytes} held, "
             f"{self.counters.bytes_held} of them by this context): what does not fit stays on the "
             "GPU (stats kept['budget']). close() the contexts you are done with (or drop them), "
-            "or raise the budget with offload.host_ledger.set_process_host_budget(nbytes).",
+            "or raise the budget with offload.host.ledger.set_process_host_budget(nbytes).",
             stacklevel=3,
         )
 
@@ -240,7 +240,7 @@ class HostArena:
                     f"over its host budget of {ledger.budget_bytes} bytes ({ledger.budget_source}), "
                     f"shared by every offload context ({ledger.held_bytes} held). Reserve less, "
                     "close() the contexts you are done with, or raise the budget with "
-                    "offload.host_ledger.set_process_host_budget(nbytes)."
+                    "offload.host.ledger.set_process_host_budget(nbytes)."
                 )
         # Charged for all of them: each is queued, or allocated and adjusted to its real bytes.
         for i, (size, charge) in enumerate(zip(blocks, charges)):

@@ -15,8 +15,8 @@ from ..transport import Transport
 
 
 class EngineView(Protocol):
-    """The engine's fields and methods a schedule reads and calls (see ``offload/copies.py`` and
-    ``offload/lifecycle.py`` for what each does)."""
+    """The engine's fields and methods a schedule reads and calls (see ``offload/engine/copies.py`` and
+    ``offload/engine/lifecycle.py`` for what each does)."""
 
     transport: Transport
     step: Optional[StepState]

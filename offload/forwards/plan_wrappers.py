@@ -22,10 +22,10 @@ from typing import Any, Iterable, Optional, Protocol
 
 import torch
 
-from .eager import run_eagerly
+from ..engine.eager import run_eagerly
 from .recompute import checkpoint_call
 from .selective import SelectiveForward
-from .tiling.tokenwise import TiledForward
+from ..tiling.tokenwise import TiledForward
 
 
 class PlanFollower(Protocol):
@@ -101,7 +101,7 @@ class RecomputeForward:
 
 
 class SelectiveWhen:
-    """The ``when`` of a planned :class:`~offload.selective.SelectiveForward`: true while a
+    """The ``when`` of a planned :class:`~offload.forwards.selective.SelectiveForward`: true while a
     context it serves runs a layer its plan makes selective."""
 
     __slots__ = ("owners",)

@@ -1,26 +1,27 @@
 """The engine: one model's offloading, put together from three parts that each have one job.
 
-``OffloadEngine`` owns the state (policy, schedule, transport, arena, the running step and the
-open group, set up in ``__init__`` below) and gets its methods from three mixins, each in its own
-module so that it can be read alone:
+``OffloadEngine`` owns the parts (policy, schedule, transport, arena) and one state object,
+``forward`` (``offload.engine.forward.ForwardState``: the running step, the open layer and its
+group, changed only by checked transitions), and gets its methods from three mixins, each in its
+own module so that it can be read alone:
 
-- ``offload.packing`` (``PackingMixin``): the saved-tensor hooks, the per-tensor hot path.
+- ``offload.engine.packing`` (``PackingMixin``): the saved-tensor hooks, the per-tensor hot path.
   ``pack`` keeps a tensor or records it in the open group, ``unpack`` hands it back.
-- ``offload.lifecycle`` (``StepLifecycleMixin``): the step and layer lifecycle: where steps and
+- ``offload.engine.lifecycle`` (``StepLifecycleMixin``): the step and layer lifecycle: where steps and
   layers begin and end, micro-batches in flight, captured steps and graphed layers' groups.
-- ``offload.copies`` (``CopyMixin``): the primitives schedules call to move a group to the host
+- ``offload.engine.copies`` (``CopyMixin``): the primitives schedules call to move a group to the host
   and back (offload, release, reload), and host regions going back to the arena.
 
 Mixins rather than helper objects the engine owns: the hooks run once per saved tensor, where a
 helper would add an attribute lookup and a call each time, and a schedule sees one ``engine``.
-The mixins import nothing from this module (no import cycle); each declares the engine state it
-uses. The notes on layer boundaries, micro-batches in flight, threads and CUDA graphs are at the
-top of ``offload.lifecycle``; those on handles, reference cycles and in-place changes at the top
-of ``offload.packing``.
+The mixins import nothing from this module (no import cycle); each declares the parts it uses,
+and none keeps step state of its own: that is all in ``forward``. The notes on layer boundaries, micro-batches in flight, threads and CUDA graphs are at the
+top of ``offload.engine.lifecycle``; those on handles, reference cycles and in-place changes at the top
+of ``offload.engine.packing``.
 
 Lifetime of one saved tensor (the data flow in brief: docs/design.md):
 - ``pack`` (forward): the policy keeps it (``(tensor, version, layer)`` is returned, the tensor
-  detached unless it is a parameter, see ``offload.packing``) or it joins the open layer's group
+  detached unless it is a parameter, see ``offload.engine.packing``) or it joins the open layer's group
   and ``(group, index)`` is returned to autograd.
 - the schedule offloads the group (D2H into an arena region), releases the GPU originals, and
   reloads the group (one H2D into one buffer) ahead of its backward.
@@ -38,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from .arena import HostArena
+from ..host.arena import HostArena
 from .copies import CopyMixin
 from .eager import saved_tensors_hooks
 from .group import Group
@@ -46,7 +47,8 @@ from .lifecycle import StepLifecycleMixin
 from .packing import PackingMixin, StorageHandle
 from .policy import SelectionPolicy
 from .stats import StepCounters, format_report, snapshot, weight_cache_bytes
-from .step import InFlight, StepState
+from .forward import ForwardState
+from .step import InFlight
 from .transport import Transport
 
 if TYPE_CHECKING:
@@ -80,31 +82,19 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
         # model_layers layer contexts, and each offloaded layer's context pushes the hooks.
         # False: OffloadActivations, which pushes the hooks once and ends the forward itself.
         self.layer_contexts = layer_contexts
-        self.step: Optional[StepState] = None
+        # Where the current step's forward stands, and everything that moves with it: one
+        # object, changed only by its checked transitions (offload.engine.forward).
+        self.forward = ForwardState()
         self.last_finished: Optional[StepCounters] = None
         # The modules registered with register_module_storages: the stats count their weight
         # caches (FP8 copies); empty when the context was given none.
         self.modules: tuple[torch.nn.Module, ...] = ()
-        self.open_group: Optional[Group] = None
-        # The next layer's group, opened early by a tensor saved between two layers. Strong
-        # reference: until its layer runs, no autograd handle may hold it yet.
-        self.pending_group: Optional[Group] = None
-        self.current_layer = -1
-        self.last_closed_layer: Optional[int] = None  # None after a passive layer
-        self.in_layer = False
-        self._passive_depth = 0  # open layer contexts that are not tracked (see offload.lifecycle)
-        self._hooks_pushed = False
-        self._forward_hooks_pushed = False
         self._warned: set[str] = set()
-        # Run eagerly even under a compiled frame (see offload.eager).
+        # Run eagerly even under a compiled frame (see offload.engine.eager).
         self._hooks = saved_tensors_hooks(self.pack, self.unpack)
-        self._step_index = 0
         self.in_flight = InFlight()  # earlier micro-batches, backward still to come
-        self._forward_thread = 0  # the thread running the open step's forward
-        # The graphed layer being captured or warmed up (offload.graphs), with its own hooks.
-        self.local_group: Optional[Group] = None
+        # A graphed layer's hooks while it is warmed up or captured (offload.graphs).
         self._local_hooks = saved_tensors_hooks(self._pack_local, self.unpack)
-        self._local_hooks_pushed = False
 
     def register_module_storages(self, *modules: torch.nn.Module) -> None:
         """Keep on the GPU every saved tensor over the memory of these modules' parameters and
@@ -127,7 +117,8 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
         """Figures of the last finished step (or of the step in progress if none finished)."""
         counters = self.last_finished
         if counters is None:
-            counters = self.step.counters if self.step is not None else StepCounters(step=0, mode=self.mode)
+            step = self.forward.step
+            counters = step.counters if step is not None else StepCounters(step=0, mode=self.mode)
         return snapshot(
             counters,
             pinned_bytes_held=self.arena.counters.bytes_held,

@@ -3,8 +3,8 @@
 Separate because this is the engine's bookkeeping once per layer and once per step, in the order
 its callers drive it: which step is running, which layer's group is open, when the forward ends,
 when a step is finished, and which steps (micro-batches) are still waiting for their backward.
-The schedule hears of each event here; the tensors themselves go through ``offload.packing``, and
-the copies through ``offload.copies``.
+The schedule hears of each event here; the tensors themselves go through ``offload.engine.packing``, and
+the copies through ``offload.engine.copies``.
 
 Layer boundaries. In TransformerEngine's call shape the saved-tensor hooks are pushed by each
 layer's ``with ctx`` (only for layers the schedule offloads) and a step is ``model_layers`` layer
@@ -20,7 +20,7 @@ Function's forward is not passive: that is a reentrant checkpoint running a trai
 layer (perhaps its first), and it keeps its number so that the right layers are offloaded.
 
 The step's groups are held weakly: autograd's handles keep them alive, and the handles never
-hold a node of the graph (``offload.packing``), so a graph that is dropped frees them. A forward
+hold a node of the graph (``offload.engine.packing``), so a graph that is dropped frees them. A forward
 whose graph is dropped before its backward (an exception between layers, a skipped backward)
 frees its groups, which marks the step abandoned, so the next layer starts a fresh step instead
 of counting on. Backward reaching a step whose forward is still open (fewer layer contexts than
@@ -31,7 +31,7 @@ transition, :meth:`abort_step`: the hooks are popped, the open and pending group
 claims dropped, the schedule told (``Schedule.on_abort``: v1 holds groups in its queue), and the
 step forgotten. Nothing else of the step is held by the engine, so everything it saved dies with
 the graph; a group that dies with a prefetch unread makes the compute stream wait for that copy
-before its buffer can be reused (``offload.copies``).
+before its buffer can be reused (``offload.engine.copies``).
 
 Several micro-batches in flight (a pipeline stage's 1F1B order: forward mb0, forward mb1,
 backward mb0, ...). Each forward is a step, so a group is keyed by (step, layer), i.e. by
@@ -66,8 +66,13 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch.autograd.function import FunctionCtx
 
-from .arena import CaptureError, HostArena
+from ..host.arena import CaptureError, HostArena
 from .diagnose import nothing_offloaded
+from .forward import ForwardState, Phase
+
+# Module globals: one lookup each on the per-layer path.
+_BETWEEN = Phase.BETWEEN
+_IN_LAYER = Phase.IN_LAYER
 from .group import Group, GroupState
 from .policy import SelectionPolicy
 from .stats import StepCounters
@@ -99,9 +104,12 @@ def inside_function_forward(max_frames: int = 64) -> bool:
 
 
 class StepLifecycleMixin:
-    """The step and layer lifecycle of :class:`offload.engine.OffloadEngine`."""
+    """The step and layer lifecycle of :class:`offload.engine.OffloadEngine`: each event moves
+    ``self.forward`` (:class:`~offload.engine.forward.ForwardState`) by one checked transition,
+    then tells the schedule."""
 
-    # The engine's state used here (set up and described in OffloadEngine.__init__).
+    # The engine's parts used here (set up in OffloadEngine.__init__); the step's state is in
+    # ``forward`` alone.
     policy: SelectionPolicy
     schedule: Schedule
     transport: Transport
@@ -109,24 +117,12 @@ class StepLifecycleMixin:
     mode: str
     model_layers: int
     layer_contexts: bool
-    step: Optional[StepState]
+    forward: ForwardState
     last_finished: Optional[StepCounters]
-    open_group: Optional[Group]
-    pending_group: Optional[Group]
-    current_layer: int
-    last_closed_layer: Optional[int]
-    in_layer: bool
-    _passive_depth: int
-    _hooks_pushed: bool
-    _forward_hooks_pushed: bool
+    in_flight: InFlight
     _warned: set[str]
     _hooks: torch.autograd.graph.saved_tensors_hooks
-    _step_index: int
-    in_flight: InFlight
-    _forward_thread: int
-    local_group: Optional[Group]
     _local_hooks: torch.autograd.graph.saved_tensors_hooks
-    _local_hooks_pushed: bool
 
     if TYPE_CHECKING:  # the other parts' methods used here
         def warn_once(self, key: str, message: str) -> None: ...
@@ -134,6 +130,11 @@ class StepLifecycleMixin:
         def release(self, group: Group) -> None: ...
         def _group_freed(self, group: Group) -> None: ...
         def _join_side_streams(self, counters: StepCounters) -> None: ...
+
+    @property
+    def step(self) -> Optional[StepState]:
+        """The step started last (its forward open, or waiting for its backward), or None."""
+        return self.forward.step
 
     # -- steps -----------------------------------------------------------------------------------
     def begin_step(self, captured: Optional[bool] = None) -> None:
@@ -143,39 +144,40 @@ class StepLifecycleMixin:
         """
         if captured is None:
             captured = self.transport.capturing()
-        previous = self.step
+        forward = self.forward
+        previous = forward.step
         if previous is not None:
             if captured or not self.in_flight.admit(previous):
                 # Trimming idle blocks waits on their events on the host: not under capture.
                 self._finish(previous, trim=not captured)
             # Let go of its groups now: freed, they hand their host regions back to the arena,
             # where a capture starting with this step looks for them.
-            self.step = None
+            forward.let_go()
             del previous
         for stale in self.in_flight.stale():
             self._finish(stale, trim=False)
         if captured:
             self._check_capture_ready("a step")
-        self.in_flight.start(self._step_index + 1)
-        self._forward_thread = threading.get_ident()
-        self._step_index += 1
-        counters = StepCounters(step=self._step_index, mode=self.mode, captured=captured)
+        index = forward.step_index + 1
+        self.in_flight.start(index)
+        counters = StepCounters(step=index, mode=self.mode, captured=captured)
         counters.pinned_allocations = -self.arena.counters.pinned_allocations
-        self.step = StepState(index=self._step_index, counters=counters, captured=captured)
+        forward.start_step(StepState(index=index, counters=counters, captured=captured), threading.get_ident())
         self.schedule.on_step_start(self)
 
     def step_state(self, index: int) -> Optional[StepState]:
         """The step (micro-batch) of that index: the current one or one still in flight."""
-        step = self.step
+        step = self.forward.step
         if step is not None and step.index == index:
             return step
         return self.in_flight.get(index)
 
     def micro_batches(self) -> list[StepState]:
         """Every step in flight: the earlier ones waiting for their backward, then the current."""
-        steps = self.in_flight.values()
-        if self.step is not None and not self.step.counters.finished:
-            steps.append(self.step)
+        steps = list(self.in_flight.values())
+        step = self.forward.step
+        if step is not None and not step.counters.finished:
+            steps.append(step)
         return steps
 
     def _check_capture_ready(self, what: str) -> None:
@@ -192,10 +194,6 @@ class StepLifecycleMixin:
             )
 
     # -- layers ----------------------------------------------------------------------------------
-    def _forward_open(self) -> bool:
-        step = self.step
-        return step is not None and not step.forward_done and not step.abandoned
-
     def _passive_layer(self) -> bool:
         # Inside a backward (autograd's graph task is set): a checkpoint recomputing a layer.
         # Under no_grad with no training forward open: an eval forward, which saves nothing,
@@ -206,16 +204,17 @@ class StepLifecycleMixin:
         # matches the model.
         if torch._C._current_graph_task_id() != -1:
             return True
-        if torch.is_grad_enabled() or self._forward_open():
+        if torch.is_grad_enabled() or self.forward.forward_open():
             return False
         return not inside_function_forward()
 
     def next_layer(self) -> Optional[int]:
         """The index :meth:`begin_layer` would give the layer entered now, or None when it
         would be passive (see the module notes)."""
-        if self._passive_depth or self._passive_layer():
+        forward = self.forward
+        if forward.passive_depth or self._passive_layer():
             return None
-        return self.step.layers_started if self._forward_open() else 0  # type: ignore[union-attr]
+        return forward.step.layers_started if forward.forward_open() else 0  # type: ignore[union-attr]
 
     def begin_layer(self) -> bool:
         """Forward enters the next layer: schedule decisions, then capture its saved tensors.
@@ -223,10 +222,12 @@ class StepLifecycleMixin:
         Returns False for a passive layer (see the module notes): nothing is tracked until the
         matching :meth:`end_layer`. Atomic: if it raises, the engine is as it was.
         """
-        if self._passive_depth or self._passive_layer():
-            self._passive_depth += 1
+        forward = self.forward
+        if forward.passive_depth or self._passive_layer():
+            forward.passive_depth += 1
             return False
-        if self._forward_open() and threading.get_ident() != self._forward_thread:
+        new_step = not forward.forward_open()
+        if not new_step and threading.get_ident() != forward.thread:
             raise RuntimeError(
                 "offload: a layer was entered from another thread while this offload context "
                 "runs a forward in its own thread; one context serves one forward at a time, "
@@ -234,15 +235,14 @@ class StepLifecycleMixin:
                 "thread (each model or micro-batch stream run concurrently) its own context: "
                 "one get_cpu_offload_context(...) or OffloadActivations(...) per stream"
             )
-        if self.in_layer:
+        if forward.phase is _IN_LAYER:
             raise RuntimeError(
                 "offload: a layer context was entered while another is still open; offload "
                 "contexts do not nest: close the outer layer's `with` before entering the next "
                 "(with OffloadActivations, pass layers that do not contain one another)"
             )
         captured = self.transport.capturing()
-        new_step = not self._forward_open()
-        layer = 0 if new_step else self.step.layers_started  # type: ignore[union-attr]
+        layer = 0 if new_step else forward.step.layers_started  # type: ignore[union-attr]
         offloads = torch.is_grad_enabled() and self.schedule.offloads(layer)
         push = offloads and self.layer_contexts
         if push:
@@ -252,11 +252,11 @@ class StepLifecycleMixin:
         try:
             if new_step:
                 self.begin_step(captured)
-            step = self.step
-            if captured != step.captured:
+            step = forward.step
+            if captured != step.captured:  # type: ignore[union-attr]
                 raise CaptureError(
                     "offload: a step's layers must all run under the same CUDA-graph capture or all "
-                    f"eagerly, but layer {step.layers_started} {'is' if captured else 'is not'} being "
+                    f"eagerly, but layer {step.layers_started} {'is' if captured else 'is not'} being "  # type: ignore[union-attr]
                     "captured and the step's first layer was "
                     f"{'not ' if captured else ''}captured; capture the whole forward and backward"
                 )
@@ -264,17 +264,15 @@ class StepLifecycleMixin:
             if push:
                 self._hooks.__exit__(None, None, None)
             raise
-        self._hooks_pushed = push
-        step.layers_started += 1
-        self.current_layer = layer
-        self.in_layer = True
+        step.layers_started += 1  # type: ignore[union-attr]
+        group = forward.take_pending()
+        if group is not None and (not offloads or group.layer != layer):
+            self._keep_pending(group, step)  # type: ignore[arg-type]
+            group = None
+        if offloads and group is None:
+            group = self._new_group(layer, step)  # type: ignore[arg-type]
+        forward.enter_layer(layer, group, push)
         self.schedule.on_layer_start(self, layer)
-        if offloads:
-            group = self.pending_group
-            self.pending_group = None
-            if group is None or group.layer != layer:
-                group = self._new_group(layer, step)
-            self.open_group = group
         return True
 
     def _new_group(self, layer: int, step: StepState) -> Group:
@@ -289,15 +287,17 @@ class StepLifecycleMixin:
     def _between_layers_group(self) -> Optional[Group]:
         """The group for a tensor saved between two layers of OffloadActivations' forward: the
         next layer's (see the module notes), or None to keep it where it is."""
-        if self.in_layer or self._passive_depth or not self._forward_open():
+        forward = self.forward
+        if forward.phase is not _BETWEEN or forward.passive_depth or not forward.forward_open():
             return None
-        step = self.step
+        step = forward.step
         layer = step.layers_started  # type: ignore[union-attr]
-        group = self.pending_group
-        if group is None or group.layer != layer:
+        group = forward.pending_group
+        if group is None:
             if not self.schedule.offloads(layer):
                 return None
-            group = self.pending_group = self._new_group(layer, step)  # type: ignore[arg-type]
+            group = self._new_group(layer, step)  # type: ignore[arg-type]
+            forward.open_pending(group)
         return group
 
     def end_layer(self, failed: bool = False) -> Optional[int]:
@@ -305,29 +305,28 @@ class StepLifecycleMixin:
 
         Returns the layer's index, or None for a passive layer or after a failure.
         """
-        self.last_closed_layer = None
-        if self._passive_depth:
-            self._passive_depth -= 1
+        forward = self.forward
+        if forward.passive_depth:
+            forward.passive_depth -= 1
+            forward.last_closed = None
             return None
-        if not self.in_layer:
+        if forward.phase is not _IN_LAYER:
+            forward.last_closed = None
             return None
-        self.in_layer = False
-        if self._hooks_pushed:
-            self._hooks_pushed = False
-            self._hooks.__exit__(None, None, None)
-        group = self.open_group
-        self.open_group = None
         if failed:
             self.abort_step()
             return None
-        step = self.step
+        if forward.layer_hooks:
+            self._hooks.__exit__(None, None, None)
+        group = forward.exit_layer()
+        step = forward.step
         if group is not None:
-            group = self._close(group, step)
-        self.schedule.on_layer_end(self, self.current_layer, group)
-        self.last_closed_layer = self.current_layer
-        if self.layer_contexts and step.layers_started >= self.model_layers:
+            group = self._close(group, step)  # type: ignore[arg-type]
+        layer = forward.layer
+        self.schedule.on_layer_end(self, layer, group)
+        if step.forward_done or self.layer_contexts and step.layers_started >= self.model_layers:  # type: ignore[union-attr]
             self.end_forward()
-        return self.current_layer
+        return layer
 
     def _close(self, group: Group, step: StepState) -> Optional[Group]:
         # Lay the group out, or forget it when nothing was saved into it.
@@ -340,6 +339,13 @@ class StepLifecycleMixin:
         step.groups.pop(group.layer, None)
         return None
 
+    def _keep_pending(self, pending: Group, step: StepState) -> None:
+        # Tensors saved between layers for a layer that did not offload (or never came): they
+        # stay on the GPU, and the host bytes claimed for them go back.
+        pending = self._close(pending, step)
+        if pending is not None:
+            pending.mark_kept()
+
     # -- OffloadActivations' forward and its end -------------------------------------------------
     def begin_forward(self) -> bool:
         """OffloadActivations' entry: start a step and push the hooks for the whole forward.
@@ -350,17 +356,18 @@ class StepLifecycleMixin:
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return False
         self._hooks.__enter__()  # first: it may raise, and then nothing has changed
-        self._forward_hooks_pushed = True
         try:
             self.begin_step()
         except BaseException:
-            self._pop_forward_hooks()
+            self._hooks.__exit__(None, None, None)
             raise
+        self.forward.forward_hooks = True
         return True
 
     def _pop_forward_hooks(self) -> None:
-        if self._forward_hooks_pushed:
-            self._forward_hooks_pushed = False
+        forward = self.forward
+        if forward.forward_hooks:
+            forward.forward_hooks = False
             self._hooks.__exit__(None, None, None)
 
     def finish_forward(self) -> None:
@@ -374,16 +381,16 @@ class StepLifecycleMixin:
         Also called from backward (see :meth:`_backward_started`), possibly on autograd's
         device thread, so it leaves the hooks alone: they belong to the thread that pushed them.
         """
-        step = self.step
-        if step is None or step.forward_done:
+        forward = self.forward
+        step = forward.step
+        if step is None:
             return
-        pending = self.pending_group
+        pending = forward.end_forward()
         if pending is not None:
             # Saved after the last layer that ran, for a layer that never came: keep it here.
-            self.pending_group = None
-            pending = self._close(pending, step)
-            if pending is not None:
-                pending.mark_kept()
+            self._keep_pending(pending, step)
+        if step.forward_done:
+            return
         step.forward_done = True
         self.schedule.on_forward_end(self)
         self._check_finished(step)
@@ -411,15 +418,12 @@ class StepLifecycleMixin:
         a group that dies with a copy in flight is ordered after it (``_group_freed``), so no
         GPU or host memory stays behind and none is reused too early.
         """
-        if self._hooks_pushed:
-            self._hooks_pushed = False
+        forward = self.forward
+        if forward.layer_hooks:
+            forward.layer_hooks = False
             self._hooks.__exit__(None, None, None)
         self._pop_forward_hooks()
-        self.in_layer = False
-        self.open_group = None
-        self.pending_group = None
-        self._passive_depth = 0
-        step, self.step = self.step, None
+        step = forward.abort()
         if step is None:
             return
         for group in step.groups.values():
@@ -435,16 +439,17 @@ class StepLifecycleMixin:
         state = self.step_state(step)
         if state is None:
             return
-        if state is self.step and not state.forward_done:
+        if state is self.forward.step and not state.forward_done:
             self._backward_started(state)
         state.reached = layer
         self.schedule.on_backward_reach(self, state, layer)
 
     def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
         """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""
-        if self.step is None or not tensor.requires_grad:
+        step = self.forward.step
+        if step is None or not tensor.requires_grad:
             return
-        marker = BackwardReach(self, self.step.index, layer)
+        marker = BackwardReach(self, step.index, layer)
         node = tensor.grad_fn
         if node is not None:
             # A pre-hook of the node that made the tensor fires at the same point (a non-leaf
@@ -471,10 +476,10 @@ class StepLifecycleMixin:
             self._diagnose(step.counters)
         self.last_finished = step.counters
         if self.in_flight:
-            self.in_flight.pop(step.index)
+            self.in_flight.pop(step.index, None)
         # Trim only when the whole wave of micro-batches is done, keeping the blocks any of
         # them used: the next wave (the pipeline's next iteration) asks for them again.
-        current = self.step
+        current = self.forward.step
         wave_done = not self.in_flight and (current is None or current is step or current.counters.finished)
         if trim and wave_done and not step.captured:
             self.arena.end_step(step.index, first_step=self.in_flight.wave_first)
@@ -498,7 +503,8 @@ class StepLifecycleMixin:
         Used by ``offload.graphs`` around a layer's forward while it is warmed up and captured;
         ``label`` names the layer in messages, ``counters`` receive its figures.
         """
-        if self.local_group is not None:
+        forward = self.forward
+        if forward.local_group is not None:
             raise RuntimeError("offload: graphed layers do not nest; a graphed layer's forward called another")
         captured = self.transport.capturing()
         if captured:
@@ -508,10 +514,10 @@ class StepLifecycleMixin:
         group.captured = captured
         group.on_free = self._group_freed
         group.counters = counters
-        self.local_group = group
+        forward.local_group = group
         if torch.is_grad_enabled():
             self._local_hooks.__enter__()
-            self._local_hooks_pushed = True
+            forward.local_hooks = True
         return group
 
     def end_local_group(self, failed: bool = False) -> None:
@@ -521,12 +527,13 @@ class StepLifecycleMixin:
         stream back before the forward graph ends; with ``cuda_graph_event`` the caller's stream
         does not have to wait for that tail (see ``offload.graphs``).
         """
-        group = self.local_group
+        forward = self.forward
+        group = forward.local_group
         if group is None:
             return
-        self.local_group = None
-        if self._local_hooks_pushed:
-            self._local_hooks_pushed = False
+        forward.local_group = None
+        if forward.local_hooks:
+            forward.local_hooks = False
             self._local_hooks.__exit__(None, None, None)
         self.arena.unclaim(group.saved_bytes)
         group.saved_bytes = 0

@@ -30,10 +30,10 @@ from typing import Any, Callable, Optional, Protocol
 
 import torch
 
-from .instance_forward import check_own_forward
-from .planner.shapes import StepShape
-from .planner.tiling import LOGIT_BYTES, HeadInfo
-from .tiling.causal_lm import TiledCausalLMForward, head_support
+from ..forwards.instance import check_own_forward
+from ..planner.shapes import StepShape
+from ..planner.tiling import LOGIT_BYTES, HeadInfo
+from ..tiling.causal_lm import TiledCausalLMForward, head_support
 
 # A probe of a long first batch runs at most this many tokens ...
 SHORT_PROBE_TOKENS = 32768

@@ -17,10 +17,10 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from .api import MODE_ENV_VAR, MODES, _check_bool, _check_choice, _check_int, _got, resolve_mode
-from .find_layers import describe_layers
-from .planner.budget import DEVICE
-from .planner.make import Budget
+from ..api import MODE_ENV_VAR, MODES, _check_bool, _check_choice, _check_int, _got, resolve_mode
+from .find import describe_layers
+from ..planner.budget import DEVICE
+from ..planner.make import Budget
 
 
 def check_torchtune_options(

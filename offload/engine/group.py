@@ -33,8 +33,8 @@ from typing import Any, Optional
 
 import torch
 
-from . import native
-from .layout import ALIGNMENT
+from ..host import native
+from ..host.layout import ALIGNMENT
 
 
 class GroupState(enum.Enum):
@@ -205,28 +205,34 @@ class Group:
     # -- building --------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int:
         """Record ``t`` and return its entry index. Views of one storage share one slot."""
+        # Runs once per saved tensor: the contiguous case of ``storage_extent_bytes`` and
+        # ``own_alias`` are inlined (a Python call each saved).
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         itemsize = t.element_size()
         lo = t.storage_offset() * itemsize
-        hi = lo + storage_extent_bytes(t)
+        hi = lo + (t.numel() * itemsize if t.is_contiguous() else storage_extent_bytes(t))
+        aligned_lo = lo & _ALIGN_MASK
+        slot_lo = self.slot_lo
         slot = self._slot_of_ptr.get(ptr)
         if slot is None:
-            slot = len(self.slot_storages)
+            slot = len(slot_lo)
             self._slot_of_ptr[ptr] = slot
             self.slot_storages.append(storage if self.retain else None)
-            self.slot_lo.append(lo & _ALIGN_MASK)
+            slot_lo.append(aligned_lo)
             self.slot_hi.append(hi)
         else:
-            if lo & _ALIGN_MASK < self.slot_lo[slot]:
-                self.slot_lo[slot] = lo & _ALIGN_MASK
+            if aligned_lo < slot_lo[slot]:
+                slot_lo[slot] = aligned_lo
             if hi > self.slot_hi[slot]:
                 self.slot_hi[slot] = hi
-        self.entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
+        entries = self.entries
+        index = len(entries)
+        entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
         self.versions.append(t._version)
         if self.retain:
-            self.originals.append(own_alias(t))  # type: ignore[union-attr]
-        return len(self.entries) - 1
+            self.originals.append(_make_alias(torch.Tensor, t))  # type: ignore[union-attr]  # own_alias(t)
+        return index
 
     def slot_sizes(self) -> list[int]:
         """Byte size of each storage slot's span."""
@@ -235,14 +241,15 @@ class Group:
     def close(self) -> None:
         """Freeze the group and lay its slots out in one region (the one layout function)."""
         self._move(_FROM_OPEN, GroupState.RESIDENT)
-        sizes = self.slot_sizes()
+        slot_lo = self.slot_lo
+        sizes = [hi - lo for lo, hi in zip(slot_lo, self.slot_hi)]  # slot_sizes(), inlined
         offsets, total = native.plan_layout(sizes)
         self.sizes = sizes
         self.copy_bytes = sum(sizes)
         self.slot_offsets = offsets
         self.nbytes = total
         self.entry_element_offsets = [
-            (offsets[slot] + byte_offset - self.slot_lo[slot]) // dtype.itemsize
+            (offsets[slot] + byte_offset - slot_lo[slot]) // dtype.itemsize
             for slot, byte_offset, dtype, _, _, _ in self.entries
         ]
         self._slot_of_ptr.clear()

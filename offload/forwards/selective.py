@@ -51,7 +51,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from .instance_forward import InstalledForwards, check_own_forward, module_list
+from .instance import InstalledForwards, check_own_forward, module_list
 from .recompute import checkpoint_call
 
 aten = torch.ops.aten

@@ -33,7 +33,7 @@ pile up pinned memory that no budget counts, until the OOM killer ends the proce
 arena empties that cache after it frees blocks (:func:`release_cached_pinned`), and the
 fallback empties it before each pin (blocks of an arena dropped without ``close()``): the
 fallback's blocks then hold their bytes exactly while they live, as the extension's do, and
-the process-wide ledger (``offload.host_ledger``) counts what is really pinned.
+the process-wide ledger (``offload.host.ledger``) counts what is really pinned.
 
 Background allocation (:class:`BackgroundPinner`): one worker thread allocates blocks queued ahead
 (``HostArena.preallocate(..., background=True)``, and the growth forecast on a step's first miss),
@@ -100,7 +100,7 @@ def allocate_host_block(
     ``pinned``: page-locked (for a CUDA transport), through the native extension when it is live,
     else torch's pinned allocator. Raises ``RuntimeError`` when the host refuses (out of memory,
     or the locked-memory limit). ``placement``: the NUMA node to put the pages on (pinned native
-    blocks only; see ``offload.numa``); a node the kernel refuses is noted there, and the block
+    blocks only; see ``offload.host.numa``); a node the kernel refuses is noted there, and the block
     is allocated without it.
     """
     if not pinned:
