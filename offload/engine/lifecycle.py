@@ -194,7 +194,7 @@ class StepLifecycleMixin:
             )
 
     # -- layers ----------------------------------------------------------------------------------
-    def _passive_layer(self) -> bool:
+    def _passive_layer(self, forward_open: bool) -> bool:
         # Inside a backward (autograd's graph task is set): a checkpoint recomputing a layer.
         # Under no_grad with no training forward open: an eval forward, which saves nothing,
         # unless it runs inside an autograd Function's forward (a reentrant checkpoint, which
@@ -204,7 +204,7 @@ class StepLifecycleMixin:
         # matches the model.
         if torch._C._current_graph_task_id() != -1:
             return True
-        if torch.is_grad_enabled() or self.forward.forward_open():
+        if forward_open or torch.is_grad_enabled():
             return False
         return not inside_function_forward()
 
@@ -212,9 +212,10 @@ class StepLifecycleMixin:
         """The index :meth:`begin_layer` would give the layer entered now, or None when it
         would be passive (see the module notes)."""
         forward = self.forward
-        if forward.passive_depth or self._passive_layer():
+        forward_open = forward.forward_open()
+        if forward.passive_depth or self._passive_layer(forward_open):
             return None
-        return forward.step.layers_started if forward.forward_open() else 0  # type: ignore[union-attr]
+        return forward.step.layers_started if forward_open else 0  # type: ignore[union-attr]
 
     def begin_layer(self) -> bool:
         """Forward enters the next layer: schedule decisions, then capture its saved tensors.
@@ -223,10 +224,11 @@ class StepLifecycleMixin:
         matching :meth:`end_layer`. Atomic: if it raises, the engine is as it was.
         """
         forward = self.forward
-        if forward.passive_depth or self._passive_layer():
+        forward_open = forward.forward_open()
+        if forward.passive_depth or self._passive_layer(forward_open):
             forward.passive_depth += 1
             return False
-        new_step = not forward.forward_open()
+        new_step = not forward_open
         if not new_step and threading.get_ident() != forward.thread:
             raise RuntimeError(
                 "offload: a layer was entered from another thread while this offload context "

@@ -194,6 +194,9 @@ class CudaTransport:
         self.h2d_stream = torch.cuda.Stream(device)
         self._ext = native.extension() if use_native else None
         self._raw_current: Callable[[int], int] = torch._C._cuda_getCurrentRawStream
+        # The capture query itself, without torch.cuda's Python wrapper: asked at every layer
+        # entry and every reload.
+        self._is_capturing: Callable[[], bool] = torch._C._cuda_isCurrentStreamCapturing
         # Streams as the event calls want them: raw handles for the extension, objects for torch.
         native_streams = self._ext is not None
         self._d2h = self.d2h_stream.cuda_stream if native_streams else self.d2h_stream
@@ -273,7 +276,7 @@ class CudaTransport:
     # -- the transport interface ---------------------------------------------------------------------
     def capturing(self) -> bool:
         """Whether the current stream is capturing a CUDA graph (one cheap runtime query)."""
-        return torch.cuda.is_current_stream_capturing()
+        return self._is_capturing()
 
     def join(self, *, d2h: bool, h2d: bool) -> None:
         """Make the current stream wait for everything queued on the side streams so far.
@@ -305,7 +308,13 @@ class CudaTransport:
 
     def wait_offloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's D2H before its originals are dropped."""
-        self._wait(group.d2h_done, counters, self._timed(group.copy_bytes, group.captured))
+        timed = self._timed(group.copy_bytes, group.captured)
+        if not timed and self._ext is not None:
+            # The untimed wait with the extension written out (_wait, _current and _wait_event
+            # in one): once per group, where those Python calls cost more than the driver call.
+            group.d2h_done.wait(self._raw_current(self.device_index))
+            return
+        self._wait(group.d2h_done, counters, timed)
 
     def offload_finished(self, group: Group) -> bool:
         """Whether the group's D2H has completed (a non-blocking query; never under capture,
@@ -338,7 +347,11 @@ class CudaTransport:
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
         """Make the compute stream wait for the group's H2D before it reads the buffer."""
-        self._wait(group.h2d_done, counters, self._timed(group.nbytes, group.reload_captured))
+        timed = self._timed(group.nbytes, group.reload_captured)
+        if not timed and self._ext is not None:
+            group.h2d_done.wait(self._raw_current(self.device_index))  # as in wait_offloaded
+            return
+        self._wait(group.h2d_done, counters, timed)
 
     def last_host_use(self, group: Group) -> Any:
         """The event after which the group's host region may be overwritten."""
