@@ -5,19 +5,21 @@
 group, changed only by checked transitions), and gets its methods from three mixins, each in its
 own module so that it can be read alone:
 
-- ``offload.engine.packing`` (``PackingMixin``): the saved-tensor hooks, the per-tensor hot path.
-  ``pack`` keeps a tensor or records it in the open group, ``unpack`` hands it back.
-- ``offload.engine.lifecycle`` (``StepLifecycleMixin``): the step and layer lifecycle: where steps and
-  layers begin and end, micro-batches in flight, captured steps and graphed layers' groups.
-- ``offload.engine.copies`` (``CopyMixin``): the primitives schedules call to move a group to the host
-  and back (offload, release, reload), and host regions going back to the arena.
+- ``packing`` (``PackingMixin``): the saved-tensor hooks, the per-tensor hot path. ``pack``
+  keeps a tensor or records it in the open group, ``unpack`` hands it back.
+- ``lifecycle`` (``StepLifecycleMixin``): the step and layer lifecycle: each event (a step or a
+  layer begins or ends, backward reaches a layer, a forward fails) moves ``forward`` by one
+  checked transition and tells the schedule; micro-batches in flight, captured steps and
+  graphed layers' groups.
+- ``copies`` (``CopyMixin``): the primitives schedules call to move a group to the host and back
+  (offload, release, reload), and host regions going back to the arena.
 
 Mixins rather than helper objects the engine owns: the hooks run once per saved tensor, where a
 helper would add an attribute lookup and a call each time, and a schedule sees one ``engine``.
 The mixins import nothing from this module (no import cycle); each declares the parts it uses,
-and none keeps step state of its own: that is all in ``forward``. The notes on layer boundaries, micro-batches in flight, threads and CUDA graphs are at the
-top of ``offload.engine.lifecycle``; those on handles, reference cycles and in-place changes at the top
-of ``offload.engine.packing``.
+and none keeps step state of its own: that is all in ``forward``. The notes on layer boundaries,
+micro-batches in flight, threads and CUDA graphs are at the top of ``lifecycle``; those on
+handles, reference cycles and in-place changes at the top of ``packing``.
 
 Lifetime of one saved tensor (the data flow in brief: docs/design.md):
 - ``pack`` (forward): the policy keeps it (``(tensor, version, layer)`` is returned, the tensor
@@ -42,20 +44,18 @@ import torch
 from ..host.arena import HostArena
 from .copies import CopyMixin
 from .eager import saved_tensors_hooks
-from .group import Group
+from .forward import ForwardState
 from .lifecycle import StepLifecycleMixin
-from .packing import PackingMixin, StorageHandle
+from .packing import PackingMixin
 from .policy import SelectionPolicy
 from .stats import StepCounters, format_report, snapshot, weight_cache_bytes
-from .forward import ForwardState
 from .step import InFlight
 from .transport import Transport
 
 if TYPE_CHECKING:
     from .schedules.base import Schedule
 
-# StorageHandle and Transport were defined here before the split: still importable from here.
-__all__ = ["OffloadEngine", "StorageHandle", "Transport"]
+__all__ = ["OffloadEngine"]
 
 
 class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
