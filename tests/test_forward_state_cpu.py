@@ -136,3 +136,39 @@ def test_a_failed_layer_leaves_the_state_idle_and_usable() -> None:
         h = sync(h)
     h.sum().backward()
     assert ctx.stats["groups_offloaded"] == 2
+
+
+def test_a_pending_group_for_a_layer_that_does_not_offload_is_kept_and_its_claim_returned() -> None:
+    # A tensor saved between layers joins the next layer's group early; when that layer then
+    # runs under no_grad (a frozen layer), the group is kept on the device and the host bytes
+    # claimed for it go back: a claim left behind would shrink the host budget step after step.
+    layers = _layers(3)
+    weight = torch.randn(16, 16, requires_grad=True)
+    oa = offload.OffloadActivations(layers, num_offload_layers=2, min_offload_bytes=0)
+
+    claims_after_frozen = []
+
+    def step(context) -> tuple[torch.Tensor, ...]:
+        h = torch.randn(4, 16, generator=torch.Generator().manual_seed(1)).requires_grad_(True)
+        with context:
+            h = layers[0](h)
+            h = h @ weight  # saved between layers 0 and 1: layer 1's pending group
+            with torch.no_grad():
+                frozen = layers[1](h)
+            claims_after_frozen.append(oa.engine.arena.claimed)
+            h = layers[2](h + frozen)
+        h.sum().backward()
+        grads = (weight.grad.clone(),) + tuple(p.grad.clone() for p in layers.parameters() if p.grad is not None)
+        weight.grad = None
+        layers.zero_grad(set_to_none=True)
+        return grads
+
+    import contextlib
+
+    expected = step(contextlib.nullcontext())
+    for _ in range(3):
+        got = step(oa)
+        assert all(torch.equal(a, b) for a, b in zip(expected, got))
+        assert oa.engine.arena.claimed == 0
+    assert claims_after_frozen == [0, 0, 0, 0]
+    assert oa.engine.forward.phase is Phase.IDLE
