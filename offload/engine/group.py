@@ -205,8 +205,8 @@ class Group:
     # -- building --------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int:
         """Record ``t`` and return its entry index. Views of one storage share one slot."""
-        # Runs once per saved tensor: the contiguous case of ``storage_extent_bytes`` and
-        # ``own_alias`` are inlined (a Python call each saved).
+        # Runs once per saved tensor: the contiguous case of ``storage_extent_bytes`` is
+        # written out (a Python call saved on the common case).
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
         itemsize = t.element_size()
@@ -231,7 +231,7 @@ class Group:
         entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
         self.versions.append(t._version)
         if self.retain:
-            self.originals.append(_make_alias(torch.Tensor, t))  # type: ignore[union-attr]  # own_alias(t)
+            self.originals.append(own_alias(t))  # type: ignore[union-attr]
         return index
 
     def slot_sizes(self) -> list[int]:
@@ -242,7 +242,7 @@ class Group:
         """Freeze the group and lay its slots out in one region (the one layout function)."""
         self._move(_FROM_OPEN, GroupState.RESIDENT)
         slot_lo = self.slot_lo
-        sizes = [hi - lo for lo, hi in zip(slot_lo, self.slot_hi)]  # slot_sizes(), inlined
+        sizes = self.slot_sizes()
         offsets, total = native.plan_layout(sizes)
         self.sizes = sizes
         self.copy_bytes = sum(sizes)

@@ -125,10 +125,9 @@ class HostTransport:
     def offload(self, group: Group, region: Region, counters: StepCounters) -> Any:
         """Copy the group's slots into ``region``; returns the copy's end event (None here)."""
         start = WallMark() if self.timing else None
-        ext = self._ext
-        if ext is not None:
+        if self._ext is not None:
             dsts, srcs, sizes = slot_copy_lists(group, region)
-            ext.copy_batch(dsts, srcs, sizes, None, False)
+            self._ext.copy_batch(dsts, srcs, sizes, None, False)
         else:
             copy_slots_torch(group, region, device=self.device, non_blocking=False)
         if start is not None:
@@ -144,23 +143,11 @@ class HostTransport:
 
     def reload(self, group: Group, counters: StepCounters, into: Optional[torch.Tensor] = None, *, wait_d2h: bool = True) -> tuple[torch.Tensor, Any]:
         """Copy the group's region into a fresh (or the given) buffer; returns (buffer, event)."""
-        nbytes = group.nbytes
-        block = group.host.block
-        ext = self._ext
-        # A fresh buffer is filled by one memcpy (the extension's, as for the offload) or made by
-        # ``clone``: 2 to 5 us a group less than ``empty`` then ``copy_`` between two slices.
-        # Like the CUDA transport's copies, these leave the buffer's version counter at 0.
-        fresh = into is None and ext is not None
-        buffer = torch.empty(nbytes, dtype=torch.uint8) if fresh else into
+        buffer = into if into is not None else torch.empty(group.nbytes, dtype=torch.uint8)
         start = WallMark() if self.timing else None
-        if fresh:
-            ext.copy_batch([buffer.data_ptr()], [block.data_ptr()], [nbytes], None, False)
-        elif buffer is None:
-            buffer = block[:nbytes].clone()
-        else:
-            buffer[:nbytes].copy_(block[:nbytes])
+        buffer[: group.nbytes].copy_(group.host.block[: group.nbytes])
         if start is not None:
-            counters.copies.append(("h2d", nbytes, start, WallMark()))
+            counters.copies.append(("h2d", group.nbytes, start, WallMark()))
         return buffer, None
 
     def wait_reloaded(self, group: Group, counters: StepCounters) -> None:
