@@ -33,3 +33,18 @@ def repeatable_attention():
     gc.collect()
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
+
+
+@pytest.fixture(params=["native", "python"])
+def entry_table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run the test over both entry tables: offload._entries (skipped where it is not built) and
+    its Python reference, which groups then use."""
+    from offload.engine import group
+    from offload.engine.entry_table import EntryTable
+    from offload.host import native
+
+    if request.param == "python":
+        monkeypatch.setattr(group, "new_entry_table", EntryTable)
+    elif native.entries_extension() is None:
+        pytest.skip(f"offload._entries not live: {native.entries_reason()}")
+    return request.param

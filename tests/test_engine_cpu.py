@@ -138,17 +138,20 @@ def test_nested_tensors_stay_on_the_gpu_and_gradients_stay_exact(layout: torch.l
 
 
 def record_offloaded_storages(monkeypatch) -> list[int]:
-    """Storage addresses of every tensor a group takes in, from now on."""
-    from offload.engine.group import Group
+    """Storage addresses of every tensor a group takes in, from now on (groups then use the
+    Python entry table, whose ``add`` is recorded; what is offloaded is the policy's call)."""
+    from offload.engine import group
+    from offload.engine.entry_table import EntryTable
 
     seen: list[int] = []
-    add = Group.add
+    add = EntryTable.add
 
     def recording_add(self, t):
         seen.append(t.untyped_storage().data_ptr())
         return add(self, t)
 
-    monkeypatch.setattr(Group, "add", recording_add)
+    monkeypatch.setattr(EntryTable, "add", recording_add)
+    monkeypatch.setattr(group, "new_entry_table", EntryTable)
     return seen
 
 

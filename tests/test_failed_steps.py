@@ -26,7 +26,8 @@ import torch.utils.checkpoint as checkpoint
 from torch import nn
 
 import offload
-from offload.engine.group import Group, empty_keeping_versions, own_alias
+from offload.engine.entry_table import empty_keeping_versions, own_alias
+from offload.engine.group import Group
 from offload.planner import Action, LayerPlan, plan_for
 
 from _util import hooks_installed

@@ -155,7 +155,8 @@ def test_memory_at_release_points(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", ["v1", "v2"])
 @pytest.mark.parametrize("delay", ["copies", "compute", "both"])
-def test_race_with_delayed_streams(mode: str, delay: str) -> None:
+def test_race_with_delayed_streams(mode: str, delay: str, entry_table: str) -> None:
+    # Both entry tables (offload._entries and its Python reference) under the same races.
     layers, x = gpt(), tokens()
     expected = train_step(layers, x)
     cycles = 20_000_000  # ~10 ms at H100 clocks, longer than any copy here

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from offload import mark_activation_offload, mark_not_offload
-from offload.engine.group import Group, GroupState, storage_extent_bytes
+from offload.engine.entry_table import storage_extent_bytes
+from offload.engine.group import Group, GroupState
 from offload.host.layout import align_up, plan_layout_py
 from offload.engine.marks import TE_KEEP_ATTR
 from offload.engine.policy import SelectionPolicy
@@ -165,14 +166,13 @@ def close(group: Group) -> None:
 def reload_from_originals(group: Group) -> None:
     """Build the reload buffer the way the transport would: each slot's bytes at its offset."""
     buffer = torch.zeros(group.nbytes, dtype=torch.uint8)
-    for storage, lo, hi, off in zip(group.slot_storages, group.slot_lo, group.slot_hi, group.slot_offsets):
-        src = torch.empty(0, dtype=torch.uint8).set_(storage, lo, (hi - lo,), (1,))
-        buffer[off : off + hi - lo].copy_(src)
+    for view, off in zip(group.table.slot_byte_views(torch.device("cpu")), group.slot_offsets):
+        buffer[off : off + view.numel()].copy_(view)
     group.state = GroupState.OFFLOADED
     group.mark_reloaded(buffer, None)
 
 
-def test_views_of_one_storage_share_a_slot_and_restore_exactly() -> None:
+def test_views_of_one_storage_share_a_slot_and_restore_exactly(entry_table: str) -> None:
     base = torch.randn(4, 96)
     q, k, v = base.split(32, dim=1)
     qt = q.t()
@@ -180,7 +180,7 @@ def test_views_of_one_storage_share_a_slot_and_restore_exactly() -> None:
     tensors = [q, k, v, qt, base]
     for t in tensors:
         group.add(t)
-    assert len(group.slot_storages) == 1
+    assert group.table.slot_count() == 1
     close(group)
     reload_from_originals(group)
     for i, t in enumerate(tensors):
@@ -191,7 +191,7 @@ def test_views_of_one_storage_share_a_slot_and_restore_exactly() -> None:
         assert (r.data_ptr() - group.gpu.data_ptr()) % 256 == (t.data_ptr() - t.untyped_storage().data_ptr()) % 256
 
 
-def test_typed_views_keep_their_dtype() -> None:
+def test_typed_views_keep_their_dtype(entry_table: str) -> None:
     data = torch.randint(0, 255, (32, 48), dtype=torch.uint8)
     scale = torch.tensor([0.125], dtype=torch.float32)
     amax = torch.tensor([3.5], dtype=torch.float32)
@@ -210,14 +210,14 @@ def test_typed_views_keep_their_dtype() -> None:
         assert torch.equal(r, t)
 
 
-def test_lazy_conjugate_and_negative_views_restore_with_their_bits() -> None:
+def test_lazy_conjugate_and_negative_views_restore_with_their_bits(entry_table: str) -> None:
     z = torch.randn(8, 8, dtype=torch.complex64)
     r = torch.randn(8, 8)
     items = [z, z.conj(), torch._neg_view(z), torch._neg_view(z.conj()), z.conj().imag, torch._neg_view(r), r]
     group = Group(0, 1)
     for t in items:
         group.add(t)
-    assert len(group.slot_storages) == 2  # the views share their base's bytes
+    assert group.table.slot_count() == 2  # the views share their base's bytes
     close(group)
     reload_from_originals(group)
     for i, t in enumerate(items):
@@ -226,14 +226,14 @@ def test_lazy_conjugate_and_negative_views_restore_with_their_bits() -> None:
         assert torch.equal(back.resolve_conj().resolve_neg(), t.resolve_conj().resolve_neg()), i
 
 
-def test_shared_uint8_buffer_components_offloaded_once() -> None:
+def test_shared_uint8_buffer_components_offloaded_once(entry_table: str) -> None:
     bulk = torch.randint(0, 255, (4096,), dtype=torch.uint8)
     data = bulk[:1024].view(32, 32)
     scales = bulk[1024:1024 + 16].view(torch.float32)
     group = Group(0, 1)
     group.add(data)
     group.add(scales)
-    assert len(group.slot_storages) == 1
+    assert group.table.slot_count() == 1
     close(group)
     reload_from_originals(group)
     assert torch.equal(group.restore(0), data)

@@ -9,7 +9,9 @@ streams while compute goes on, and hand them back in backward. The parts, one mo
 - ``packing``: the saved-tensor hooks, the per-tensor hot path;
 - ``copies``: the primitives a schedule calls to move a group to the host and back;
 - ``step``: one step's groups, counters and micro-batches in flight;
-- ``group``: one layer's saved tensors, their layout and typed-view restore;
+- ``group``: one layer's saved tensors: their states, layout and copies' bookkeeping;
+- ``entry_table``: a group's per-tensor records and typed-view restore (C++ in
+  ``offload._entries`` where built, this Python reference otherwise);
 - ``policy`` and ``marks``: which tensors leave the GPU (the one selection policy);
 - ``transport``: the copies themselves, on side streams, with their events;
 - ``schedules/``: when each group is offloaded, released and reloaded (v1, v2, planned);

@@ -74,11 +74,11 @@ class CopyMixin:
             group.mark_kept()
             counters.groups_kept += 1
             pinning = self.arena.counters.kept_while_pinning != kept_while_pinning
-            counters.keep(KEEP_PINNING if pinning else KEEP_BUDGET, len(group.entries))
+            counters.keep(KEEP_PINNING if pinning else KEEP_BUDGET, len(group.table))
             return
         group.mark_offloading(region, self.transport.offload(group, region, counters))
         counters.groups_offloaded += 1
-        counters.offloaded_tensors += len(group.entries)
+        counters.offloaded_tensors += len(group.table)
         counters.offloaded_bytes += group.copy_bytes
         counters.bytes_d2h += group.copy_bytes
 
@@ -145,12 +145,12 @@ class CopyMixin:
         step = self.forward.step
         if step is None or group.step != step.index:
             earlier = self.in_flight.get(group.step)
-            if earlier is not None and group.entries and not group.consumed:
+            if earlier is not None and len(group.table) and not group.consumed:
                 earlier.unconsumed -= 1  # settled (finished) at the next step's start
             return
-        if group.entries and not group.consumed and group.state is not GroupState.OPEN:
+        if len(group.table) and not group.consumed and group.state is not GroupState.OPEN:
             step.unconsumed -= 1  # dropped with its graph before backward handed it all back
-        if self.layer_contexts and group.entries and not step.forward_done:
+        if self.layer_contexts and len(group.table) and not step.forward_done:
             # (OffloadActivations knows where each forward starts.)
             step.abandoned = True
 

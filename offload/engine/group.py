@@ -1,22 +1,14 @@
-"""One layer's saved tensors: dedup by storage, view→base, byte layout, typed-view restore.
+"""One layer's saved tensors in one step: the group's states, its region's layout and its copies'
+bookkeeping.
 
-A group is pure bookkeeping; it never copies. The transport copies each *storage slot* (the span
-of one storage that the group's views touch) into the group's region at the offsets planned here,
-and after reload every saved tensor comes back as a view of one buffer::
-
-    buffer(uint8) -> .view(dtype) -> .as_strided(shape, stride, element offset)
-
-so each component keeps its own dtype (float32 scales stay float32, uint8 stays uint8).
-
-Lazy conjugate and negative views (``t.conj()`` of a complex tensor, ``torch._neg_view``) share
-their base's bytes and carry the operation as a bit on the tensor; the bytes copied are the
-unconjugated ones. The bits are recorded per entry and put back on the restored view, so the
-values autograd reads are the saved ones, exactly.
-
-Alignment: a slot's span starts at its lowest byte rounded *down* to 256, and slots sit at 256-byte
-aligned offsets, so a restored view has the same address modulo 256 as the original. Anything
-that was aligned for an FP8 GEMM (cuBLASLt wants 16 bytes) stays aligned, and the element offset
-of every view is an integer, because each view's byte offset is a multiple of its item size.
+A group is pure bookkeeping; it never copies. Its per-tensor part (storage slots, entries,
+aliases, version sentinels, typed-view restore) is its entry table
+(``offload.engine.entry_table``: native where built, else the Python reference); the group adds
+what is per group: its state, the region's layout (one ``plan_layout`` over the slot spans), the
+host region and the copies' events. The transport copies each *storage slot* (the span of one
+storage that the group's views touch) into the region at the offsets planned here, and after
+reload every saved tensor comes back as a view of one buffer, each with its own dtype (float32
+scales stay float32, uint8 stays uint8).
 
 States (transitions are checked; a wrong one is a bug in a schedule, and says so)::
 
@@ -28,13 +20,13 @@ States (transitions are checked; a wrong one is a bug in a schedule, and says so
 from __future__ import annotations
 
 import enum
-import operator
 from typing import Any, Optional
 
 import torch
 
 from ..host import native
 from ..host.layout import ALIGNMENT
+from .entry_table import Table, new_entry_table
 
 
 class GroupState(enum.Enum):
@@ -57,14 +49,6 @@ _FROM_OFFLOADING = (GroupState.OFFLOADING,)
 _FROM_OFFLOADED = (GroupState.OFFLOADED,)
 _FROM_RELOADED = (GroupState.RELOADED,)
 
-_ALIGN_MASK = ~(ALIGNMENT - 1)
-
-
-CONJ_BIT = 1
-NEG_BIT = 2
-
-
-
 def modified_error(shape: Any, dtype: torch.dtype, layer: int, now: int, saved: int) -> RuntimeError:
     """Autograd's error for a saved tensor changed in place, naming what the engine knows."""
     return RuntimeError(
@@ -77,103 +61,35 @@ def modified_error(shape: Any, dtype: torch.dtype, layer: int, now: int, saved: 
     )
 
 
-def _with_lazy_bits(view: torch.Tensor, lazy: int) -> torch.Tensor:
-    # The bytes are the base's; the bits say how the saved tensor reads them.
-    if lazy & CONJ_BIT:
-        view = torch.conj(view)
-    if lazy & NEG_BIT:
-        view = torch._neg_view(view)
-    return view
-
-
-_make_alias = torch.Tensor._make_subclass
-_set_versions = torch._C._autograd._unsafe_set_version_counter
-_version_of = operator.attrgetter("_version")
-
-
-def own_alias(t: torch.Tensor) -> torch.Tensor:
-    """An alias of ``t`` that the group owns: same storage and version counter, no autograd
-    history (like ``detach()``), and free to change its storage later (unlike ``detach()``, whose
-    result refuses ``set_``), which is what :func:`empty_keeping_versions` needs."""
-    return _make_alias(torch.Tensor, t)
-
-
-def empty_keeping_versions(aliases: list[torch.Tensor]) -> None:
-    """Let go of the memory of :func:`own_alias` aliases, in place, keeping their version counters.
-
-    Autograd's version counter is shared by every alias of a tensor (views, ``detach``), and an
-    in-place change through any of them moves it. Once a group has released its originals, the
-    caller may still hold an alias and change it; the emptied aliases keep the counter readable
-    at no memory cost. ``set_()`` swaps in an empty storage (not a view: no ``_base`` keeps the
-    original's memory), but counts as an in-place change, so the counters are put back to what
-    they were, in one call (about 0.5 us a tensor in all on our CPU box).
-    """
-    versions = tuple(map(_version_of, aliases))
-    for alias in aliases:
-        alias.set_()
-    _set_versions(tuple(aliases), versions)
-
-
-def storage_extent_bytes(t: torch.Tensor) -> int:
-    """Bytes from the first to one past the last element ``t`` addresses in its storage."""
-    if t.is_contiguous():
-        return t.numel() * t.element_size()
-    span = 1
-    for size, stride in zip(t.shape, t.stride()):
-        if size == 0:
-            return 0
-        span += (size - 1) * stride
-    return span * t.element_size()
-
-
 class Group:
-    """The saved tensors of one layer in one step, with their layout and restore recipe."""
+    """The saved tensors of one layer in one step: state, layout and copies' bookkeeping, over
+    the entry table that records the tensors themselves."""
 
     # Slots: a group is created per layer per step, and its attributes are read on every pack
     # and unpack.
     __slots__ = (
-        "layer", "step", "retain", "state", "_slot_of_ptr", "slot_storages", "slot_lo", "slot_hi",
-        "entries", "originals", "versions", "sentinels", "saved_bytes",
-        "min_offload_bytes", "sizes", "slot_offsets", "nbytes", "copy_bytes",
-        "entry_element_offsets", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "typed",
-        "unpacks_since_reload", "unpacks", "consumed", "counters", "on_free", "local", "captured",
-        "reload_captured", "__weakref__",
+        "layer", "step", "retain", "state", "table", "saved_bytes", "min_offload_bytes", "sizes",
+        "slot_offsets", "nbytes", "copy_bytes", "host", "d2h_done", "gpu", "h2d_done",
+        "h2d_waited", "unpacks_since_reload", "unpacks", "consumed", "counters", "on_free",
+        "local", "captured", "reload_captured", "__weakref__",
     )
 
     def __init__(self, layer: int, step: int, *, retain: bool = True) -> None:
         self.layer = layer
         self.step = step
-        # retain=False: a group that only measures (the planner's probe): it lays slots out
-        # like any group but keeps no reference to the tensors or storages, so a plain step's
-        # memory is freed as usual. Its slots are only ever sized, never copied.
+        # retain=False: a group that only measures (the planner's probe): its table lays slots
+        # out like any group's but keeps no reference to the tensors or storages, so a plain
+        # step's memory is freed as usual. Its slots are only ever sized, never copied.
         self.retain = retain
         self.state = GroupState.OPEN
-        # Storage slots, indexed by slot number. A storage is identified by its data pointer: the
-        # group holds a reference to it while the pointer is used as a key, so no other live
-        # storage can have the same address.
-        self._slot_of_ptr: dict[int, int] = {}
-        self.slot_storages: list[Any] = []
-        self.slot_lo: list[int] = []
-        self.slot_hi: list[int] = []
-        # Entries: (slot, byte offset in its storage, dtype, shape, stride, lazy bits), one per
-        # saved tensor; lazy bits: CONJ_BIT | NEG_BIT as the tensor carried them.
-        self.entries: list[tuple[int, int, torch.dtype, torch.Size, tuple[int, ...], int]] = []
-        # What the group holds until release: an alias of each saved tensor (``own_alias``),
-        # detached like ``detach()`` when it requires grad.
-        # Autograd hands the pack hook a node's *output* with its grad_fn (that very node), and
-        # the node holds what pack returned: holding the output itself would close a cycle
-        # group -> tensor -> grad_fn -> saved handle -> group that only the cyclic GC (which
-        # cannot see the C++ edges) could ever break, so a step abandoned before backward
-        # would keep its activations and host regions. The alias shares storage and version
-        # counter; autograd re-attaches the grad_fn when it unpacks.
-        self.originals: Optional[list[torch.Tensor]] = []
-        # Version counter of each saved tensor at pack: autograd skips its own in-place check for
-        # tensors saved through hooks, so the engine does it (see ``check_version``).
-        self.versions: list[int] = []
-        # From release on, the originals emptied in place (``empty_keeping_versions``): they
-        # share the saved tensors' version counters and hold no memory, so an in-place change
-        # made after release, through any alias the caller still holds, is still seen at unpack.
-        self.sentinels: Optional[list[torch.Tensor]] = None
+        # One entry per saved tensor (``len(group.table)``). The table holds an alias of each
+        # (same storage and version counter, no autograd history), never the tensor autograd
+        # handed the pack hook: that is a node's output with its grad_fn (that very node), and
+        # the node holds what pack returned, so holding it would close a cycle group -> tensor
+        # -> grad_fn -> saved handle -> group that only the cyclic GC (which cannot see the C++
+        # edges) could break, and a step abandoned before backward would keep its activations
+        # and host regions. Autograd re-attaches the grad_fn when it unpacks.
+        self.table: Table = new_entry_table(retain, ALIGNMENT)
         self.saved_bytes = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close().
@@ -181,14 +97,12 @@ class Group:
         self.slot_offsets: list[int] = []
         self.nbytes = 0                 # the region's size (layout total, alignment included)
         self.copy_bytes = 0             # bytes each direction's copy moves (the spans, no padding)
-        self.entry_element_offsets: list[int] = []
         # Filled by the transport / engine.
         self.host: Any = None           # arena region holding the group's bytes
         self.d2h_done: Any = None       # event: the D2H copy finished
         self.gpu: Optional[torch.Tensor] = None  # reload buffer (uint8)
         self.h2d_done: Any = None       # event: the H2D copy finished
         self.h2d_waited = False         # has the compute stream waited on h2d_done?
-        self.typed: dict[torch.dtype, torch.Tensor] = {}
         self.unpacks_since_reload = 0
         self.unpacks = 0                # all unpacks, in any state
         self.consumed = False           # every entry handed back at least once
@@ -205,54 +119,22 @@ class Group:
     # -- building --------------------------------------------------------------------------------
     def add(self, t: torch.Tensor) -> int:
         """Record ``t`` and return its entry index. Views of one storage share one slot."""
-        # Runs once per saved tensor: the contiguous case of ``storage_extent_bytes`` is
-        # written out (a Python call saved on the common case).
-        storage = t.untyped_storage()
-        ptr = storage.data_ptr()
-        itemsize = t.element_size()
-        lo = t.storage_offset() * itemsize
-        hi = lo + (t.numel() * itemsize if t.is_contiguous() else storage_extent_bytes(t))
-        aligned_lo = lo & _ALIGN_MASK
-        slot_lo = self.slot_lo
-        slot = self._slot_of_ptr.get(ptr)
-        if slot is None:
-            slot = len(slot_lo)
-            self._slot_of_ptr[ptr] = slot
-            self.slot_storages.append(storage if self.retain else None)
-            slot_lo.append(aligned_lo)
-            self.slot_hi.append(hi)
-        else:
-            if aligned_lo < slot_lo[slot]:
-                slot_lo[slot] = aligned_lo
-            if hi > self.slot_hi[slot]:
-                self.slot_hi[slot] = hi
-        entries = self.entries
-        index = len(entries)
-        entries.append((slot, lo, t.dtype, t.shape, t.stride(), t.is_conj() | (t.is_neg() << 1)))
-        self.versions.append(t._version)
-        if self.retain:
-            self.originals.append(own_alias(t))  # type: ignore[union-attr]
-        return index
+        return self.table.add(t)
 
     def slot_sizes(self) -> list[int]:
         """Byte size of each storage slot's span."""
-        return [hi - lo for lo, hi in zip(self.slot_lo, self.slot_hi)]
+        return self.table.slot_sizes()
 
     def close(self) -> None:
         """Freeze the group and lay its slots out in one region (the one layout function)."""
         self._move(_FROM_OPEN, GroupState.RESIDENT)
-        slot_lo = self.slot_lo
-        sizes = self.slot_sizes()
+        sizes = self.table.slot_sizes()
         offsets, total = native.plan_layout(sizes)
+        self.table.close(offsets)
         self.sizes = sizes
         self.copy_bytes = sum(sizes)
         self.slot_offsets = offsets
         self.nbytes = total
-        self.entry_element_offsets = [
-            (offsets[slot] + byte_offset - slot_lo[slot]) // dtype.itemsize
-            for slot, byte_offset, dtype, _, _, _ in self.entries
-        ]
-        self._slot_of_ptr.clear()
 
     # -- state transitions -----------------------------------------------------------------------
     def _move(self, allowed: tuple[GroupState, ...], new: GroupState) -> None:
@@ -277,14 +159,12 @@ class Group:
     def mark_released(self) -> None:
         """Drop the GPU originals (the caller has ordered their reuse after the D2H).
 
-        The group's aliases of the originals are emptied in place and kept as version sentinels,
+        The table's aliases of the originals are emptied in place and kept as version sentinels,
         so that an in-place change made before or after this point is still refused at unpack,
         where autograd would refuse it.
         """
         self._move(_FROM_OFFLOADING, GroupState.OFFLOADED)
-        empty_keeping_versions(self.originals)  # type: ignore[arg-type]
-        self.sentinels, self.originals = self.originals, None
-        self.slot_storages = []
+        self.table.release()
 
     def mark_reloaded(self, gpu: torch.Tensor, h2d_done: Any) -> None:
         """``gpu`` holds the group's bytes once ``h2d_done`` has completed."""
@@ -292,14 +172,13 @@ class Group:
         self.gpu = gpu
         self.h2d_done = h2d_done
         self.h2d_waited = False
-        self.typed = {}
         self.unpacks_since_reload = 0
 
     def mark_dropped(self) -> None:
         """Forget the reload buffer (its views may live on; the allocator frees it after them)."""
         self._move(_FROM_RELOADED, GroupState.OFFLOADED)
         self.gpu = None
-        self.typed = {}
+        self.table.drop_buffer()
 
     @property
     def holds_gpu_memory(self) -> bool:
@@ -308,33 +187,24 @@ class Group:
             return True
         return self.state in HOLDS_ORIGINALS and not self.consumed
 
-    # -- restore ---------------------------------------------------------------------------------
+    # -- handing back ----------------------------------------------------------------------------
+    def modified(self, index: int) -> RuntimeError:
+        """Autograd's in-place error for entry ``index`` (its table found it changed)."""
+        shape, dtype, now, saved = self.table.describe(index)
+        return modified_error(shape, dtype, self.layer, now, saved)
+
     def original(self, index: int) -> torch.Tensor:
         """The tensor as it was saved (only while the group still holds the originals)."""
-        return self.originals[index]  # type: ignore[index]
-
-    def check_version(self, index: int, tensor: torch.Tensor) -> None:
-        """Raise autograd's in-place error if entry ``index`` changed since it was saved.
-
-        ``tensor``: one that shares the saved tensor's version counter (the original the group
-        holds, or its sentinel after release).
-        """
-        saved = self.versions[index]
-        now = tensor._version
-        if now != saved:
-            _, _, dtype, shape, _, _ = self.entries[index]
-            raise modified_error(shape, dtype, self.layer, now, saved)
+        tensor = self.table.original(index)
+        if tensor is None:
+            raise self.modified(index)
+        return tensor
 
     def restore(self, index: int) -> torch.Tensor:
         """Entry ``index`` as a typed view of the reload buffer, with its dtype, shape and stride."""
-        _, _, dtype, shape, stride, lazy = self.entries[index]
-        typed = self.typed.get(dtype)
-        if typed is None:
-            typed = self.gpu.view(dtype)  # type: ignore[union-attr]
-            self.typed[dtype] = typed
-        view = typed.as_strided(shape, stride, self.entry_element_offsets[index])
-        if lazy:
-            view = _with_lazy_bits(view, lazy)
+        view = self.table.restore(index, self.gpu)
+        if view is None:
+            raise self.modified(index)
         return view
 
     def __del__(self) -> None:

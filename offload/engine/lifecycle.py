@@ -333,7 +333,7 @@ class StepLifecycleMixin:
     def _close(self, group: Group, step: StepState) -> Optional[Group]:
         # Lay the group out, or forget it when nothing was saved into it.
         self.arena.unclaim(group.saved_bytes)
-        if group.entries:
+        if len(group.table):
             group.close()
             step.unconsumed += 1
             return group
@@ -539,7 +539,7 @@ class StepLifecycleMixin:
             self._local_hooks.__exit__(None, None, None)
         self.arena.unclaim(group.saved_bytes)
         group.saved_bytes = 0
-        if failed or not group.entries:
+        if failed or not len(group.table):
             group.state = GroupState.KEPT  # nothing to move; any handles autograd kept stay valid
             return
         group.close()

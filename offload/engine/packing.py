@@ -134,7 +134,7 @@ class PackingMixin:
                 return (t, t._version, group.layer)
             return keep_handle(t, group.layer)
         group.saved_bytes += t.nbytes
-        return (group, group.add(t))
+        return (group, group.table.add(t))
 
     def _pack_storage(self, group: Group, storage: Any) -> Any:
         # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends; parameters
@@ -173,18 +173,15 @@ class PackingMixin:
         step = self.forward.step
         if step is not None and not step.forward_done and group.step == step.index:
             self._backward_started(step)
+        table = group.table
         if group.state in HOLDS_ORIGINALS:
-            tensor = group.original(index)
-            if tensor._version != group.versions[index]:
-                group.check_version(index, tensor)
+            tensor = table.original(index)
+            if tensor is None:  # changed in place since it was saved
+                raise group.modified(index)
             group.unpacks += 1
-            if group.unpacks == len(group.entries):
+            if group.unpacks == len(table):
                 self._consumed(group)
             return tensor
-        sentinel = group.sentinels[index]  # type: ignore[index]
-        if sentinel._version != group.versions[index]:
-            group.check_version(index, sentinel)
-        group.unpacks += 1
         if group.state is GroupState.OFFLOADED:
             # No prefetch started this reload: compute will wait for all of it.
             group.counters.reloads_on_demand += 1
@@ -195,9 +192,12 @@ class PackingMixin:
         if not group.h2d_waited:
             self.transport.wait_reloaded(group, group.counters)
             group.h2d_waited = True
-        tensor = group.restore(index)
+        tensor = table.restore(index, group.gpu)
+        if tensor is None:  # changed in place (through an alias the caller kept) since saved
+            raise group.modified(index)
+        group.unpacks += 1
         group.unpacks_since_reload += 1
-        if group.unpacks_since_reload >= len(group.entries):
+        if group.unpacks_since_reload >= len(table):
             group.mark_dropped()
             self._consumed(group)
         return tensor

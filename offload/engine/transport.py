@@ -65,24 +65,14 @@ KEEP_HEADROOM_FRACTION = 0.10
 def slot_copy_lists(group: Group, region: Region) -> tuple[list[int], list[int], list[int]]:
     """The one offload layout, as pointers: ``(dsts, srcs, sizes)``, one entry per storage slot
     of ``group``, each slot's span to its planned offset in ``region``."""
-    base = region.block.data_ptr()
-    return (
-        [base + off for off in group.slot_offsets],
-        [s.data_ptr() + lo for s, lo in zip(group.slot_storages, group.slot_lo)],
-        group.sizes,
-    )
-
-
-def _byte_view(storage: Any, offset: int, nbytes: int, device: torch.device) -> torch.Tensor:
-    """A uint8 tensor over ``nbytes`` of ``storage`` from byte ``offset`` (torch path only)."""
-    return torch.empty(0, dtype=torch.uint8, device=device).set_(storage, offset, (nbytes,), (1,))
+    return group.table.copy_lists(region.block.data_ptr())
 
 
 def copy_slots_torch(group: Group, region: Region, *, device: torch.device, non_blocking: bool) -> None:
     """The offload copy without the extension: one ``copy_`` per storage slot, on the current
     stream."""
-    for storage, lo, off, n in zip(group.slot_storages, group.slot_lo, group.slot_offsets, group.sizes):
-        region.block.narrow(0, off, n).copy_(_byte_view(storage, lo, n, device), non_blocking=non_blocking)
+    for view, off, n in zip(group.table.slot_byte_views(device), group.slot_offsets, group.sizes):
+        region.block.narrow(0, off, n).copy_(view, non_blocking=non_blocking)
 
 
 class WallMark:

@@ -6,7 +6,12 @@ host with ``memcpy``), and, for the CUDA transport and the arena, provides poole
 (``record_event``, ``submit_copies``: a group's whole copy in one call) and pinned host buffers
 (``PinnedBuffer``); :func:`extension` hands those to the engine directly.
 
-``OFFLOAD_NATIVE=0`` (also ``false``/``no``/``off``) turns the extension off: :func:`plan_layout`
+A second extension, ``offload._entries``, holds a group's per-tensor bookkeeping against torch's
+C++ API (``offload.engine.entry_table``). It is built only where torch's headers were there at
+build time, against that exact torch, so :func:`entries_extension` hands it out only when the
+running torch is the one it was built with; otherwise the engine uses the Python reference.
+
+``OFFLOAD_NATIVE=0`` (also ``false``/``no``/``off``) turns both extensions off: :func:`plan_layout`
 then uses the Python reference and :func:`copy_batch` refuses, so the engine's transport takes its
 torch-based path. The variable is read when this module is imported and again by
 :func:`reload_native_setting` (tests flip it that way).
@@ -25,6 +30,8 @@ __all__ = [
     "native_available",
     "native_reason",
     "extension",
+    "entries_extension",
+    "entries_reason",
     "reload_native_setting",
     "plan_layout",
     "copy_batch",
@@ -35,28 +42,52 @@ __all__ = [
 _OFF_VALUES = frozenset({"0", "false", "no", "off"})
 
 
-def _load() -> tuple[ModuleType | None, str]:
-    """Return ``(extension or None, reason)`` for the current environment."""
+def _import(name: str, how_to_build: str) -> tuple[ModuleType | None, str]:
+    """Return ``(module or None, reason)``: off under ``OFFLOAD_NATIVE=0``, else imported."""
     setting = os.environ.get("OFFLOAD_NATIVE", "1").strip().lower()
     if setting in _OFF_VALUES:
         return None, f"disabled by OFFLOAD_NATIVE={os.environ['OFFLOAD_NATIVE']!r}"
     try:
         # importlib rather than ``from offload import _C``: works whether or not the package has
         # an __init__.py, and a missing build is an ordinary, reportable state, not a crash.
-        module = importlib.import_module("offload._C")
+        return importlib.import_module(name), "live"
     except ImportError as exc:
-        return None, f"extension offload._C is not importable ({exc}); build it with `pip install -e .`"
+        return None, f"extension {name} is not importable ({exc}); {how_to_build}"
+
+
+def _load() -> tuple[ModuleType | None, str]:
+    """Return ``(offload._C or None, reason)`` for the current environment."""
+    return _import("offload._C", "build it with `pip install -e .`")
+
+
+def _load_entries() -> tuple[ModuleType | None, str]:
+    """Return ``(offload._entries or None, reason)``: live only for the torch it was built with."""
+    module, reason = _import(
+        "offload._entries", "build it against this torch with `pip install --no-build-isolation -e .`"
+    )
+    if module is None:
+        return None, reason
+    import torch  # here, not at the top: offload._C and the layout need no torch
+
+    if module.TORCH_VERSION != torch.__version__:
+        # A different torch's ABI: calling into it could corrupt memory rather than fail.
+        return None, (
+            f"offload._entries was built for torch {module.TORCH_VERSION}, this is torch "
+            f"{torch.__version__}; rebuild with `pip install --no-build-isolation -e .`"
+        )
     return module, "live"
 
 
-# The one cached result: (extension module or None, why). Rebound only by reload_native_setting().
+# The cached results: (extension module or None, why). Rebound only by reload_native_setting().
 _STATE: tuple[ModuleType | None, str] = _load()
+_ENTRIES: tuple[ModuleType | None, str] = _load_entries()
 
 
 def reload_native_setting() -> bool:
     """Re-read ``OFFLOAD_NATIVE`` (and retry the import); return :func:`native_available`."""
-    global _STATE
+    global _STATE, _ENTRIES
     _STATE = _load()
+    _ENTRIES = _load_entries()
     return _STATE[0] is not None
 
 
@@ -64,6 +95,16 @@ def extension() -> ModuleType | None:
     """The live extension module (``offload._C``), or None: for the engine's hot paths, which call
     its functions directly (events, copy submission, pinned buffers)."""
     return _STATE[0]
+
+
+def entries_extension() -> ModuleType | None:
+    """``offload._entries`` when live (built for the running torch, not disabled), else None."""
+    return _ENTRIES[0]
+
+
+def entries_reason() -> str:
+    """``"live"``, or why ``offload._entries`` is not used (for reports and skip messages)."""
+    return _ENTRIES[1]
 
 
 def native_available() -> bool:

@@ -42,7 +42,7 @@ class SlotTally:
         group = self.group
         if group is None:
             return
-        slot = group.entries[group.add(t)][0]
+        slot = group.table.slot_of(group.add(t))
         if slot == len(self.keys):
             self.keys.append(0)
             self.shapes.append([])

@@ -91,7 +91,7 @@ class ScheduleAuto(Schedule):
         while self._waiting:
             kept = groups.get(self._waiting.popleft())
             if kept is not None and kept.state is GroupState.RESIDENT:
-                counters.keep(KEEP_LAYER, len(kept.entries))
+                counters.keep(KEEP_LAYER, len(kept.table))
 
     def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Reload ``step``'s group ``layer`` and prefetch the ``prefetch_depth`` below it (in its
