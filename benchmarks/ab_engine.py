@@ -13,8 +13,14 @@ Contenders per workload: plain, the TransformerEngine call shape (``get_cpu_offl
 and ``OffloadActivations(layers)``, each at the counts given; on LLAMA-1B (HF's model, needs
 transformers) plain and ``OffloadActivations(model.model.layers, num_offload_layers=8)``.
 
+``DIRECT-SMALL`` and ``DIRECT-MOE`` time the engine's own calls instead (``engine_parts``, the
+direct loop of ``cpu_overhead.py``, SMALL's and MOE's shapes): microseconds per tensor (pack,
+unpack) and per group (entry + exit + release + reach). On our VM hosts whole steps drift by tens
+of percent between rounds while this loop moves by about 2%, so it is the figure that can tell a
+host-cost change apart; it also runs without a GPU (on the CPU transport), for an A/B on any box.
+
 Usage: ``python benchmarks/ab_engine.py [--base .bench_base] [--rounds 3] [--steps 15]
-[--workloads GPT-A,LLAMA-1B,SMALL,MOE]``.
+[--workloads GPT-A,LLAMA-1B,SMALL,MOE,DIRECT-SMALL,DIRECT-MOE]``.
 """
 
 from __future__ import annotations
@@ -83,6 +89,27 @@ def make_steps(pkg: Any, layers: torch.nn.ModuleList, x: torch.Tensor, counts: l
     return steps
 
 
+def direct_parts(workload: str, reps: int) -> dict[str, tuple[float, float]]:
+    """The engine's own calls on SMALL's or MOE's shape (``engine_parts.measure_parts``), in us:
+    ``{part: (us, us)}``, the pair in the shape of :func:`time_ms`'s."""
+    import engine_parts
+    from common import Env
+
+    cuda = torch.cuda.is_available()
+    env = Env(device=torch.device("cuda" if cuda else "cpu"), smoke=False,
+              offload_device=None if cuda else "cpu", args=argparse.Namespace())
+    if workload == "DIRECT-SMALL":
+        spec = small()
+        shape = engine_parts.PartsShape("SMALL shape", spec.layers, spec.layers - 1, 2, spec.tokens * spec.width * 2)
+    else:
+        spec = moe()
+        shape = engine_parts.PartsShape("MOE shape", spec.layers, spec.layers - 1, 300, spec.expert_tokens * spec.ffn * 2)
+    row = engine_parts.measure_parts(env, shape, reps=reps, warmup=max(3, reps // 10), options={"min_offload_bytes": 0})
+    keys = {"pack us/t": "pack_us_t", "unpack us/t": "unpack_us_t", "release us/g": "release_us_g",
+            "exit us/g": "exit_us_g", "all us/t": "total_us_t", "entry+exit+release+reach us/g": "per_group_us"}
+    return {label: (row[key], row[key]) for label, key in keys.items()}
+
+
 def worker(tree: str, workload: str, steps: int) -> None:
     """Time every variant of one workload under one tree's package; print one JSON line."""
     import offload as pkg
@@ -90,6 +117,9 @@ def worker(tree: str, workload: str, steps: int) -> None:
     where = Path(pkg.__file__).resolve().parent.parent
     assert tree == "new" or where == Path(tree).resolve(), f"imported offload from {where}, not {tree}"
     assert pkg.native_available(), f"{where}: the native extension is not live"
+    if workload.startswith("DIRECT-"):
+        print(json.dumps(direct_parts(workload, reps=steps * 4)))
+        return
     if workload == "LLAMA-1B":
         model, ids = llama_1b().build(torch.device("cuda"))
         oa = pkg.OffloadActivations(model.model.layers, num_offload_layers=8)
@@ -133,9 +163,10 @@ def main() -> None:
                 for variant, timing in json.loads(done.stdout.strip().splitlines()[-1]).items():
                     results.setdefault(f"{workload} {variant}", {}).setdefault(name, []).append(timing)
                     # Progress, so that a run cut short still says what it measured.
-                    print(f"round {r + 1} {name:4s} {workload} {variant}: {timing[0]:.2f} ms", flush=True)
+                    unit = "" if workload.startswith("DIRECT-") else " ms"
+                    print(f"round {r + 1} {name:4s} {workload} {variant}: {timing[0]:.2f}{unit}", flush=True)
     rows = []
-    print(f"{'workload':28s} {'base ms':>9s} {'new ms':>9s} {'new/base':>9s} {'host new/base':>14s} {'min new/base':>13s}")
+    print(f"{'workload (ms; DIRECT-: us)':44s} {'base':>9s} {'new':>9s} {'new/base':>9s} {'host new/base':>14s} {'min new/base':>13s}")
     for key, by in results.items():
         base = statistics.median(g for g, _ in by["base"])
         new = statistics.median(g for g, _ in by["new"])
@@ -145,9 +176,10 @@ def main() -> None:
         best = min(g for g, _ in by["new"]) / min(g for g, _ in by["base"])
         rows.append({"workload": key, "base_ms": base, "new_ms": new, "ratio": new / base,
                      "host_ratio": new_host / base_host, "min_ratio": best, "rounds": by})
-        print(f"{key:28s} {base:9.2f} {new:9.2f} {new / base:9.3f} {new_host / base_host:14.3f} {best:13.3f}")
+        print(f"{key:44s} {base:9.2f} {new:9.2f} {new / base:9.3f} {new_host / base_host:14.3f} {best:13.3f}")
     if args.out:
-        Path(args.out).write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+        Path(args.out).write_text(json.dumps({"device": device, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -430,3 +430,17 @@ def test_measure_step_records_out_of_memory_and_raises_other_errors() -> None:
     assert records.measure_step(env, lambda: torch.tensor(2.5))["loss"] == 2.5
     with pytest.raises(ZeroDivisionError):
         records.measure_step(env, lambda: 1 / 0)
+
+
+def test_ab_engine_direct_worker_reports_the_engine_parts_on_the_cpu() -> None:
+    # The DIRECT- workloads run without a GPU: one worker (this tree), one JSON line of parts.
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "ab_engine.py"), "--worker", "new", "DIRECT-SMALL", "--steps", "1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    parts = json.loads(done.stdout.strip().splitlines()[-1])
+    assert set(parts) == {"pack us/t", "unpack us/t", "release us/g", "exit us/g", "all us/t", "entry+exit+release+reach us/g"}
+    for label, (us, again) in parts.items():
+        assert us == again and us > 0, (label, us)
+    assert parts["all us/t"] > parts["pack us/t"] + parts["unpack us/t"]
