@@ -26,9 +26,9 @@ when it unpacks. Leaves, parameters among them, hold no node.
 
 In-place changes: autograd skips its version check for tensors saved through hooks, so the
 engine records ``t._version`` at pack and compares at unpack, raising autograd's error. A
-group holds its own alias of each tensor, and at release empties it in place, keeping the version
-counter (``group.empty_keeping_versions``), so a change made through any alias, before or after
-release, is refused.
+group's entry table holds its own alias of each tensor, and at release empties it in place,
+keeping the version counter (``offload.engine.entry_table``), so a change made through any alias,
+before or after release, is refused.
 """
 
 from __future__ import annotations
