@@ -185,3 +185,29 @@ def test_a_build_for_another_torch_is_not_used(monkeypatch: pytest.MonkeyPatch) 
         monkeypatch.undo()
         native.reload_native_setting()
     assert native.entries_reason() == "live"
+
+
+def test_off_switch_and_a_missing_build_fall_back_to_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    from offload.engine import entry_table
+
+    real_import = native.importlib.import_module
+    try:
+        monkeypatch.setenv("OFFLOAD_NATIVE", "0")
+        native.reload_native_setting()
+        assert native.entries_extension() is None and "OFFLOAD_NATIVE" in native.entries_reason()
+        assert type(entry_table.new_entry_table(True, ALIGNMENT)) is EntryTable
+        monkeypatch.setenv("OFFLOAD_NATIVE", "1")
+
+        def no_entries(name: str) -> Any:
+            if name == "offload._entries":
+                raise ImportError("No module named 'offload._entries'")
+            return real_import(name)
+
+        monkeypatch.setattr(native.importlib, "import_module", no_entries)
+        native.reload_native_setting()
+        assert native.entries_extension() is None
+        assert "--no-build-isolation" in native.entries_reason()
+        assert type(entry_table.new_entry_table(True, ALIGNMENT)) is EntryTable
+    finally:
+        monkeypatch.undo()
+        native.reload_native_setting()
