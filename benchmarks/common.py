@@ -417,11 +417,37 @@ def _git_commit() -> Optional[str]:
         return None
 
 
+def source_digest(root: Path) -> Optional[str]:
+    """The first 16 hex digits of a SHA-256 over ``root``'s ``offload/`` and ``csrc/`` sources
+    (paths and contents, in path order): names the code that ran where git's state does not,
+    such as the device machine's copy of the tree, whose ``git rev-parse`` is stale."""
+    import hashlib
+
+    files = sorted(
+        path for folder in ("offload", "csrc") for path in (root / folder).rglob("*")
+        if path.suffix in (".py", ".cpp", ".h") and "__pycache__" not in path.parts
+    )
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for path in files:
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _offload_package() -> Optional[str]:
     try:
         import offload as package
 
         return str(Path(package.__file__).resolve().parent)
+    except Exception:  # noqa: BLE001 - metadata only
+        return None
+
+
+def _package_digest() -> Optional[str]:
+    try:
+        package = _offload_package()
+        return None if package is None else source_digest(Path(package).parent)
     except Exception:  # noqa: BLE001 - metadata only
         return None
 
@@ -432,6 +458,8 @@ def metadata(env: Env) -> dict[str, Any]:
         from offload.host import native
 
         native_state = {"available": native.native_available(), "reason": native.native_reason()}
+        if hasattr(native, "entries_reason"):  # offload._entries (older trees lack it)
+            native_state["entries"] = native.entries_reason()
         if env.cuda:
             native_state["cuda_copy_path"] = native.cuda_copy_path()
     except Exception as exc:  # noqa: BLE001 - metadata only
@@ -443,7 +471,8 @@ def metadata(env: Env) -> dict[str, Any]:
         "python": platform.python_version(),
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": platform.node(),
-        "git_commit": _git_commit(),
+        "git_commit": _git_commit(),  # stale on the device machine's copy: see source_digest
+        "source_digest": _package_digest(),
         "cpu_smoke": env.smoke,
         "native": native_state,
         # Which offload package ran: a script of this tree may run against another checkout's

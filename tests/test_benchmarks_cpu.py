@@ -444,3 +444,19 @@ def test_ab_engine_direct_worker_reports_the_engine_parts_on_the_cpu() -> None:
     for label, (us, again) in parts.items():
         assert us == again and us > 0, (label, us)
     assert parts["all us/t"] > parts["pack us/t"] + parts["unpack us/t"]
+
+
+def test_results_name_the_source_that_ran_by_digest(tmp_path: Path) -> None:
+    # git's state is stale on the device machine's copy of the tree; the digest is not.
+    common = bench_module("common")
+    for name in ("offload/engine/group.py", "csrc/torch/entry_table.cpp", "offload/__init__.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text((ROOT / name).read_text())
+    before = common.source_digest(tmp_path)
+    assert before and len(before) == 16
+    (tmp_path / "offload" / "__pycache__").mkdir()
+    (tmp_path / "offload" / "__pycache__" / "x.py").write_text("ignored")
+    assert common.source_digest(tmp_path) == before
+    (tmp_path / "csrc/torch/entry_table.cpp").write_text("// changed\n")
+    assert common.source_digest(tmp_path) != before
+    assert common.source_digest(tmp_path / "empty") is None
