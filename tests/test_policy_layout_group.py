@@ -184,7 +184,7 @@ def test_views_of_one_storage_share_a_slot_and_restore_exactly(entry_table: str)
     close(group)
     reload_from_originals(group)
     for i, t in enumerate(tensors):
-        r = group.restore(i)
+        r = group.table.restore(i, group.gpu)
         assert r.dtype == t.dtype and r.shape == t.shape and r.stride() == t.stride()
         assert torch.equal(r, t)
         # The restored address keeps the original's offset modulo 256 within its storage.
@@ -204,7 +204,7 @@ def test_typed_views_keep_their_dtype(entry_table: str) -> None:
     assert all(o % 256 == 0 for o in group.slot_offsets)
     reload_from_originals(group)
     for i, t in enumerate(items):
-        r = group.restore(i)
+        r = group.table.restore(i, group.gpu)
         assert r.dtype == t.dtype, (i, r.dtype, t.dtype)
         assert r.shape == t.shape and r.stride() == t.stride()
         assert torch.equal(r, t)
@@ -221,7 +221,7 @@ def test_lazy_conjugate_and_negative_views_restore_with_their_bits(entry_table: 
     close(group)
     reload_from_originals(group)
     for i, t in enumerate(items):
-        back = group.restore(i)
+        back = group.table.restore(i, group.gpu)
         assert (back.is_conj(), back.is_neg()) == (t.is_conj(), t.is_neg()), i
         assert torch.equal(back.resolve_conj().resolve_neg(), t.resolve_conj().resolve_neg()), i
 
@@ -236,8 +236,8 @@ def test_shared_uint8_buffer_components_offloaded_once(entry_table: str) -> None
     assert group.table.slot_count() == 1
     close(group)
     reload_from_originals(group)
-    assert torch.equal(group.restore(0), data)
-    assert group.restore(1).dtype == torch.float32 and torch.equal(group.restore(1), scales)
+    assert torch.equal(group.table.restore(0, group.gpu), data)
+    assert group.table.restore(1, group.gpu).dtype == torch.float32 and torch.equal(group.table.restore(1, group.gpu), scales)
 
 
 def test_storage_extent() -> None:

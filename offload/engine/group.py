@@ -189,23 +189,10 @@ class Group:
 
     # -- handing back ----------------------------------------------------------------------------
     def modified(self, index: int) -> RuntimeError:
-        """Autograd's in-place error for entry ``index`` (its table found it changed)."""
+        """Autograd's in-place error for entry ``index``, which its table found changed (its
+        ``original`` or ``restore`` returned None; the unpack hook raises this)."""
         shape, dtype, now, saved = self.table.describe(index)
         return modified_error(shape, dtype, self.layer, now, saved)
-
-    def original(self, index: int) -> torch.Tensor:
-        """The tensor as it was saved (only while the group still holds the originals)."""
-        tensor = self.table.original(index)
-        if tensor is None:
-            raise self.modified(index)
-        return tensor
-
-    def restore(self, index: int) -> torch.Tensor:
-        """Entry ``index`` as a typed view of the reload buffer, with its dtype, shape and stride."""
-        view = self.table.restore(index, self.gpu)
-        if view is None:
-            raise self.modified(index)
-        return view
 
     def __del__(self) -> None:
         # Returning the host region must happen exactly once, when the last saved-tensor handle
