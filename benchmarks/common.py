@@ -347,6 +347,7 @@ def run_variant(
     *,
     offload: Optional[dict[str, Any]] = None,
     forward_wrapper: Optional[Callable[[], Any]] = None,
+    layer_calls: Optional[tuple[Any, Callable[[torch.Tensor], torch.Tensor]]] = None,
     want_report: bool = False,
     warmup: Optional[int] = None,
     steps: Optional[int] = None,
@@ -354,20 +355,23 @@ def run_variant(
     """Time one variant of a workload and return its row.
 
     ``offload``: keyword arguments of the offload context (``num_layers`` at least; model_layers
-    is ``len(layers)``); None for no offload. A failure is caught, printed and recorded in the row
+    is ``len(layers)``); None for no offload. ``layer_calls``: a ``(context, sync_function)``
+    pair called in the offload context's place (a stand-in, such as the hooks' floor in
+    ``cpu_overhead.py``), no stats read. A failure is caught, printed and recorded in the row
     as ``error`` so that the other variants still run. The context is dropped and memory freed
     before returning.
     """
     row: dict[str, Any] = {"variant": label}
     if offload is not None:
         row["num_layers"] = offload.get("num_layers")
-    ctx = sync = step = None
+    ctx = sync = step = calls = None
     t0 = time.perf_counter()
     try:
         if offload is not None:
             kw = dict(offload)
             ctx, sync = offload_context(env, kw.pop("num_layers"), len(layers), **kw)
-        step = make_step(layers, x, context=ctx, sync=sync, forward_wrapper=forward_wrapper)
+        calls = (ctx, sync) if layer_calls is None else layer_calls
+        step = make_step(layers, x, context=calls[0], sync=calls[1], forward_wrapper=forward_wrapper)
         timing = time_steps(step, env, warmup=warmup, steps=steps)
         s = timing.summary()
         row.update(
@@ -397,7 +401,7 @@ def run_variant(
         row["error"] = f"{type(exc).__name__}: {exc}"
         print(f"!! variant {label!r} failed: {row['error']}", file=sys.stderr)
     finally:
-        del ctx, sync, step
+        del ctx, sync, step, calls, layer_calls
         x.grad = None
         for p in layers.parameters():
             p.grad = None

@@ -59,7 +59,8 @@ class OffloadActivations:
     probe steps) and offloads all layers but the last on the CPU, with the v1 schedule or
     ``manual_synchronization``, and for layers the model checkpoints itself
     (:func:`offload.layers.args.default_budget`); :attr:`budget` says which. ``num_offload_layers=N``
-    offloads layers ``0..N-1`` everywhere.
+    offloads layers ``0..N-1`` everywhere; with it, ``group_bytes=B`` lets layers that save less
+    than ``B`` share one copy with the next (as in :func:`offload.get_cpu_offload_context`).
 
     **Without layers** (``OffloadActivations()``, torchtune's form): the forward is cut into
     groups by bytes. A group closes at the end of the first module call (any ``nn.Module``) after
@@ -167,8 +168,7 @@ class OffloadActivations:
             self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
                             keep_last_groups, max_fwd_stash_size, options)
             return
-        for name, value in (("group_bytes", group_bytes), ("keep_last_groups", keep_last_groups),
-                            ("max_fwd_stash_size", max_fwd_stash_size)):
+        for name, value in (("keep_last_groups", keep_last_groups), ("max_fwd_stash_size", max_fwd_stash_size)):
             if value is not None:
                 raise ValueError(
                     f"offload: OffloadActivations: {name} applies to the form without layers, where "
@@ -198,6 +198,14 @@ class OffloadActivations:
                                       budget=self._budget, **default_inputs(self.layers, options))
         self._budget_default = memory_budget_bytes is None and self._budget is not None
         planned = plan is not None or self._budget is not None
+        if group_bytes is not None:
+            if planned:
+                raise ValueError(
+                    "offload: OffloadActivations: group_bytes with layers lets small layers share "
+                    "one copy under a fixed num_offload_layers; a plan or memory budget decides per "
+                    "layer instead: drop group_bytes, or pass num_offload_layers"
+                )
+            options["group_bytes"] = group_bytes
         if planned:
             if plan is not None and self._budget is not None:
                 raise ValueError("offload: OffloadActivations takes plan or memory_budget_bytes, not both")

@@ -89,7 +89,7 @@ ENGINE_OPTIONS = (
     "num_layers", "model_layers", "offload_activations", "offload_weights", "double_buffering",
     "manual_synchronization", "retain_pinned_cpu_buffers", "offload_stream", "mode", "device",
     "min_offload_bytes", "host_budget_bytes", "selection", "params_from", "timing",
-    "wait_for_pinning",
+    "wait_for_pinning", "group_bytes",
 )
 # torchtune's OffloadActivations options, accepted with their meanings (see activations.py).
 TORCHTUNE_OPTIONS = ("use_pin_memory", "use_streams", "max_fwd_stash_size", "min_offload_size")
@@ -205,6 +205,8 @@ def check_option_values(api: str, **options: Any) -> list[torch.nn.Module]:
         _check_int(api, "num_layers", options["num_layers"], 0)
     if "min_offload_bytes" in options:
         _check_int(api, "min_offload_bytes", options["min_offload_bytes"], 0, "an integer number of bytes")
+    if given("group_bytes") is not None:
+        _check_int(api, "group_bytes", options["group_bytes"], 0, "an integer number of bytes")
     if given("host_budget_bytes") is not None:
         _check_int(api, "host_budget_bytes", options["host_budget_bytes"], 0, "None or an integer number of bytes")
     if given("timing") is not None:
@@ -236,6 +238,7 @@ def build_engine(
     params_from: Any = None,
     timing: Optional[bool] = None,
     wait_for_pinning: bool = True,
+    group_bytes: Optional[int] = None,
     layer_contexts: bool = True,
     schedule: Optional[Schedule] = None,
     _api: Optional[str] = None,
@@ -272,6 +275,14 @@ def build_engine(
         warnings.warn("offload: double_buffering applies to the v1 schedule only; v2 ignores it", stacklevel=3)
     if selection is None:
         selection = "marked" if resolved_mode == "v1" else "auto"
+    if group_bytes and (schedule is not None or manual_synchronization or resolved_mode != "v2"):
+        used = "a plan's schedule" if schedule is not None else (
+            "manual_synchronization=True" if manual_synchronization else f"the {resolved_mode} schedule")
+        raise ValueError(
+            f"offload: {api}: group_bytes={group_bytes} lets small layers share one copy in the v2 "
+            f"schedule (a fixed num_layers), but this context runs {used}; drop group_bytes, or use "
+            "mode='v2' with num_layers"
+        )
 
     use_native = native.native_available()
     if dev.type == "cuda":
@@ -311,7 +322,7 @@ def build_engine(
         schedule = ScheduleV1(num_layers, model_layers, double_buffering=double_buffering)  # type: ignore[arg-type]
         label = resolved_mode
     else:
-        schedule = ScheduleV2(num_layers, model_layers)  # type: ignore[arg-type]
+        schedule = ScheduleV2(num_layers, model_layers, group_bytes=group_bytes or 0)  # type: ignore[arg-type]
         label = resolved_mode
     engine = OffloadEngine(
         policy=policy,
@@ -495,6 +506,7 @@ def get_cpu_offload_context(
     params_from: Any = None,
     timing: Optional[bool] = None,
     wait_for_pinning: bool = True,
+    group_bytes: int = 0,
     **unknown: Any,
 ) -> tuple[Any, ...]:
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
@@ -530,6 +542,10 @@ def get_cpu_offload_context(
     background for a later step, so the first steps run at about a plain step's speed with a
     higher peak; only for a model whose plain peak (or the head and backward on top of the
     kept groups) fits the GPU. ``reserve`` before the first step avoids both.
+    ``group_bytes`` (v2; default 0, off): a layer whose offloaded tensors add up to less than this
+    shares its group with the next offloaded layer, so several small layers are copied once each
+    way (for host-bound models, where each copy's fixed host cost exceeds its transfer; see
+    ``offload.engine.schedules.v2``). At most ``group_bytes`` more stay on the GPU meanwhile.
 
     Options are checked here, with errors that name this function and the option: wrong types
     raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range

@@ -166,7 +166,7 @@ def close(group: Group) -> None:
 def reload_from_originals(group: Group) -> None:
     """Build the reload buffer the way the transport would: each slot's bytes at its offset."""
     buffer = torch.zeros(group.nbytes, dtype=torch.uint8)
-    for view, off in zip(group.table.slot_byte_views(torch.device("cpu")), group.slot_offsets):
+    for view, off in zip(group.table.slot_byte_views(torch.device("cpu")), group.table.copy_lists(0)[0]):
         buffer[off : off + view.numel()].copy_(view)
     group.state = GroupState.OFFLOADED
     group.mark_reloaded(buffer, None)
@@ -201,7 +201,7 @@ def test_typed_views_keep_their_dtype(entry_table: str) -> None:
     for t in items:
         group.add(t)
     close(group)
-    assert all(o % 256 == 0 for o in group.slot_offsets)
+    assert all(o % 256 == 0 for o in group.table.copy_lists(0)[0])
     reload_from_originals(group)
     for i, t in enumerate(items):
         r = group.table.restore(i, group.gpu)

@@ -114,6 +114,87 @@ def test_v2_resident_bound_and_exactness(n: int, k: int) -> None:
     assert sorted(g for a, g, _, _ in log if a == "start_reload") == list(range(k))
 
 
+def test_v2_forward_touches_only_the_groups_in_flight(monkeypatch) -> None:
+    # A layer start looks at the groups whose D2H is in flight (a queue kept as they go), not
+    # at every group of the step: that scan grew with the model's depth at every layer. The
+    # releases are the same as the budget says (test above), and gradients stay exact.
+    from offload.engine.step import StepGroups
+
+    layers = make_mlp_layers(12)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(11, 12)
+    engine = ctx.engine
+    scans = []
+    values = StepGroups.values
+
+    def counted(self):
+        scans.append(engine.step.forward_done)
+        return values(self)
+
+    monkeypatch.setattr(StepGroups, "values", counted)
+    log = record(ctx)
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert not [done for done in scans if not done], "a forward layer boundary scanned the step's groups"
+    releases = [(g, cur) for a, g, cur, ph in log if a == "release"]
+    assert releases == [(g, g + 2) for g in range(9)] + [(9, 11), (10, 11)]
+
+
+def test_v2_queue_of_copies_in_flight_holds_groups_weakly() -> None:
+    # The schedule's queue must not keep a group alive: a forward whose graph is dropped has
+    # to free its groups (and their host regions) right away.
+    import gc
+    import weakref
+
+    layers = make_mlp_layers(6)
+    x = torch.randn(8, 64, requires_grad=True)
+    ctx, sync = cpu_context(5, 6)
+    y = x
+    for i, layer in enumerate(layers[:3]):
+        with ctx:
+            y = layer(y)
+        y = sync(y)
+    queued = [ref() for ref in ctx.engine.schedule._offloading]
+    assert queued and all(g is not None for g in queued)
+    refs = [weakref.ref(g) for g in queued]
+    del queued, y
+    gc.disable()  # freed by reference counting, not by a cycle collection
+    try:
+        assert [r() for r in refs] == [None] * len(refs)
+    finally:
+        gc.enable()
+    assert ctx.engine.arena.counters.bytes_in_use == 0
+
+
+def test_step_groups_count_what_holds_gpu_memory_as_the_group_says() -> None:
+    # StepGroups.holding_gpu_memory counts by Group.holds_gpu_memory, for every state and both
+    # consumed flags, with and without a top layer.
+    from offload.engine.group import Group, GroupState
+    from offload.engine.step import StepGroups
+
+    groups, kept = StepGroups(), []
+    layer = 0
+    for state in GroupState:
+        for consumed in (False, True):
+            g = Group(layer, 1)
+            g.state, g.consumed = state, consumed
+            groups[layer] = g
+            kept.append(g)
+            layer += 1
+    for top in (None, 0, 3, 6, layer):
+        expect = sum(1 for g in kept if (top is None or g.layer <= top) and g.holds_gpu_memory)
+        assert groups.holding_gpu_memory(top) == expect
+    assert groups.holding_gpu_memory() == sum(1 for g in kept if g.holds_gpu_memory) > 0
+    # A group that several small layers share (group_bytes) is found under each, counted once.
+    shared = Group(layer, 1)
+    shared.top = layer + 2
+    for member in range(layer, layer + 3):
+        groups[member] = shared
+    assert all(groups.get(member) is shared for member in range(layer, layer + 3))
+    assert groups.values().count(shared) == 1
+    assert groups.holding_gpu_memory() == sum(1 for g in kept if g.holds_gpu_memory) + 1
+
+
 def test_without_markers_reloads_happen_on_demand_and_stay_exact() -> None:
     layers = make_mlp_layers(4)
     x = torch.randn(8, 64)

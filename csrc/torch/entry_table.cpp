@@ -188,6 +188,12 @@ class EntryTable {
   std::optional<at::Tensor> restore(int64_t index, const at::Tensor& buffer) {
     const Entry& e = at(index);
     if (retain_ && aliases_.at(index)._version() != e.version) return std::nullopt;
+    // The views are made below autograd's view tracking: recording a base and a view function
+    // for each (what the ADInplaceOrView kernels do) is a quarter of this call, and nothing
+    // reads it. The buffer has no autograd history, and autograd makes what the unpack hook
+    // returns into a fresh saved variable of its own (SavedVariable::unpack), so the view's
+    // own autograd metadata is never looked at.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     if (!typed_buffer_.defined() || !typed_buffer_.is_same(buffer)) {
       typed_buffer_ = buffer;
       typed_.clear();

@@ -189,11 +189,11 @@ class ForwardState:
         if phase is not _IDLE and self.step is None:
             self._broken("a forward is open without a step")
         pending = self.pending_group
-        if pending is not None and (phase is not _BETWEEN or pending.layer != self.step.layers_started):  # type: ignore[union-attr]
+        if pending is not None and (phase is not _BETWEEN or pending.top != self.step.layers_started):  # type: ignore[union-attr]
             self._broken("the pending group is not the next layer's")
         group = self.open_group
-        if group is not None and group.layer != self.layer:
-            self._broken(f"the open group is layer {group.layer}'s, in layer {self.layer}")
+        if group is not None and group.top != self.layer:
+            self._broken(f"the open group is layer {group.top}'s, in layer {self.layer}")
 
     def _refuse(self, what: str, allowed: str) -> None:
         raise LifecycleError(

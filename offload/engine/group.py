@@ -68,14 +68,18 @@ class Group:
     # Slots: a group is created per layer per step, and its attributes are read on every pack
     # and unpack.
     __slots__ = (
-        "layer", "step", "retain", "state", "table", "saved_bytes", "min_offload_bytes", "sizes",
-        "slot_offsets", "nbytes", "copy_bytes", "host", "d2h_done", "gpu", "h2d_done",
-        "h2d_waited", "unpacks_since_reload", "unpacks", "consumed", "counters", "on_free",
-        "local", "captured", "reload_captured", "__weakref__",
+        "layer", "top", "step", "retain", "state", "table", "saved_bytes", "min_offload_bytes", "nbytes",
+        "copy_bytes", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "unpacks_since_reload",
+        "unpacks", "consumed", "counters", "on_free", "local", "captured", "reload_captured",
+        "__weakref__",
     )
 
     def __init__(self, layer: int, step: int, *, retain: bool = True) -> None:
         self.layer = layer
+        # The last layer whose tensors join this group: ``layer`` itself, unless the schedule
+        # lets small layers share one group (``Schedule.joins_next``); the group is then found
+        # under each of its layers, and copied once for all of them.
+        self.top = layer
         self.step = step
         # retain=False: a group that only measures (the planner's probe): its table lays slots
         # out like any group's but keeps no reference to the tensors or storages, so a plain
@@ -92,9 +96,7 @@ class Group:
         self.table: Table = new_entry_table(retain, ALIGNMENT)
         self.saved_bytes = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
-        # Filled by close().
-        self.sizes: list[int] = []      # byte size of each slot's span
-        self.slot_offsets: list[int] = []
+        # Filled by close(); the slots' offsets and sizes are the table's (``copy_lists``).
         self.nbytes = 0                 # the region's size (layout total, alignment included)
         self.copy_bytes = 0             # bytes each direction's copy moves (the spans, no padding)
         # Filled by the transport / engine.
@@ -131,9 +133,7 @@ class Group:
         sizes = self.table.slot_sizes()
         offsets, total = native.plan_layout(sizes)
         self.table.close(offsets)
-        self.sizes = sizes
         self.copy_bytes = sum(sizes)
-        self.slot_offsets = offsets
         self.nbytes = total
 
     # -- state transitions -----------------------------------------------------------------------

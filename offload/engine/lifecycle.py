@@ -268,9 +268,11 @@ class StepLifecycleMixin:
             raise
         step.layers_started += 1  # type: ignore[union-attr]
         group = forward.take_pending()
-        if group is not None and (not offloads or group.layer != layer):
+        if group is not None and (not offloads or group.top != layer):
             self._keep_pending(group, step)  # type: ignore[arg-type]
             group = None
+        elif group is not None and group.layer != layer:
+            step.groups[layer] = group  # type: ignore[union-attr]  # a small group carried on (joins_next)
         if offloads and group is None:
             group = self._new_group(layer, step)  # type: ignore[arg-type]
         forward.enter_layer(layer, group, push)
@@ -322,9 +324,14 @@ class StepLifecycleMixin:
             self._hooks.__exit__(None, None, None)
         group = forward.exit_layer()
         step = forward.step
-        if group is not None:
-            group = self._close(group, step)  # type: ignore[arg-type]
         layer = forward.layer
+        if group is not None and self.schedule.joins_next(group, layer):
+            # Too small to be copied on its own: it stays open as the next layer's group.
+            group.top = layer + 1
+            forward.open_pending(group)
+            group = None
+        elif group is not None:
+            group = self._close(group, step)  # type: ignore[arg-type]
         self.schedule.on_layer_end(self, layer, group)
         if step.forward_done or self.layer_contexts and step.layers_started >= self.model_layers:  # type: ignore[union-attr]
             self.end_forward()

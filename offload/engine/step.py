@@ -48,10 +48,23 @@ class StepGroups:
         return default if group is None else group
 
     def values(self) -> list[Group]:
-        """The live groups, in layer order of creation."""
-        return [g for r in self._refs.values() if (g := r()) is not None]
+        """The live groups, in layer order of creation, each once (a group that several small
+        layers share is also found under its later layers: ``Group.top``)."""
+        return [g for layer, r in self._refs.items() if (g := r()) is not None and g.layer == layer]
+
+    def holding_gpu_memory(self, top: Optional[int] = None) -> int:
+        """How many live groups (of layers ``<= top``, if given) hold GPU memory that backward
+        has not finished with (``Group.holds_gpu_memory``). Counted without building the list
+        of groups: the schedules ask at every backward layer."""
+        count = 0
+        for layer, ref in self._refs.items():
+            g = ref()
+            if g is not None and g.layer == layer and (top is None or layer <= top) and g.holds_gpu_memory:
+                count += 1
+        return count
 
     def keys(self) -> list[int]:
+        """The layers that have a live group (a shared group's every layer)."""
         return [layer for layer, r in self._refs.items() if r() is not None]
 
     def __len__(self) -> int:

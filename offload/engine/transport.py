@@ -71,7 +71,9 @@ def slot_copy_lists(group: Group, region: Region) -> tuple[list[int], list[int],
 def copy_slots_torch(group: Group, region: Region, *, device: torch.device, non_blocking: bool) -> None:
     """The offload copy without the extension: one ``copy_`` per storage slot, on the current
     stream."""
-    for view, off, n in zip(group.table.slot_byte_views(device), group.slot_offsets, group.sizes):
+    table = group.table
+    offsets, _, sizes = table.copy_lists(0)  # the slots' offsets in the region, and their sizes
+    for view, off, n in zip(table.slot_byte_views(device), offsets, sizes):
         region.block.narrow(0, off, n).copy_(view, non_blocking=non_blocking)
 
 

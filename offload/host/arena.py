@@ -185,9 +185,9 @@ class HostArena:
         wanted = counters.bytes_in_use + self.claimed + nbytes
         if wanted > self.budget_bytes:
             return False
-        # The blocks this arena holds are reused first; beyond them it can only grow into what
-        # the process has free. (Unlocked reads: the charge at acquire is the exact check.)
-        if wanted > counters.bytes_held + counters.bytes_pending + self.ledger.free_bytes:
+        # Own blocks first (a steady step stops there), then the process's free bytes (unlocked).
+        held = counters.bytes_held + counters.bytes_pending
+        if wanted > held and wanted > held + self.ledger.free_bytes:
             self._refused_by_process(nbytes)
             return False
         self.claimed += nbytes

@@ -53,6 +53,12 @@ class Schedule:
         """Whether ``layer`` runs its candidates under selective recompute (planned schedules only)."""
         return False
 
+    def joins_next(self, group: Group, layer: int) -> bool:
+        """Whether the group of ``layer``, which just ended, stays open for the next layer's
+        tensors instead of being closed and copied on its own (small layers sharing one copy).
+        The base never does: every layer is a group of its own."""
+        return False
+
     def on_step_start(self, engine: EngineView) -> None:
         """A new step (forward) begins."""
 

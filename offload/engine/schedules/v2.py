@@ -20,6 +20,16 @@ v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``)
   one group's H2D on our H100 (a layer's copy takes ~1.6x its backward); prefetching further
   would only raise the backward peak, where parameter gradients are accumulating too.
 
+Small layers (``group_bytes``, default 0: off). Each group costs the host the same fixed work
+whatever its size (closing it, a D2H and an H2D submission, their events, the release's and the
+unpack's waits: about 140 us a group inside SMALL's steps on our H100's host), while a layer of a
+few MiB moves over PCIe in tens of microseconds. With ``group_bytes > 0`` a layer whose group holds
+fewer bytes than that when the layer ends is not closed: the next offloaded layer's tensors join
+it, until it holds ``group_bytes`` or the last offloaded layer ends, and the whole group is copied
+once each way (the layer entries and exits stay per layer; backward reaching any of its layers
+finds it). The budget counts such a group as one layer: its layers together hold less than
+``group_bytes``, which bounds what the forward keeps on the GPU beyond the budget.
+
 Several micro-batches in flight (a pipeline stage's 1F1B order, see ``lifecycle.py``): each
 micro-batch is a step with its own groups, keyed by (micro-batch, layer).
 - Backward reaching a layer of an earlier micro-batch reloads and prefetches *that*
@@ -34,6 +44,7 @@ micro-batch is a step with its own groups, keyed by (micro-batch, layer).
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 from ..group import Group, GroupState
@@ -45,15 +56,25 @@ if TYPE_CHECKING:
     from ..step import StepState
 
 
+_OFFLOADING = GroupState.OFFLOADING
+
+
 class ScheduleV2(Schedule):
     """Offload layers ``0..k-1``; release late and prefetch early within a layer budget."""
 
     name = "v2"
 
-    def __init__(self, num_layers: int, model_layers: int, prefetch_depth: int = 2) -> None:
+    def __init__(self, num_layers: int, model_layers: int, prefetch_depth: int = 2, group_bytes: int = 0) -> None:
         super().__init__(num_layers, model_layers)
         self.budget = max(model_layers - num_layers, 2)
         self.prefetch_depth = prefetch_depth
+        self.group_bytes = group_bytes
+        # The current step's groups whose D2H is in flight and whose originals are still held,
+        # oldest first: what a layer start may release. Kept as the groups go (rather than found
+        # by scanning the step's groups at every layer, which grew with the model's depth), and
+        # held weakly, like the step's groups, so that a forward whose graph is dropped still
+        # frees them.
+        self._offloading: list[weakref.ref] = []
 
     def _non_offloaded_through(self, layer: int) -> int:
         # Layers k..layer are not offloaded; their activations are on the GPU until backward.
@@ -72,13 +93,33 @@ class ScheduleV2(Schedule):
         for step in engine.micro_batches():
             if step is this:
                 continue
-            held += self._kept_layers(step) + sum(1 for g in step.groups.values() if g.holds_gpu_memory)
+            held += self._kept_layers(step) + step.groups.holding_gpu_memory()
             share += self.model_layers - self.num_layers
         return held, share
 
+    def _still_offloading(self) -> list[Group]:
+        # The queue's groups that are still OFFLOADING (a group leaves by release, or by dying
+        # with its graph), oldest first; the queue keeps only those.
+        live = [g for r in self._offloading if (g := r()) is not None and g.state is _OFFLOADING]
+        if len(live) != len(self._offloading):
+            self._offloading = [weakref.ref(g) for g in live]
+        return live
+
+    def joins_next(self, group: Group, layer: int) -> bool:
+        # Below group_bytes, the next offloaded layer's tensors join this group (see the module
+        # notes). Never past the last offloaded layer, whose group must be copied at its end,
+        # nor under capture.
+        return group.saved_bytes < self.group_bytes and layer + 1 < self.num_layers and not group.captured
+
+    def on_step_start(self, engine: EngineView) -> None:
+        self._offloading = []
+
+    def on_abort(self, engine: EngineView, step: "StepState") -> None:
+        self._offloading = []
+
     def on_layer_start(self, engine: EngineView, layer: int) -> None:
         step = engine.step
-        pending = [g for g in step.groups.values() if g.state is GroupState.OFFLOADING]
+        pending = self._still_offloading() if self._offloading else []
         resident = len(pending) + self._non_offloaded_through(layer) + (1 if self.offloads(layer) else 0)
         limit = self.budget
         if engine.in_flight:
@@ -91,11 +132,13 @@ class ScheduleV2(Schedule):
     def on_layer_end(self, engine: EngineView, layer: int, group: Optional[Group]) -> None:
         if group is not None:
             engine.start_offload(group)
+            if group.state is _OFFLOADING:
+                self._offloading.append(weakref.ref(group))
 
     def on_forward_end(self, engine: EngineView) -> None:
-        for group in list(engine.step.groups.values()):
-            if group.state is GroupState.OFFLOADING:
-                engine.release(group)
+        for group in self._still_offloading():
+            engine.release(group)
+        self._offloading = []
 
     def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step``: its group must come back now, and the
@@ -104,14 +147,8 @@ class ScheduleV2(Schedule):
         needed = groups.get(layer)
         if needed is not None and needed.state is GroupState.OFFLOADED:
             engine.start_reload(needed)
-        # Groups of layers above ``layer`` are done; count what still holds GPU memory. A loop
-        # rather than a list to take the length of: it runs over every group of the step at
-        # every layer.
-        top = min(layer, self.num_layers - 1)
-        resident = self._non_offloaded_through(layer)
-        for g in groups.values():
-            if g.layer <= top and g.holds_gpu_memory:
-                resident += 1
+        # Groups of layers above ``layer`` are done; count what still holds GPU memory.
+        resident = self._non_offloaded_through(layer) + groups.holding_gpu_memory(min(layer, self.num_layers - 1))
         limit = self.budget
         if engine.in_flight:
             held, share = self._others(engine, step)

@@ -1,0 +1,187 @@
+"""``group_bytes`` (v2): small layers share one group, copied once each way; on CPU (host transport).
+
+The rule: a layer whose group holds fewer than ``group_bytes`` offloaded bytes when it ends stays
+open for the next offloaded layer, up to the last offloaded layer, whose group is always closed.
+"""
+
+from __future__ import annotations
+
+import gc
+from typing import Any
+
+import pytest
+import torch
+
+import offload
+from offload.models import run_layers
+
+from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers, train_step
+
+
+def layer_bytes(layers: torch.nn.ModuleList, x: torch.Tensor, k: int) -> list[int]:
+    """What each offloaded layer saves into its group (a run without group_bytes, forward only)."""
+    ctx, sync = cpu_context(k, len(layers))
+    out = run_layers(layers, x.detach().requires_grad_(True), ctx, sync)
+    groups = ctx.engine.step.groups
+    sizes = [groups[layer].saved_bytes for layer in range(k)]
+    del out
+    return sizes
+
+
+def expected_groups(sizes: list[int], group_bytes: int) -> list[tuple[int, int]]:
+    """(first layer, last layer) of each group the rule makes from per-layer sizes."""
+    out, first, held = [], 0, 0
+    for layer, n in enumerate(sizes):
+        held += n
+        if held >= group_bytes or layer == len(sizes) - 1:
+            out.append((first, layer))
+            first, held = layer + 1, 0
+    return out
+
+
+def forward_groups(ctx: Any) -> list[tuple[int, int]]:
+    return [(g.layer, g.top) for g in ctx.engine.step.groups.values()]
+
+
+@pytest.mark.parametrize("n, k", [(8, 7), (6, 3), (5, 4)])
+@pytest.mark.parametrize("factor", [0, 1.5, 2.5, 100])
+def test_groups_follow_the_rule_and_gradients_stay_bitwise(n: int, k: int, factor: float) -> None:
+    layers = make_gpt_layers(n)
+    x = torch.randn(2, 16, 64)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    sizes = layer_bytes(layers, x, k)
+    group_bytes = int(factor * max(sizes))
+    alone, alone_sync = cpu_context(k, n)
+    train_step(layers, x, alone, alone_sync)
+    moved = alone.stats["offloaded_bytes"]
+    ctx, sync = cpu_context(k, n, group_bytes=group_bytes)
+    log: list[tuple[int, int]] = []
+    offload_group = ctx.engine.start_offload
+
+    def logged(group):
+        log.append((group.layer, group.top))
+        return offload_group(group)
+
+    ctx.engine.start_offload = logged
+    for _ in range(2):  # the second step reuses the first one's host blocks
+        log.clear()
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        want = expected_groups(sizes, group_bytes) if group_bytes else [(i, i) for i in range(k)]
+        assert log == want
+        stats = ctx.stats
+        assert stats["groups_offloaded"] == len(want) == stats["reloads"]
+        assert stats["offloaded_bytes"] == moved
+        assert stats["reloads_on_demand"] == 0
+
+
+def test_one_copy_each_way_for_all_small_layers_and_every_layer_reaches_it() -> None:
+    layers = make_mlp_layers(8)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(7, 8, group_bytes=1 << 30)
+    engine = ctx.engine
+    out = run_layers(layers, x.detach().requires_grad_(True), ctx, sync)
+    groups = engine.step.groups
+    shared = groups[0]
+    # Found under each of its layers, listed once, and off the GPU after the forward.
+    assert all(groups[layer] is shared for layer in range(7)) and groups.values() == [shared]
+    assert (shared.layer, shared.top) == (0, 6) and shared.state.value == "offloaded"
+    assert groups.holding_gpu_memory() == 0
+    del out, shared, groups
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["groups_offloaded"] == 1 and ctx.stats["reloads"] == 1
+
+
+def test_offload_activations_with_layers_takes_group_bytes() -> None:
+    layers = make_mlp_layers(6)
+    x = torch.randn(8, 64, requires_grad=True)
+
+    def grads(context: Any) -> list[torch.Tensor]:
+        with context:
+            y = x
+            for layer in layers:
+                y = layer(y)
+        y.square().mean().backward()
+        out = [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+        for p in [*layers.parameters(), x]:
+            p.grad = None
+        return out
+
+    expected = grads(torch.autograd.graph.saved_tensors_hooks(lambda t: t.detach(), lambda t: t))
+    ctx = offload.OffloadActivations(layers, num_offload_layers=5, group_bytes=1 << 30, device="cpu", min_offload_bytes=0)
+    assert_bitwise(expected, grads(ctx))
+    assert ctx.stats["groups_offloaded"] == 1 and ctx.stats["offloaded_tensors"] > 5
+
+
+def test_a_forward_failing_inside_a_shared_group_leaks_nothing() -> None:
+    layers = make_mlp_layers(6)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(5, 6, group_bytes=1 << 30)
+    engine = ctx.engine
+
+    class Boom(Exception):
+        pass
+
+    y = x.detach().requires_grad_(True)
+    with pytest.raises(Boom):
+        for i, layer in enumerate(layers):
+            with ctx:
+                y = layer(y)
+                if i == 3:
+                    raise Boom  # layers 0..3 share the open group
+            y = sync(y)
+    del y
+    gc.collect()
+    assert engine.arena.claimed == 0 and engine.arena.counters.bytes_in_use == 0
+    assert engine.forward.pending_group is None and engine.forward.open_group is None
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["groups_offloaded"] == 1
+
+
+def test_backward_before_the_last_layer_keeps_the_open_shared_group_exactly() -> None:
+    # Fewer layer contexts than model_layers: backward ends the forward with a shared group still
+    # open (waiting for its next layer); it is kept on the GPU and handed back as it was.
+    layers = make_mlp_layers(4)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(5, 6, group_bytes=1 << 30)
+    with pytest.warns(UserWarning, match="backward began after 4 layer contexts"):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    stats = ctx.stats
+    assert stats["groups_offloaded"] == 0 and stats["kept"]
+
+
+def test_micro_batches_in_flight_with_shared_groups() -> None:
+    # Two forwards, then their backwards (a pipeline stage's 1F1B start): each micro-batch's
+    # shared group is its own and comes back exactly.
+    layers = make_mlp_layers(6)
+    xs = [torch.randn(8, 64, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    expected = [train_step(layers, x) for x in xs]
+    ctx, sync = cpu_context(5, 6, group_bytes=4096 * 3)
+    inputs = [x.detach().requires_grad_(True) for x in xs]
+    outs = [run_layers(layers, x, ctx, sync) for x in inputs]
+    for x, out, want in zip(inputs, outs, expected):
+        for p in layers.parameters():
+            p.grad = None
+        (out.float() ** 2).mean().backward()
+        assert_bitwise(want, [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()])
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"group_bytes": -1}, "group_bytes must be an integer number of bytes >= 0"),
+    ({"group_bytes": 1.5}, "group_bytes must be an integer number of bytes"),
+    ({"group_bytes": True}, "group_bytes must be an integer number of bytes"),
+    ({"group_bytes": 4096, "mode": "v1"}, "this context runs the v1 schedule"),
+    ({"group_bytes": 4096, "manual_synchronization": True}, "manual_synchronization=True"),
+])
+def test_bad_group_bytes_are_refused_with_the_reason(kw: dict, match: str) -> None:
+    with pytest.raises((TypeError, ValueError), match=match):
+        offload.get_cpu_offload_context(True, num_layers=3, model_layers=4, device="cpu", **kw)
+
+
+def test_group_bytes_with_a_plan_or_budget_is_refused() -> None:
+    layers = make_mlp_layers(4)
+    with pytest.raises(ValueError, match="group_bytes with layers"):
+        offload.OffloadActivations(layers, group_bytes=4096, memory_budget_bytes=1 << 30, device="cpu")
