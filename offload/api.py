@@ -205,7 +205,7 @@ def check_option_values(api: str, **options: Any) -> list[torch.nn.Module]:
         _check_int(api, "num_layers", options["num_layers"], 0)
     if "min_offload_bytes" in options:
         _check_int(api, "min_offload_bytes", options["min_offload_bytes"], 0, "an integer number of bytes")
-    if given("group_bytes") is not None:
+    if "group_bytes" in options:
         _check_int(api, "group_bytes", options["group_bytes"], 0, "an integer number of bytes")
     if given("host_budget_bytes") is not None:
         _check_int(api, "host_budget_bytes", options["host_budget_bytes"], 0, "None or an integer number of bytes")
@@ -238,7 +238,7 @@ def build_engine(
     params_from: Any = None,
     timing: Optional[bool] = None,
     wait_for_pinning: bool = True,
-    group_bytes: Optional[int] = None,
+    group_bytes: int = 0,
     layer_contexts: bool = True,
     schedule: Optional[Schedule] = None,
     _api: Optional[str] = None,
@@ -322,7 +322,7 @@ def build_engine(
         schedule = ScheduleV1(num_layers, model_layers, double_buffering=double_buffering)  # type: ignore[arg-type]
         label = resolved_mode
     else:
-        schedule = ScheduleV2(num_layers, model_layers, group_bytes=group_bytes or 0)  # type: ignore[arg-type]
+        schedule = ScheduleV2(num_layers, model_layers, group_bytes=group_bytes)  # type: ignore[arg-type]
         label = resolved_mode
     engine = OffloadEngine(
         policy=policy,
