@@ -4,8 +4,9 @@ SMALL (16 x Linear 1024 + GELU, 256 tokens, bf16; TransformerEngine's call shape
 offloaded, every activation however small) is host-bound: each layer's group moves 1 MiB, and
 the fixed host work per group (close, D2H and H2D submissions, their events, the waits) costs
 more than the transfer. Each round times, in one process and in turn: plain, offload with the
-defaults (every layer a group), offload with ``group_bytes`` of 4 and 16 MiB (4 groups and 1),
-the hooks' floor (``cpu_overhead.HooksFloor``) and ``save_on_cpu``. Rounds alternate the
+defaults (``group_bytes`` 32 MiB: one group), offload with ``group_bytes`` of 0 (off: every
+layer a group, the default before issue 35's fourth round), 4 and 16 MiB (4 groups and 1), the
+hooks' floor (``cpu_overhead.HooksFloor``) and ``save_on_cpu``. Rounds alternate the
 variants so that the host's drift (27-36% between rounds on the H100 VM) falls on all of them;
 the ratios are per round, then the median over rounds.
 
@@ -22,7 +23,7 @@ import common
 import cpu_overhead
 import workloads
 
-GROUP_MIB = (4, 16)
+GROUP_MIB = (0, 4, 16)
 
 
 def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int) -> list[dict[str, Any]]:
@@ -33,7 +34,8 @@ def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int) -> li
     rows = [common.run_variant(env, "plain", layers, x, steps=steps),
             common.run_variant(env, "offload (default)", layers, x, offload=base, steps=steps)]
     for mib in GROUP_MIB:
-        rows.append(common.run_variant(env, f"offload group_bytes={mib} MiB", layers, x,
+        label = f"offload group_bytes={mib} MiB" if mib else "offload group_bytes=0 (off)"
+        rows.append(common.run_variant(env, label, layers, x,
                                        offload={**base, "group_bytes": mib << 20}, steps=steps))
     rows.append(common.run_variant(env, "hooks floor", layers, x, layer_calls=(floor, floor.sync), steps=steps))
     rows.append(common.run_variant(env, "save_on_cpu", layers, x, forward_wrapper=common.save_on_cpu_wrapper(), steps=steps))

@@ -25,6 +25,7 @@ from .layers.args import (
     COMPILED_FIRST, check_offload_count, check_torchtune_options, default_budget, default_inputs, dynamo_compiled_code,
     layer_list, prune_dead_hooks, second_forward_error,
 )
+from .engine.schedules import DEFAULT_GROUP_BYTES
 from .engine.schedules.auto import ScheduleAuto
 from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
 from .engine.eager import run_eagerly
@@ -39,11 +40,6 @@ from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHo
 from .layers import model_form
 
 
-# The no-layers form closes a group once it holds this many offloadable bytes. Large enough that
-# a group's fixed costs (events, one region, one batched copy, one reload buffer: tens of
-# microseconds) vanish next to its copy (~0.6 ms at 54 GB/s), small enough that copies pipeline
-# behind the compute of the groups after them and the tail kept on the GPU stays small.
-DEFAULT_GROUP_BYTES = 32 << 20
 # Copies in flight before the oldest group is released: one group computing while the previous
 # one's copy finishes, as in v2's layer budget.
 DEFAULT_STASH_GROUPS = 2
@@ -199,13 +195,14 @@ class OffloadActivations:
         self._budget_default = memory_budget_bytes is None and self._budget is not None
         planned = plan is not None or self._budget is not None
         if group_bytes is not None:
-            if planned:
+            if planned and group_bytes != 0:  # 0 (off) is what a plan does anyway
                 raise ValueError(
                     "offload: OffloadActivations: group_bytes with layers lets small layers share "
                     "one copy under a fixed num_offload_layers; a plan or memory budget decides per "
                     "layer instead: drop group_bytes, or pass num_offload_layers"
                 )
-            options["group_bytes"] = group_bytes
+            if not planned:
+                options["group_bytes"] = group_bytes
         if planned:
             if plan is not None and self._budget is not None:
                 raise ValueError("offload: OffloadActivations takes plan or memory_budget_bytes, not both")

@@ -29,7 +29,7 @@ from .engine.core import OffloadEngine
 from .engine.group import GroupState
 from .keywords import reject_unknown
 from .engine.policy import SELECTIONS, SelectionPolicy
-from .engine.schedules import ManualSchedule, Schedule, ScheduleV1, ScheduleV2
+from .engine.schedules import DEFAULT_GROUP_BYTES, ManualSchedule, Schedule, ScheduleV1, ScheduleV2
 from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
 from .engine.transport import CudaTransport, HostTransport
 
@@ -205,7 +205,7 @@ def check_option_values(api: str, **options: Any) -> list[torch.nn.Module]:
         _check_int(api, "num_layers", options["num_layers"], 0)
     if "min_offload_bytes" in options:
         _check_int(api, "min_offload_bytes", options["min_offload_bytes"], 0, "an integer number of bytes")
-    if "group_bytes" in options:
+    if given("group_bytes") is not None:
         _check_int(api, "group_bytes", options["group_bytes"], 0, "an integer number of bytes")
     if given("host_budget_bytes") is not None:
         _check_int(api, "host_budget_bytes", options["host_budget_bytes"], 0, "None or an integer number of bytes")
@@ -238,7 +238,7 @@ def build_engine(
     params_from: Any = None,
     timing: Optional[bool] = None,
     wait_for_pinning: bool = True,
-    group_bytes: int = 0,
+    group_bytes: Optional[int] = None,
     layer_contexts: bool = True,
     schedule: Optional[Schedule] = None,
     _api: Optional[str] = None,
@@ -275,7 +275,10 @@ def build_engine(
         warnings.warn("offload: double_buffering applies to the v1 schedule only; v2 ignores it", stacklevel=3)
     if selection is None:
         selection = "marked" if resolved_mode == "v1" else "auto"
-    if group_bytes and (schedule is not None or manual_synchronization or resolved_mode != "v2"):
+    shares_groups = schedule is None and not manual_synchronization and resolved_mode == "v2"
+    if group_bytes is None:
+        group_bytes = DEFAULT_GROUP_BYTES if shares_groups else 0
+    elif group_bytes and not shares_groups:
         used = "a plan's schedule" if schedule is not None else (
             "manual_synchronization=True" if manual_synchronization else f"the {resolved_mode} schedule")
         raise ValueError(
@@ -506,7 +509,7 @@ def get_cpu_offload_context(
     params_from: Any = None,
     timing: Optional[bool] = None,
     wait_for_pinning: bool = True,
-    group_bytes: int = 0,
+    group_bytes: Optional[int] = None,
     **unknown: Any,
 ) -> tuple[Any, ...]:
     """TransformerEngine-compatible offload context: returns ``(context, sync_function)``.
@@ -542,10 +545,11 @@ def get_cpu_offload_context(
     background for a later step, so the first steps run at about a plain step's speed with a
     higher peak; only for a model whose plain peak (or the head and backward on top of the
     kept groups) fits the GPU. ``reserve`` before the first step avoids both.
-    ``group_bytes`` (v2; default 0, off): a layer whose offloaded tensors add up to less than this
-    shares its group with the next offloaded layer, so several small layers are copied once each
-    way (for host-bound models, where each copy's fixed host cost exceeds its transfer; see
-    ``offload.engine.schedules.v2``). At most ``group_bytes`` more stay on the GPU meanwhile.
+    ``group_bytes`` (v2; default None: 32 MiB; 0 turns it off): a layer whose offloaded tensors
+    add up to less than this shares its group with the next offloaded layer, so several small
+    layers are copied once each way (a copy's fixed host cost exceeds the transfer of a few MiB;
+    see ``offload.engine.schedules.v2``). Layers that save more are groups of their own, as
+    without it; at most ``group_bytes`` more stay on the GPU while a shared group fills.
 
     Options are checked here, with errors that name this function and the option: wrong types
     raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range

@@ -79,8 +79,13 @@ class Delayed(torch.nn.Module):
 
 
 def cpu_context(num_layers: int, model_layers: int, **kw: Any) -> tuple[Any, ...]:
-    """A host-transport context that offloads every eligible tensor, however small."""
+    """A host-transport context that offloads every eligible tensor, however small.
+
+    Its tiny layers stand in for real ones, which save more than ``group_bytes`` each: so every
+    layer is a group of its own (``group_bytes=0``) unless a test asks for sharing.
+    """
     kw.setdefault("min_offload_bytes", 0)
+    kw.setdefault("group_bytes", 0)
     return offload.get_cpu_offload_context(True, num_layers=num_layers, model_layers=model_layers, device="cpu", **kw)
 
 

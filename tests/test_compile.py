@@ -68,7 +68,7 @@ def compiled_step(shape: str, layers: torch.nn.ModuleList, backend: str, offload
     around the call of a compiled model.
     """
     n = len(layers)
-    options = dict(device=device, min_offload_bytes=0)
+    options = dict(device=device, min_offload_bytes=0, group_bytes=0)  # a group per layer, counted below
     if shape.startswith("te"):
         ctx, sync = offload.get_cpu_offload_context(True, num_layers=offloaded, model_layers=n, **options)
 
@@ -160,12 +160,12 @@ def test_per_layer_compile_with_context_outside(api: str) -> None:
     plain = run_steps(lambda x: grads_of(layers, x, run_layers(compiled, x)), layers, xs)
     assert all(torch.equal(a, b) for g, h in zip(plain, run_steps(lambda x: grads_of(layers, x, run_layers(compiled, x)), layers, xs)) for a, b in zip(g, h))
     if api == "te":
-        ctx, sync = offload.get_cpu_offload_context(True, num_layers=2, model_layers=3, device="cpu", min_offload_bytes=0)
+        ctx, sync = offload.get_cpu_offload_context(True, num_layers=2, model_layers=3, device="cpu", min_offload_bytes=0, group_bytes=0)
         step = lambda x: grads_of(layers, x, run_layers(compiled, x, ctx, sync))  # noqa: E731
         context: Any = ctx
     else:
         # The compiled wrappers are the layers the model calls; their hooks fire around them.
-        oa = offload.OffloadActivations(compiled, device="cpu", min_offload_bytes=0)
+        oa = offload.OffloadActivations(compiled, device="cpu", min_offload_bytes=0, group_bytes=0)
 
         def step(x: torch.Tensor) -> list[torch.Tensor]:
             with oa:
@@ -228,7 +228,7 @@ def test_gpu_per_layer_inductor_with_context_outside(repeatable_attention) -> No
     layers = make_gpt_layers(3, 64, device="cuda")
     compiled = torch.nn.ModuleList(torch.compile(layer) for layer in layers)
     xs = inputs("cuda", 64)
-    ctx, sync = offload.get_cpu_offload_context(True, num_layers=2, model_layers=3, min_offload_bytes=NOTHING)
+    ctx, sync = offload.get_cpu_offload_context(True, num_layers=2, model_layers=3, min_offload_bytes=NOTHING, group_bytes=0)
 
     def step(z: torch.Tensor) -> list[torch.Tensor]:
         return grads_of(layers, z, run_layers(compiled, z, ctx, sync))

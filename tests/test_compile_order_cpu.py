@@ -45,7 +45,7 @@ def _step(model: GPT, run: Any, idx: torch.Tensor, oa: Any = None) -> tuple[list
 def test_offload_first_then_compile_offloads_with_exact_gradients(fresh_dynamo: None) -> None:
     model, idx = _model()
     expected, _ = _step(model, model, idx)
-    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0)
+    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0, group_bytes=0)
     compiled = torch.compile(model, backend="aot_eager")
     for _ in range(2):
         got, messages = _step(model, compiled, idx, oa)
@@ -58,7 +58,7 @@ def test_compile_first_then_offload_names_the_real_cause_and_its_fix_works(fresh
     expected, _ = _step(model, model, idx)
     compiled = torch.compile(model, backend="aot_eager")
     _step(model, compiled, idx)  # one compiled step before the context exists
-    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0)
+    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0, group_bytes=0)
     got, messages = _step(model, compiled, idx, oa)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
     assert oa.stats["groups_offloaded"] == 0
@@ -78,6 +78,6 @@ def test_compile_first_then_offload_names_the_real_cause_and_its_fix_works(fresh
 def test_a_wrong_layer_list_without_compiled_code_still_blames_the_list(fresh_dynamo: None) -> None:
     model, idx = _model()
     other, _ = _model()
-    oa = offload.OffloadActivations(other.layers, device="cpu", min_offload_bytes=0)
+    oa = offload.OffloadActivations(other.layers, device="cpu", min_offload_bytes=0, group_bytes=0)
     _, messages = _step(model, model, idx, oa)
     assert any("pass the modules one forward really calls" in m for m in messages), messages

@@ -64,7 +64,7 @@ def test_full_gpt_with_offload_activations() -> None:
         return [p.grad.clone() for p in model.parameters()]
 
     expected = step(None)
-    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0)
+    oa = offload.OffloadActivations(model.layers, device="cpu", min_offload_bytes=0, group_bytes=0)
     for _ in range(2):
         assert_bitwise(expected, step(oa))
     assert oa.stats["groups_offloaded"] == 2  # all but the last layer

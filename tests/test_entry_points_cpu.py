@@ -181,7 +181,7 @@ def test_each_thread_with_its_own_context_on_one_model_offloads_its_own_forward(
         barrier.wait()
 
     handle = layers[0].register_forward_pre_hook(meet)
-    contexts = [offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0) for _ in range(2)]
+    contexts = [offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, group_bytes=0) for _ in range(2)]
     results: list[object] = [None, None]
 
     def run(i: int) -> None:

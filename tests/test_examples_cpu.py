@@ -105,4 +105,5 @@ def test_hf_trainer_example_runs_on_cpu(capsys: pytest.CaptureFixture[str]) -> N
     assert example.main(["--device", "cpu"]) == 0
     out = capsys.readouterr().out
     assert "3 optimizer steps: parameters bitwise equal to the plain Trainer's: True" in out, out
-    assert "host copy out" in out and "3 groups" in out, out
+    # The tiny model's three offloaded layers share one group (the default group_bytes).
+    assert "host copy out" in out and "in 1 group\n" in out, out

@@ -353,7 +353,7 @@ def test_emptied_aliases_share_the_counter_and_hold_no_memory() -> None:
 def _te_with_reentrant_layers(wrapped: list[int]) -> tuple[Any, list[torch.Tensor], list[torch.Tensor], list[Any]]:
     torch.manual_seed(0)
     lins = [nn.Linear(32, 32) for _ in range(4)]
-    ctx, sync = offload.get_cpu_offload_context(True, 3, 4, **_options("cpu"))
+    ctx, sync = offload.get_cpu_offload_context(True, 3, 4, group_bytes=0, **_options("cpu"))  # a group per layer
 
     def layer(lin: nn.Linear, h: torch.Tensor, context: Any) -> torch.Tensor:
         with context:

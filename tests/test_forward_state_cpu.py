@@ -87,7 +87,7 @@ def _layers(n: int = 3) -> torch.nn.ModuleList:
 
 def test_te_call_shape_walks_the_states() -> None:
     layers = _layers()
-    ctx, sync = offload.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0)
+    ctx, sync = offload.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, group_bytes=0)
     state = ctx.engine.forward
     seen = []
     h = torch.randn(4, 16, requires_grad=True)
@@ -122,7 +122,7 @@ def test_one_with_form_holds_between_until_the_with_ends() -> None:
 
 def test_a_failed_layer_leaves_the_state_idle_and_usable() -> None:
     layers = _layers()
-    ctx, sync = offload.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0)
+    ctx, sync = offload.get_cpu_offload_context(enabled=True, num_layers=2, model_layers=3, min_offload_bytes=0, group_bytes=0)
     state = ctx.engine.forward
     h = torch.randn(4, 16, requires_grad=True)
     with pytest.raises(ValueError):

@@ -28,6 +28,7 @@ QUANTIZERS = {
 def context(device: str, num_layers: int, model_layers: int, **kw: Any):
     if device == "cpu":
         kw.setdefault("min_offload_bytes", 0)
+    kw.setdefault("group_bytes", 0)  # each layer's storages in a group of its own, checked per layer
     return offload.get_cpu_offload_context(True, num_layers=num_layers, model_layers=model_layers, device=device, **kw)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+from typing import Optional
 
 import pytest
 import torch
@@ -45,7 +46,7 @@ def test_plain_run_repeats_itself() -> None:
 def test_gpt_bitwise_v2(num_layers: int) -> None:
     layers, x = gpt(), tokens()
     expected = train_step(layers, x)
-    ctx, sync = context(num_layers, 6)
+    ctx, sync = context(num_layers, 6, group_bytes=0)  # a group per layer, counted below
     for step in range(3):
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
     s = ctx.stats
@@ -66,7 +67,7 @@ def test_gpt_bitwise_both_modes_auto_selection(mode: str) -> None:
 def test_offload_activations_bitwise() -> None:
     layers, x = gpt(), tokens()
     expected = train_step(layers, x)
-    oa = offload.OffloadActivations(layers, num_offload_layers=len(layers) - 1)
+    oa = offload.OffloadActivations(layers, num_offload_layers=len(layers) - 1, group_bytes=0)
     for p in layers.parameters():
         p.grad = None
     xin = x.clone().requires_grad_(True)
@@ -204,9 +205,11 @@ def test_v1_double_buffering_race_with_delayed_streams(model_layers: int, num_la
     assert all(b is not None for b in ctx.engine.schedule._buffers)
 
 
-def test_no_pinned_allocation_after_first_step() -> None:
+@pytest.mark.parametrize("group_bytes", [0, None])
+def test_no_pinned_allocation_after_first_step(group_bytes: Optional[int]) -> None:
+    # None: the default, where these layers share groups and the forecast counts groups.
     layers, x = gpt(), tokens()
-    ctx, sync = context(5, 6)
+    ctx, sync = context(5, 6, group_bytes=group_bytes)
     arena = ctx.engine.arena
     real_allocate = arena.allocate
     pinned_calls = []
@@ -222,9 +225,11 @@ def test_no_pinned_allocation_after_first_step() -> None:
         train_step(layers, x, ctx, sync)
         per_step.append(len(pinned_calls) - before)
         assert ctx.stats["pinned_allocations"] == per_step[-1]
-    # Step 1: the first layer's block now, the other four forecast (with headroom, so the slightly
-    # larger groups after the first fit them): all five used, none pinned in vain.
-    assert per_step == [5, 0, 0, 0, 0]
+    # Step 1: the first group's block now, the others forecast (with headroom, so the slightly
+    # larger groups after the first fit them): all used, none pinned in vain.
+    groups = ctx.stats["groups_offloaded"]
+    assert groups == 5 if group_bytes == 0 else 1 <= groups < 5
+    assert per_step == [groups, 0, 0, 0, 0]
     assert arena.counters.freed_blocks == 0
 
 
@@ -250,13 +255,17 @@ class Boom(torch.nn.Module):
 
 
 @pytest.mark.parametrize("fault", ["exception", "no_backward"])
-@pytest.mark.parametrize("keep", ["offloaded", "kept_budget"])
+@pytest.mark.parametrize("keep", ["offloaded", "kept_budget", "shared"])
 def test_failed_and_abandoned_steps_give_back_gpu_and_host_memory(fault: str, keep: str) -> None:
     """With the cyclic GC off: steps that raised in a layer, or whose backward was skipped, give
-    back every GPU byte and host block by the end of the next step."""
+    back every GPU byte and host block by the end of the next step. ``shared``: the default
+    group_bytes, where layers share groups (the failure falls in the open shared group)."""
     layers, x = gpt(), tokens()
-    ctx, sync = context(5, 6, **({} if keep == "offloaded" else {"host_budget_bytes": 0}))
+    options = {"offloaded": {"group_bytes": 0}, "kept_budget": {"host_budget_bytes": 0, "group_bytes": 0}, "shared": {}}
+    ctx, sync = context(5, 6, **options[keep])
     train_step(layers, x, ctx, sync)
+    groups = ctx.stats["groups_offloaded"]
+    assert groups == {"offloaded": 5, "kept_budget": 0}[keep] if keep != "shared" else 1 <= groups < 5
     gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
@@ -278,7 +287,7 @@ def test_failed_and_abandoned_steps_give_back_gpu_and_host_memory(fault: str, ke
         torch.cuda.synchronize()
         assert torch.cuda.memory_allocated() == baseline, (baseline, torch.cuda.memory_allocated())
         assert ctx.engine.arena.counters.bytes_held == held
-        if keep == "offloaded":
-            assert ctx.stats["groups_offloaded"] == 5 and ctx.stats["pinned_allocations"] == 0
+        if keep != "kept_budget":
+            assert ctx.stats["groups_offloaded"] == groups and ctx.stats["pinned_allocations"] == 0
     finally:
         gc.enable()

@@ -19,8 +19,8 @@ from _util import assert_bitwise, cpu_context, make_gpt_layers, make_mlp_layers,
 
 
 def layer_bytes(layers: torch.nn.ModuleList, x: torch.Tensor, k: int) -> list[int]:
-    """What each offloaded layer saves into its group (a run without group_bytes, forward only)."""
-    ctx, sync = cpu_context(k, len(layers))
+    """What each offloaded layer saves into its group (every layer a group, forward only)."""
+    ctx, sync = cpu_context(k, len(layers), group_bytes=0)
     out = run_layers(layers, x.detach().requires_grad_(True), ctx, sync)
     groups = ctx.engine.step.groups
     sizes = [groups[layer].saved_bytes for layer in range(k)]
@@ -52,7 +52,7 @@ def test_groups_follow_the_rule_and_gradients_stay_bitwise(n: int, k: int, facto
     assert_bitwise(expected, train_step(layers, x))
     sizes = layer_bytes(layers, x, k)
     group_bytes = int(factor * max(sizes))
-    alone, alone_sync = cpu_context(k, n)
+    alone, alone_sync = cpu_context(k, n, group_bytes=0)
     train_step(layers, x, alone, alone_sync)
     moved = alone.stats["offloaded_bytes"]
     ctx, sync = cpu_context(k, n, group_bytes=group_bytes)
@@ -185,3 +185,88 @@ def test_group_bytes_with_a_plan_or_budget_is_refused() -> None:
     layers = make_mlp_layers(4)
     with pytest.raises(ValueError, match="group_bytes with layers"):
         offload.OffloadActivations(layers, group_bytes=4096, memory_budget_bytes=1 << 30, device="cpu")
+
+
+def test_the_default_is_one_size_in_v2_and_off_where_layers_do_not_share() -> None:
+    from offload.engine.schedules import DEFAULT_GROUP_BYTES
+
+    assert DEFAULT_GROUP_BYTES == 32 << 20
+    ctx, _ = offload.get_cpu_offload_context(True, num_layers=3, model_layers=4, device="cpu")
+    assert ctx.engine.schedule.group_bytes == DEFAULT_GROUP_BYTES
+    off, _ = offload.get_cpu_offload_context(True, num_layers=3, model_layers=4, device="cpu", group_bytes=0)
+    assert off.engine.schedule.group_bytes == 0
+    # v1 and manual mode take the default without complaint: their layers never share.
+    for kw in ({"mode": "v1"}, {"manual_synchronization": True}):
+        other = offload.get_cpu_offload_context(True, num_layers=3, model_layers=4, device="cpu", **kw)[0]
+        assert not hasattr(other.engine.schedule, "group_bytes") or other.engine.schedule.group_bytes == 0
+    layers = make_mlp_layers(4)
+    fixed = offload.OffloadActivations(layers, num_offload_layers=3, device="cpu")
+    assert fixed.engine.schedule.group_bytes == DEFAULT_GROUP_BYTES
+    offload.OffloadActivations(layers, memory_budget_bytes=1 << 30, device="cpu")  # planned: no refusal
+
+
+def test_by_default_small_layers_share_one_copy_and_gradients_stay_bitwise() -> None:
+    layers = make_mlp_layers(8)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(7, 8, group_bytes=None)  # None: the engine's default
+    for _ in range(2):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        stats = ctx.stats
+        assert stats["groups_offloaded"] == 1 == stats["reloads"] and stats["reloads_on_demand"] == 0
+
+
+@pytest.mark.parametrize("per_group", [0, 2.5, None])
+def test_only_a_shared_groups_top_layer_carries_a_backward_marker(per_group: Any) -> None:
+    # The marker of a group's top layer reloads all of it and prefetches below its first layer,
+    # so the inner layers get none; the non-offloaded last layer keeps its own.
+    layers = make_mlp_layers(8)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    sizes = layer_bytes(layers, x, 7)
+    if per_group is None:  # the default: all seven small layers in one group
+        kw, tops = {"group_bytes": None}, [6]
+    else:  # per_group times the largest layer's bytes (0: every layer a group)
+        group_bytes = int(per_group * max(sizes))
+        kw = {"group_bytes": group_bytes}
+        tops = [top for _, top in expected_groups(sizes, group_bytes)] if group_bytes else list(range(7))
+    assert len(tops) == {0: 7, 2.5: 3, None: 1}[per_group]
+    ctx, sync = cpu_context(7, 8, **kw)
+    engine = ctx.engine
+    reached: list[int] = []
+    reach = engine.on_backward_reach
+
+    def logged(step: int, layer: int) -> None:
+        reached.append(layer)
+        reach(step, layer)
+
+    engine.on_backward_reach = logged
+    for _ in range(2):
+        reached.clear()
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        assert reached == [7] + tops[::-1]
+        assert ctx.stats["reloads_on_demand"] == 0
+
+
+def test_the_arenas_forecast_counts_shared_groups_not_layers() -> None:
+    # The arena pins this many blocks ahead on its first miss: one per layer would pin in vain
+    # for layers that share groups.
+    from offload.engine.group import Group
+    from offload.engine.schedules import Schedule, ScheduleV2
+
+    def group(first: int, top: int, nbytes: int) -> Group:
+        g = Group(first, step=1)
+        g.top, g.nbytes = top, nbytes
+        return g
+
+    shared = ScheduleV2(15, 16, group_bytes=4 << 20)
+    # Layers 0..3 of 1 MiB each: the 11 offloaded layers after it make two full groups of 4
+    # layers, and the last one of 3, too small for a block of this group's size (not forecast).
+    assert shared.groups_after(group(0, 3, 4 << 20)) == 2
+    assert shared.groups_after(group(0, 1, 2 << 20)) == 3  # 13 after it: 3 groups of 4, and 1 layer
+    assert shared.groups_after(group(0, 13, 14 << 20)) == 0  # the last offloaded layer alone
+    assert shared.groups_after(group(0, 14, 15 << 20)) == 0
+    # Layers as large as group_bytes, or sharing off: one group per later offloaded layer.
+    assert shared.groups_after(group(2, 2, 8 << 20)) == 12
+    assert ScheduleV2(15, 16, group_bytes=0).groups_after(group(0, 0, 1 << 20)) == 14
+    assert Schedule(15, 16).groups_after(group(4, 4, 1 << 20)) == 10

@@ -29,7 +29,7 @@ def context(num_layers: int, model_layers: int, **kw):
 
 
 def one_layer_bytes(layers: torch.nn.ModuleList, x: torch.Tensor) -> int:
-    ctx, sync = context(len(layers) - 1, len(layers))
+    ctx, sync = context(len(layers) - 1, len(layers), group_bytes=0)  # every layer a group
     out = run_layers(layers, x.detach().requires_grad_(True), ctx, sync)
     nbytes = max(g.saved_bytes for g in ctx.engine.step.groups.values())
     del out
@@ -52,6 +52,25 @@ def test_shared_groups_race_with_delayed_streams(layers_per_group: int, delay: s
         assert_bitwise(expected, train_step(stack, x, ctx, sync))
         want = -(-5 // layers_per_group)
         assert ctx.stats["groups_offloaded"] == want == ctx.stats["reloads"]
+        assert ctx.stats["reloads_on_demand"] == 0
+
+
+@pytest.mark.parametrize("delay", ["copies", "compute", "both"])
+def test_the_default_shares_small_layers_and_races_with_delayed_streams(delay: str) -> None:
+    # No group_bytes given: layers of well under DEFAULT_GROUP_BYTES share one group, whose
+    # inner layers carry no backward marker; the reload still comes ahead of use.
+    layers, x = gpt(), tokens()
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    assert 5 * one_layer_bytes(layers, x) < offload.engine.schedules.DEFAULT_GROUP_BYTES
+    cycles = 20_000_000
+    stack = layers if delay == "copies" else torch.nn.ModuleList(Delayed(m, cycles) for m in layers)
+    ctx, sync = context(5, 6)
+    if delay != "compute":
+        sleepy(ctx, cycles)
+    for _ in range(2):
+        assert_bitwise(expected, train_step(stack, x, ctx, sync))
+        assert ctx.stats["groups_offloaded"] == 1 == ctx.stats["reloads"]
         assert ctx.stats["reloads_on_demand"] == 0
 
 

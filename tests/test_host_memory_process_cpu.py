@@ -55,7 +55,7 @@ def ledger() -> Iterator[HostLedger]:
 
 def _context(layers: torch.nn.ModuleList) -> offload.OffloadActivations:
     # All but the last layer offloaded, every saved tensor however small, on the cpu transport.
-    return offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0)
+    return offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, group_bytes=0)
 
 
 def _model(width: int = 256) -> tuple[torch.nn.ModuleList, torch.Tensor]:

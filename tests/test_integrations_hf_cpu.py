@@ -91,7 +91,7 @@ def plain(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any, Any]:
 
 
 def test_trainer_with_offload_trains_bitwise_like_the_plain_trainer(plain: Any, tmp_path: Path) -> None:
-    got = run_trainer(tmp_path, {"min_offload_bytes": 0})
+    got = run_trainer(tmp_path, {"min_offload_bytes": 0, "group_bytes": 0})
     assert_same(plain, got, "Trainer + offload_trainer")
     stats = got[2].stats
     assert stats["groups_offloaded"] == 2 and stats["finished"], got[2].report()  # 3 layers: all but the last
@@ -133,7 +133,7 @@ def test_evaluation_and_no_grad_forwards_are_not_offloaded(tmp_path: Path) -> No
 def test_a_failed_forward_leaves_the_context_ready_for_the_next(tmp_path: Path) -> None:
     model, ids = tiny_llama(layers=3)
     trainer = transformers.Trainer(model=model, args=training_args(tmp_path), train_dataset=TokenDataset())
-    oa = offload_trainer(trainer, min_offload_bytes=0)
+    oa = offload_trainer(trainer, min_offload_bytes=0, group_bytes=0)
     with pytest.raises(IndexError):
         model(input_ids=ids + 1000)  # out of the vocabulary: the embedding raises
     assert not oa.active
@@ -218,7 +218,7 @@ def run_sft(tmp_path: Path, offload_options: Optional[dict[str, Any]] = None, us
 def test_trl_sft_trainer_with_offload_trains_bitwise_like_without(tmp_path_factory: Any) -> None:
     reference = run_sft(tmp_path_factory.mktemp("sft"))
     assert_same(reference, run_sft(tmp_path_factory.mktemp("sft2")), "two plain SFTTrainer runs")
-    got = run_sft(tmp_path_factory.mktemp("sft_offload"), {"min_offload_bytes": 0})
+    got = run_sft(tmp_path_factory.mktemp("sft_offload"), {"min_offload_bytes": 0, "group_bytes": 0})
     assert_same(reference, got, "SFTTrainer + offload_trainer")
     assert got[2].stats["groups_offloaded"] == 2 and got[2].stats["finished"]
 

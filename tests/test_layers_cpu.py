@@ -65,7 +65,7 @@ def test_checkpointed_layers_offload_only_their_inputs(gpt, wrap: str) -> None:
         wrapped = nn.ModuleList(ForwardCheckpointed(layer, reentrant) for layer in layers)
     expected = train_step(layers, x)
     assert_bitwise(expected, train_step(wrapped, x))  # checkpointing alone is exact here
-    oa = offload.OffloadActivations(wrapped, device="cpu", min_offload_bytes=0)
+    oa = offload.OffloadActivations(wrapped, device="cpu", min_offload_bytes=0, group_bytes=0)
     for _ in range(2):
         assert_bitwise(expected, oa_step(wrapped, x, oa))
         stats = oa.stats
@@ -195,7 +195,7 @@ def test_weight_shared_layers(gpt) -> None:
     block = layers[0]
     shared = nn.ModuleList([block, block, block])
     expected = train_step(shared, x)
-    oa = offload.OffloadActivations([block, block, block], device="cpu", min_offload_bytes=0)
+    oa = offload.OffloadActivations([block, block, block], device="cpu", min_offload_bytes=0, group_bytes=0)
     for _ in range(2):
         got = oa_step(shared, x, oa)
         assert_bitwise(expected, got)

@@ -19,7 +19,7 @@ from _util import make_gpt_layers
 def _recorded(enabled: bool):
     layers = make_gpt_layers(3, hidden=64)
     x = torch.randn(2, 32, 64, requires_grad=True)
-    oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, enabled=enabled)
+    oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, group_bytes=0, enabled=enabled)
 
     def step() -> None:
         with oa:

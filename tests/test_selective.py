@@ -65,7 +65,7 @@ def test_composes_with_offloading_bitwise(shape: str) -> None:
             got = train_step(layers, x, ctx, sync)
             stats = ctx.stats
         else:
-            oa = offload.OffloadActivations(layers, 3, device="cpu", min_offload_bytes=0)
+            oa = offload.OffloadActivations(layers, 3, device="cpu", min_offload_bytes=0, group_bytes=0)
             got = oa_step(layers, x, oa)
             stats = oa.stats
     assert_bitwise(expected, got)

@@ -162,6 +162,10 @@ class EntryTable {
   // the counter is put back: a change made later through any alias the caller holds still moves
   // it, and unpack still refuses it.
   void release() {
+    // Below autograd's dispatch keys, as in restore(): set_() is then one kernel call instead of
+    // three dispatches a tensor (it runs once per saved tensor at every release), and it does
+    // not bump the version counter itself (restored below all the same).
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
     for (at::Tensor& alias : aliases_) {
       // A copy of the counter's handle is the shared counter itself.
       c10::VariableVersion counter = alias.unsafeGetTensorImpl()->version_counter();

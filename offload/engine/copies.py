@@ -64,7 +64,7 @@ class CopyMixin:
         try:
             region = self.arena.acquire(
                 group.nbytes, group.step, captured=group.captured,
-                expected_more=None if group.local else lambda: self.schedule.offloaded_after(group.layer),
+                expected_more=None if group.local else lambda: self.schedule.groups_after(group),
             )
         except CaptureError:
             # Join what this capture forked so that it can end and this error is the one seen.

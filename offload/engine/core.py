@@ -90,8 +90,10 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
         # caches (FP8 copies); empty when the context was given none.
         self.modules: tuple[torch.nn.Module, ...] = ()
         self._warned: set[str] = set()
-        # Run eagerly even under a compiled frame (see offload.engine.eager).
+        # Run eagerly even under a compiled frame (see offload.engine.eager). The profiled pair
+        # is pushed instead while a profiler runs (StepLifecycleMixin._push_hooks).
         self._hooks = saved_tensors_hooks(self.pack, self.unpack)
+        self._profiled_hooks = saved_tensors_hooks(self.pack_profiled, self.unpack_profiled)
         self.in_flight = InFlight()  # earlier micro-batches, backward still to come
         # A graphed layer's hooks while it is warmed up or captured (offload.graphs).
         self._local_hooks = saved_tensors_hooks(self._pack_local, self.unpack)

@@ -73,6 +73,7 @@ from .forward import ForwardState, Phase
 # Module globals: one lookup each on the per-layer path.
 _BETWEEN = Phase.BETWEEN
 _IN_LAYER = Phase.IN_LAYER
+_profiling = torch._C._autograd._profiler_enabled  # one C call (~50 ns)
 from .group import Group, GroupState
 from .policy import SelectionPolicy
 from .stats import StepCounters
@@ -122,6 +123,7 @@ class StepLifecycleMixin:
     in_flight: InFlight
     _warned: set[str]
     _hooks: torch.autograd.graph.saved_tensors_hooks
+    _profiled_hooks: torch.autograd.graph.saved_tensors_hooks
     _local_hooks: torch.autograd.graph.saved_tensors_hooks
 
     if TYPE_CHECKING:  # the other parts' methods used here
@@ -130,6 +132,13 @@ class StepLifecycleMixin:
         def release(self, group: Group) -> None: ...
         def _group_freed(self, group: Group) -> None: ...
         def _join_side_streams(self, counters: StepCounters) -> None: ...
+
+    def _push_hooks(self) -> None:
+        # The hooks are pushed at each offloaded layer (or once a forward), so the profiler is
+        # asked here rather than at each of the thousands of packs and unpacks a step makes:
+        # while one runs, the pair that names its work (offload::pack, offload::unpack) goes
+        # on. Popping needs no choice: either object's exit pops the top pair.
+        (self._profiled_hooks if _profiling() else self._hooks).__enter__()
 
     @property
     def step(self) -> Optional[StepState]:
@@ -250,7 +259,7 @@ class StepLifecycleMixin:
         if push:
             # First, before any state changes: pushing raises under
             # torch.autograd.graph.disable_saved_tensors_hooks, and the engine must stay usable.
-            self._hooks.__enter__()
+            self._push_hooks()
         try:
             if new_step:
                 self.begin_step(captured)
@@ -272,7 +281,11 @@ class StepLifecycleMixin:
             self._keep_pending(group, step)  # type: ignore[arg-type]
             group = None
         elif group is not None and group.layer != layer:
-            step.groups[layer] = group  # type: ignore[union-attr]  # a small group carried on (joins_next)
+            # A small group carried on (``Schedule.joins_next``): this layer joins it. The
+            # schedule is not told: nothing it holds changed since the group's first layer began.
+            step.groups[layer] = group  # type: ignore[union-attr]
+            forward.enter_layer(layer, group, push)
+            return True
         if offloads and group is None:
             group = self._new_group(layer, step)  # type: ignore[arg-type]
         forward.enter_layer(layer, group, push)
@@ -325,12 +338,13 @@ class StepLifecycleMixin:
         group = forward.exit_layer()
         step = forward.step
         layer = forward.layer
-        if group is not None and self.schedule.joins_next(group, layer):
-            # Too small to be copied on its own: it stays open as the next layer's group.
+        if group is not None and not step.forward_done and self.schedule.joins_next(group, layer):  # type: ignore[union-attr]
+            # Too small to be copied on its own: it stays open as the next layer's group, and
+            # the schedule has nothing to start (``Schedule.joins_next``).
             group.top = layer + 1
             forward.open_pending(group)
-            group = None
-        elif group is not None:
+            return layer
+        if group is not None:
             group = self._close(group, step)  # type: ignore[arg-type]
         self.schedule.on_layer_end(self, layer, group)
         if step.forward_done or self.layer_contexts and step.layers_started >= self.model_layers:  # type: ignore[union-attr]
@@ -364,7 +378,7 @@ class StepLifecycleMixin:
         """
         if not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1:
             return False
-        self._hooks.__enter__()  # first: it may raise, and then nothing has changed
+        self._push_hooks()  # first: it may raise, and then nothing has changed
         try:
             self.begin_step()
         except BaseException:
@@ -455,8 +469,15 @@ class StepLifecycleMixin:
 
     def attach_backward_marker(self, tensor: torch.Tensor, layer: int) -> None:
         """Fire ``on_backward_reach(layer)`` when the gradient of ``tensor`` is computed."""
-        step = self.forward.step
+        forward = self.forward
+        step = forward.step
         if step is None or not tensor.requires_grad:
+            return
+        carried = forward.pending_group
+        if carried is not None and carried.layer <= layer < carried.top:
+            # A layer inside a group that small layers share (``Schedule.joins_next``): backward
+            # reaching the group's top layer reloads all of it, and prefetches below its first
+            # layer, so a marker here would find nothing to do.
             return
         marker = BackwardReach(self, step.index, layer)
         node = tensor.grad_fn

@@ -4,7 +4,9 @@ Separate from the rest of the engine because it is the one part that runs once p
 rather than once per layer or group: its host cost (a few microseconds a tensor, pack and unpack)
 is paid thousands of times a step. So everything here stays flat: each hook is a method of the
 engine itself (a mixin, no helper object to go through), and what is not needed per tensor lives
-in the other parts (``offload.engine.lifecycle``, ``offload.engine.copies``).
+in the other parts (``offload.engine.lifecycle``, ``offload.engine.copies``). Even the profiler
+is asked once per layer, not per tensor: while one runs, the engine pushes ``pack_profiled`` and
+``unpack_profiled``, which wrap the hooks in ``offload::pack`` / ``offload::unpack`` ranges.
 
 What ``pack`` returns to autograd (the handle), by the tensor's fate:
 - kept where it is (the policy's decision, or a layer that is not offloaded, whose tensors
@@ -51,8 +53,6 @@ if TYPE_CHECKING:
 
 # A module global: one lookup per tensor, where ``torch.Tensor.detach`` takes three.
 _detach = torch.Tensor.detach
-# One C call (~50 ns): the profiler ranges below cost nothing while no profiler runs.
-_profiling = torch._C._autograd._profiler_enabled
 
 
 def keep_handle(t: torch.Tensor, layer: int) -> tuple[torch.Tensor, int, int]:
@@ -102,27 +102,18 @@ class PackingMixin:
         def _check_finished(self, step: StepState) -> None: ...
         def start_reload(self, group: Group, into: Optional[torch.Tensor] = None) -> None: ...
 
-    def pack(self, t: torch.Tensor) -> Any:
-        """Pack hook: keep ``t`` (a ``(tensor, version, layer)`` handle) or record it in the open
-        group (a ``(group, index)`` handle)."""
-        forward = self.forward
-        group = forward.open_group
+    def pack(self, t: torch.Tensor, group: Optional[Group] = None) -> Any:
+        """Pack hook: keep ``t`` (a ``(tensor, version, layer)`` handle) or record it in
+        ``group``, by default the open one (a ``(group, index)`` handle)."""
         if group is None:
-            group = self._between_layers_group()
+            forward = self.forward
+            group = forward.open_group
             if group is None:
-                # A layer that is not offloaded (or the head): kept, but never as the tensor
-                # itself (the cycle and in-place reasons in the module notes).
-                return keep_handle(t, forward.layer)
-        if _profiling():
-            with record_function("offload::pack"):
-                return self._pack_into(group, t)
-        return self._pack_into(group, t)
-
-    def _pack_local(self, t: torch.Tensor) -> Any:
-        # The pack hook of a graphed layer's forward (offload.graphs): its own group, no layers.
-        return self._pack_into(self.forward.local_group, t)  # type: ignore[arg-type]
-
-    def _pack_into(self, group: Group, t: Any) -> Any:
+                group = self._between_layers_group()
+                if group is None:
+                    # A layer that is not offloaded (or the head): kept, but never as the tensor
+                    # itself (the cycle and in-place reasons in the module notes).
+                    return keep_handle(t, forward.layer)
         reason = self.policy.decide(t, group.min_offload_bytes)
         if reason is not None:
             if reason is KEEP_UNSUPPORTED and hasattr(t, "prepare_for_saving"):
@@ -135,6 +126,16 @@ class PackingMixin:
             return keep_handle(t, group.layer)
         group.saved_bytes += t.nbytes
         return (group, group.table.add(t))
+
+    def pack_profiled(self, t: torch.Tensor) -> Any:
+        """:meth:`pack` inside an ``offload::pack`` profiler range: the hook pushed while a
+        profiler runs (see ``StepLifecycleMixin._push_hooks``)."""
+        with record_function("offload::pack"):
+            return self.pack(t)
+
+    def _pack_local(self, t: torch.Tensor) -> Any:
+        # The pack hook of a graphed layer's forward (offload.graphs): its own group, no layers.
+        return self.pack(t, self.forward.local_group)
 
     def _pack_storage(self, group: Group, storage: Any) -> Any:
         # A quantized tensor subclass (TransformerEngine's Float8Tensor and friends; parameters
@@ -149,7 +150,7 @@ class PackingMixin:
             # Not detached: a subclass's detach may not carry its internals (see emptied_copy).
             return (storage, storage._version, group.layer)
         restorable, components = shell
-        return StorageHandle(restorable, [None if c is None else self._pack_into(group, c) for c in components])
+        return StorageHandle(restorable, [None if c is None else self.pack(c, group) for c in components])
 
     def pack_kept(self, t: Any, reason: str, counters: StepCounters) -> Any:
         """Keep ``t`` where it is, counted under ``reason``: the pack hook of a keep region
@@ -157,14 +158,13 @@ class PackingMixin:
         counters.keep(reason)
         return keep_handle(t, self.forward.layer)
 
+    def unpack_profiled(self, packed: Any) -> Any:
+        """:meth:`unpack` inside an ``offload::unpack`` profiler range (as :meth:`pack_profiled`)."""
+        with record_function("offload::unpack"):
+            return self.unpack(packed)
+
     def unpack(self, packed: Any) -> Any:
         """Unpack hook: hand back the original, or a typed view of the reloaded group."""
-        if _profiling():
-            with record_function("offload::unpack"):
-                return self._unpack(packed)
-        return self._unpack(packed)
-
-    def _unpack(self, packed: Any) -> Any:
         if type(packed) is StorageHandle:
             return self._unpack_storage(packed)
         if len(packed) == 3:  # kept: (tensor, version at pack, layer)
@@ -205,7 +205,7 @@ class PackingMixin:
     def _unpack_storage(self, handle: StorageHandle) -> Any:
         # Every component is fetched first; only then is the storage rebuilt, so a failure leaves
         # nothing half-restored.
-        parts = [None if p is None else self._unpack(p) for p in handle.parts]
+        parts = [None if p is None else self.unpack(p) for p in handle.parts]
         handle.restorable.restore_from_saved(parts)
         return handle.restorable
 

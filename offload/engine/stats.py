@@ -341,7 +341,7 @@ def format_report(s: StepStats) -> str:
                  f"{', captured in a CUDA graph: times not measured' if s['captured'] else ''})"),
         ("schedule", _schedule_row(s["mode"])),
         ("transport", _transport_row(s["transport"], s["native"])),
-        ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} groups"),
+        ("tensors offloaded", f"{s['offloaded_tensors']} in {s['groups_offloaded']} group{'' if s['groups_offloaded'] == 1 else 's'}"),
         ("bytes offloaded", f"{format_bytes(s['offloaded_bytes'])} ({format_bytes(s['released_bytes'])} {words['released']})"),
         ("tensors kept", f"{s['kept_tensors']} ({kept})"),
         (words["kept_groups"], str(s["groups_kept"])),

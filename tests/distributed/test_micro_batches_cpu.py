@@ -45,7 +45,7 @@ class Stage:
             self.stats = lambda: ctx.stats
         elif form in ("oa", "planned"):
             plan = self.plan(budget) if form == "planned" else None
-            oa = offload.OffloadActivations(self.layers, plan=plan, device="cpu", min_offload_bytes=0)
+            oa = offload.OffloadActivations(self.layers, plan=plan, device="cpu", min_offload_bytes=0, group_bytes=0)
             self.engine = oa.engine
 
             def forward(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,15 @@ if TYPE_CHECKING:
     from ..step import StepState
 
 
+# Where groups are made by bytes (small layers sharing one in v2, module calls in the form
+# without layers), a group closes once it holds this many. Large enough that a group's fixed host
+# cost (close, copy submissions, events, waits: 100-200 us inside steps on our H100's host, more
+# than PCIe needs for a few MiB) vanishes next to its copy (~0.6 ms at 54 GB/s); small enough that
+# copies pipeline behind the compute of the layers after them and that what a filling group holds
+# on the GPU beyond the schedule's budget stays small.
+DEFAULT_GROUP_BYTES = 32 << 20
+
+
 class Schedule:
     """Base schedule: offload the first ``num_layers`` layers; subclasses decide the timing."""
 
@@ -36,6 +45,11 @@ class Schedule:
         """How many layers after ``layer`` the schedule offloads (the arena's growth forecast;
         asked only when the arena has no block, so a loop is fine)."""
         return sum(self.offloads(later) for later in range(layer + 1, self.model_layers))
+
+    def groups_after(self, group: Group) -> int:
+        """How many more groups the step will copy after ``group`` (the arena's growth forecast:
+        that many blocks of about its size are pinned ahead). One per offloaded layer here."""
+        return self.offloaded_after(group.top)
 
     def expects_offload(self) -> bool:
         """Whether a step that offloads nothing is worth a warning (see ``offload.engine.diagnose``)."""
@@ -56,7 +70,14 @@ class Schedule:
     def joins_next(self, group: Group, layer: int) -> bool:
         """Whether the group of ``layer``, which just ended, stays open for the next layer's
         tensors instead of being closed and copied on its own (small layers sharing one copy).
-        The base never does: every layer is a group of its own."""
+        The base never does: every layer is a group of its own.
+
+        Only for a next layer this schedule offloads. Between a layer whose group joins the
+        next and that next layer the schedule is not called (no ``on_layer_end`` with nothing
+        to copy, no ``on_layer_start`` for a layer that adds no group), and the shared group's
+        inner layers get no backward marker: the marker of its top layer reloads all of it,
+        so ``on_backward_reach`` should prefetch below the group's first layer (``group.layer``).
+        """
         return False
 
     def on_step_start(self, engine: EngineView) -> None:

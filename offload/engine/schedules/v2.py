@@ -20,15 +20,18 @@ v2: layers ``0..k-1`` of ``N = model_layers`` are offloaded (``k = num_layers``)
   one group's H2D on our H100 (a layer's copy takes ~1.6x its backward); prefetching further
   would only raise the backward peak, where parameter gradients are accumulating too.
 
-Small layers (``group_bytes``, default 0: off). Each group costs the host the same fixed work
-whatever its size (closing it, a D2H and an H2D submission, their events, the release's and the
-unpack's waits: about 140 us a group inside SMALL's steps on our H100's host), while a layer of a
-few MiB moves over PCIe in tens of microseconds. With ``group_bytes > 0`` a layer whose group holds
-fewer bytes than that when the layer ends is not closed: the next offloaded layer's tensors join
-it, until it holds ``group_bytes`` or the last offloaded layer ends, and the whole group is copied
-once each way (the layer entries and exits stay per layer; backward reaching any of its layers
-finds it). The budget counts such a group as one layer: its layers together hold less than
-``group_bytes``, which bounds what the forward keeps on the GPU beyond the budget.
+Small layers (``group_bytes``, default ``DEFAULT_GROUP_BYTES``, 32 MiB; 0 turns it off). Each
+group costs the host the same fixed work whatever its size (closing it, a D2H and an H2D
+submission, their events, the release's and the unpack's waits: about 140 us a group inside
+SMALL's steps on our H100's host), while a layer of a few MiB moves over PCIe in tens of
+microseconds. So a layer whose group holds fewer than ``group_bytes`` when it ends is not closed:
+the next offloaded layer's tensors join it, until it holds ``group_bytes`` or the last offloaded
+layer ends, and the whole group is copied once each way. Layers that save more than that (those
+of any large model) are groups of their own, as before. Between the layers of a shared group
+nothing reaches the schedule (``Schedule.joins_next``), and only its top layer carries a backward
+marker: reaching it reloads the group, and the prefetch looks below the group's first layer. The
+budget counts such a group as one layer: its layers together hold less than ``group_bytes`` plus
+one layer, which bounds what the forward keeps on the GPU beyond the budget.
 
 Several micro-batches in flight (a pipeline stage's 1F1B order, see ``lifecycle.py``): each
 micro-batch is a step with its own groups, keyed by (micro-batch, layer).
@@ -107,9 +110,22 @@ class ScheduleV2(Schedule):
 
     def joins_next(self, group: Group, layer: int) -> bool:
         # Below group_bytes, the next offloaded layer's tensors join this group (see the module
-        # notes). Never past the last offloaded layer, whose group must be copied at its end,
-        # nor under capture.
-        return group.saved_bytes < self.group_bytes and layer + 1 < self.num_layers and not group.captured
+        # notes). Never past the last offloaded layer, whose group must be copied at its end.
+        # The same under capture as eagerly: a captured step finds the host blocks that its
+        # eager warm-up step's groups left, so both must make the same groups.
+        return group.saved_bytes < self.group_bytes and layer + 1 < self.num_layers
+
+    def groups_after(self, group: Group) -> int:
+        # Later layers of about this group's bytes a layer share groups of group_bytes, so the
+        # forecast counts those groups, not the layers (a block a layer would be pinned in vain).
+        # Only the full ones: the last offloaded layer closes a group of whatever is left, too
+        # small for a block guessed at this group's size (the arena's reuse slack), so it gets
+        # its own block when it comes.
+        later = self.offloaded_after(group.top)
+        per_layer = group.nbytes // (group.top - group.layer + 1)
+        if later == 0 or per_layer >= self.group_bytes:
+            return later
+        return later // -(-self.group_bytes // max(per_layer, 1))
 
     def on_step_start(self, engine: EngineView) -> None:
         self._offloading = []
@@ -145,8 +161,13 @@ class ScheduleV2(Schedule):
         ones below it are prefetched while the budget (of every micro-batch in flight) allows."""
         groups = step.groups
         needed = groups.get(layer)
-        if needed is not None and needed.state is GroupState.OFFLOADED:
-            engine.start_reload(needed)
+        below = layer
+        if needed is not None:
+            if needed.state is GroupState.OFFLOADED:
+                engine.start_reload(needed)
+            # A group that small layers share is reached at its top layer only (the inner ones
+            # carry no marker): what backward needs next lies below its first layer.
+            below = needed.layer
         # Groups of layers above ``layer`` are done; count what still holds GPU memory.
         resident = self._non_offloaded_through(layer) + groups.holding_gpu_memory(min(layer, self.num_layers - 1))
         limit = self.budget
@@ -154,7 +175,7 @@ class ScheduleV2(Schedule):
             held, share = self._others(engine, step)
             resident += held
             limit += share
-        for target in range(min(layer, self.num_layers) - 1, max(-1, layer - 1 - self.prefetch_depth), -1):
+        for target in range(min(below, self.num_layers) - 1, max(-1, below - 1 - self.prefetch_depth), -1):
             group = groups.get(target)
             if group is None or group.state is not GroupState.OFFLOADED:
                 continue
