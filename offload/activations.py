@@ -55,8 +55,9 @@ class OffloadActivations:
     probe steps) and offloads all layers but the last on the CPU, with the v1 schedule or
     ``manual_synchronization``, and for layers the model checkpoints itself
     (:func:`offload.layers.args.default_budget`); :attr:`budget` says which. ``num_offload_layers=N``
-    offloads layers ``0..N-1`` everywhere; with it, ``group_bytes=B`` lets layers that save less
-    than ``B`` share one copy with the next (as in :func:`offload.get_cpu_offload_context`).
+    offloads layers ``0..N-1`` everywhere; with it, layers that save less than ``group_bytes``
+    (default 32 MiB; 0: off) share one copy with the next (as in
+    :func:`offload.get_cpu_offload_context`).
 
     **Without layers** (``OffloadActivations()``, torchtune's form): the forward is cut into
     groups by bytes. A group closes at the end of the first module call (any ``nn.Module``) after

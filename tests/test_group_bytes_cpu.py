@@ -241,11 +241,24 @@ def test_only_a_shared_groups_top_layer_carries_a_backward_marker(per_group: Any
         reach(step, layer)
 
     engine.on_backward_reach = logged
+    reloads: list[tuple[int, int]] = []  # (the group's top layer, the layer backward had reached)
+    start_reload = engine.start_reload
+
+    def logged_reload(group: Any, into: Any = None) -> None:
+        reloads.append((group.top, reached[-1]))
+        start_reload(group, into)
+
+    engine.start_reload = logged_reload
     for _ in range(2):
         reached.clear()
+        reloads.clear()
         assert_bitwise(expected, train_step(layers, x, ctx, sync))
         assert reached == [7] + tops[::-1]
         assert ctx.stats["reloads_on_demand"] == 0
+        # Every group came back ahead of its layers: prefetched while backward was still above
+        # its top layer (the group below a shared one is found below that one's first layer).
+        assert sorted(top for top, _ in reloads) == sorted(tops)
+        assert all(at > top for top, at in reloads), reloads
 
 
 def test_the_arenas_forecast_counts_shared_groups_not_layers() -> None:
@@ -270,3 +283,36 @@ def test_the_arenas_forecast_counts_shared_groups_not_layers() -> None:
     assert shared.groups_after(group(2, 2, 8 << 20)) == 12
     assert ScheduleV2(15, 16, group_bytes=0).groups_after(group(0, 0, 1 << 20)) == 14
     assert Schedule(15, 16).groups_after(group(4, 4, 1 << 20)) == 10
+
+
+def test_layers_joining_a_shared_group_do_not_reach_the_schedule() -> None:
+    # Nothing changes for the schedule between a layer whose group joins the next and that next
+    # layer: it hears of the group's first layer starting and of its top layer ending only.
+    layers = make_mlp_layers(8)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    sizes = layer_bytes(layers, x, 7)
+    group_bytes = int(2.5 * max(sizes))
+    groups = expected_groups(sizes, group_bytes)
+    ctx, sync = cpu_context(7, 8, group_bytes=group_bytes)
+    schedule = ctx.engine.schedule
+    started: list[int] = []
+    ended: list[int] = []
+    on_start, on_end = schedule.on_layer_start, schedule.on_layer_end
+    schedule.on_layer_start = lambda engine, layer: (started.append(layer), on_start(engine, layer))[1]
+    schedule.on_layer_end = lambda engine, layer, group: (ended.append(layer), on_end(engine, layer, group))[1]
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert started == [first for first, _ in groups] + [7]
+    assert ended == [top for _, top in groups] + [7]
+
+
+def test_layers_share_groups_under_capture_as_they_do_eagerly() -> None:
+    # A captured step must make the groups its eager warm-up made: it finds their host blocks.
+    from offload.engine.group import Group
+    from offload.engine.schedules import ScheduleV2
+
+    schedule = ScheduleV2(7, 8, group_bytes=1 << 20)
+    eager, captured = Group(0, step=1), Group(0, step=1)
+    captured.captured = True
+    assert schedule.joins_next(eager, 0) and schedule.joins_next(captured, 0)
+    assert not schedule.joins_next(captured, 6)  # the last offloaded layer always closes its group
