@@ -22,6 +22,7 @@ import torch
 from .engine.core import OffloadEngine
 from .engine.packing import keep_handle
 from .engine.policy import KEEP_REGION
+from .engine.saved_hooks import python_hook
 from .engine.stats import StepCounters
 
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
@@ -34,8 +35,8 @@ def current_engine() -> tuple[Optional[OffloadEngine], bool]:
     if top is None:
         return None, False
     # The engine's hooks are wrapped to run eagerly under torch.compile (offload.engine.eager): the
-    # bound method is the wrapper's __wrapped__.
-    pack = getattr(top[0], "__wrapped__", top[0])
+    # bound method is the wrapper's __wrapped__; a native hook hands over to the bound method.
+    pack = python_hook(getattr(top[0], "__wrapped__", top[0]))
     owner = getattr(pack, "__self__", None)
     if not isinstance(owner, OffloadEngine):
         return None, False

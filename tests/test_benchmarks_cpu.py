@@ -466,10 +466,23 @@ def test_results_name_the_source_that_ran_by_digest(tmp_path: Path) -> None:
 def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
     result = run_smoke("group_bytes.py", "group_bytes_pytest", "--rounds", "2")
     summary = {row["variant"]: row for row in result["summary"]}
-    assert list(summary) == ["plain", "offload (default)", "offload group_bytes=0 (off)", "offload group_bytes=4 MiB",
+    assert list(summary) == ["plain", "offload (default)", "offload (native hooks)", "offload group_bytes=0 (off)", "offload group_bytes=4 MiB",
                              "offload group_bytes=16 MiB", "hooks floor", "save_on_cpu"]
     assert all(len(row["ratios"]) == 2 and row["ratio_median"] > 0 for row in summary.values()), summary
     # Off, each offloaded layer is copied on its own; the default (32 MiB) and 16 MiB hold all of
     # SMALL's (tiny on the CPU) in one.
     assert summary["offload group_bytes=0 (off)"]["groups"] == [15, 15]
     assert summary["offload (default)"]["groups"] == summary["offload group_bytes=16 MiB"]["groups"] == [1, 1]
+    # Each round starts one variant later, so no variant always runs at the same place.
+    n = len(summary)
+    for r, rows in enumerate(result["rounds"]):
+        assert [row["position"] for row in rows] == [(i - r) % n for i in range(n)], r
+    assert result["workload"].startswith("SMALL")
+
+
+def test_group_bytes_cpu_smoke_runs_moe_on_request() -> None:
+    result = run_smoke("group_bytes.py", "group_bytes_moe_pytest", "--rounds", "1", "--workload", "moe")
+    assert result["workload"].startswith("MOE")
+    summary = {row["variant"]: row for row in result["summary"]}
+    assert "error" not in str(result["rounds"]), result["rounds"]
+    assert summary["offload group_bytes=0 (off)"]["groups"][0] > summary["offload (default)"]["groups"][0] >= 1

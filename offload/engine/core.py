@@ -48,6 +48,7 @@ from .forward import ForwardState
 from .lifecycle import StepLifecycleMixin
 from .packing import PackingMixin
 from .policy import SelectionPolicy
+from .saved_hooks import engine_hooks
 from .stats import StepCounters, format_report, snapshot, weight_cache_bytes
 from .step import InFlight
 from .transport import Transport
@@ -92,7 +93,8 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
         self._warned: set[str] = set()
         # Run eagerly even under a compiled frame (see offload.engine.eager). The profiled pair
         # is pushed instead while a profiler runs (StepLifecycleMixin._push_hooks).
-        self._hooks = saved_tensors_hooks(self.pack, self.unpack)
+        # Python, or native on request (offload.engine.saved_hooks).
+        self._hooks = saved_tensors_hooks(*engine_hooks(self))
         self._profiled_hooks = saved_tensors_hooks(self.pack_profiled, self.unpack_profiled)
         self.in_flight = InFlight()  # earlier micro-batches, backward still to come
         # A graphed layer's hooks while it is warmed up or captured (offload.graphs).

@@ -73,9 +73,13 @@ def run_eagerly(fn: F) -> F:
     ``fn`` runs (with everything it calls) eagerly. Outside compiled code it is just ``fn``.
 
     A plain function (or a bound method, whose function is marked) comes back itself, marked
-    (see the module notes); anything else, or a torch without the markers, is wrapped with
-    ``torch.compiler.disable``.
+    (see the module notes), and so does a C function, unmarked; anything else, or a torch
+    without the markers, is wrapped with ``torch.compiler.disable``.
     """
+    if isinstance(fn, types.BuiltinFunctionType):
+        # A C function (the native saved-tensor hooks) has no frame for Dynamo to trace or
+        # compile; what it calls in Python is marked on its own.
+        return fn
     function = getattr(fn, "__func__", fn)
     code = getattr(function, "__code__", None)
     if _mark_skipped is None or code is None or not isinstance(function, types.FunctionType):

@@ -39,13 +39,16 @@ __all__ = [
     "cuda_copy_info",
 ]
 
-_OFF_VALUES = frozenset({"0", "false", "no", "off"})
+# The values of an environment switch that turn a part off (OFFLOAD_NATIVE, OFFLOAD_NUMA) or on
+# (OFFLOAD_NATIVE_HOOKS).
+OFF_VALUES = frozenset({"0", "false", "no", "off"})
+ON_VALUES = frozenset({"1", "true", "yes", "on"})
 
 
 def _import(name: str, how_to_build: str) -> tuple[ModuleType | None, str]:
     """Return ``(module or None, reason)``: off under ``OFFLOAD_NATIVE=0``, else imported."""
     setting = os.environ.get("OFFLOAD_NATIVE", "1").strip().lower()
-    if setting in _OFF_VALUES:
+    if setting in OFF_VALUES:
         return None, f"disabled by OFFLOAD_NATIVE={os.environ['OFFLOAD_NATIVE']!r}"
     try:
         # importlib rather than ``from offload import _C``: works whether or not the package has

@@ -30,7 +30,6 @@ from . import native
 
 SYSFS = "/sys"
 NUMA_ENV_VAR = "OFFLOAD_NUMA"
-_OFF_VALUES = frozenset({"0", "false", "no", "off"})
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -108,7 +107,7 @@ def gpu_pci_bus_id(index: int) -> str:
 def numa_disabled(environ: Optional[dict[str, str]] = None) -> bool:
     """Whether ``OFFLOAD_NUMA`` turns the placement off."""
     environ = os.environ if environ is None else environ  # type: ignore[assignment]
-    return environ.get(NUMA_ENV_VAR, "1").strip().lower() in _OFF_VALUES  # type: ignore[union-attr]
+    return environ.get(NUMA_ENV_VAR, "1").strip().lower() in native.OFF_VALUES  # type: ignore[union-attr]
 
 
 def placement_for_gpu(

@@ -113,8 +113,8 @@ class Stack(torch.nn.Module):
 
 
 class Watch:
-    """Every tensor the engine's policy sends to the host, checked against the parameters'
-    storages and sizes at that moment; and the figures of each finished step."""
+    """Every tensor the engine sends to the host, checked against the parameters' storages and
+    sizes at that moment; and the figures of each finished step."""
 
     def __init__(self, engine: Any, layers: torch.nn.ModuleList, sharded: list[torch.Tensor]) -> None:
         self.offloaded = 0
@@ -136,20 +136,22 @@ class Watch:
 
             layer.register_forward_pre_hook(enter)
             layer.register_forward_hook(leave)
-        decide = engine.policy.decide
+        # The engine's own hooks, wrapped: what pack returns says what happened to the tensor,
+        # whichever hooks decided it (the Python ones, or the native ones on request).
+        pack, unpack = engine._hooks.pack_hook, engine._hooks.unpack_hook
 
-        def watched(t: torch.Tensor, floor: Optional[int] = None) -> Optional[str]:
-            reason = decide(t, floor)
-            if reason is None:
+        def watched(t: torch.Tensor) -> Any:
+            handle = pack(t)
+            if type(handle) is tuple and len(handle) == 2:  # (group, index): sent to the host
                 self.offloaded += 1
                 ptr = t.untyped_storage().data_ptr()
                 if ptr in stable or ptr in live:
                     self.param_copies.append(f"a tensor of shape {tuple(t.shape)} over a parameter's storage")
                 elif t.numel() in sizes:
                     self.param_copies.append(f"a tensor of shape {tuple(t.shape)} with a parameter's size")
-            return reason
+            return handle
 
-        engine.policy.decide = watched
+        engine._hooks = torch.autograd.graph.saved_tensors_hooks(watched, unpack)
         finish = engine._finish
 
         def finishing(step: Any, trim: bool = True) -> None:
