@@ -87,6 +87,14 @@ def test_native_hooks_on_request_are_c_functions(monkeypatch: pytest.MonkeyPatch
 
 
 @needs_entries
+def test_an_opt_in_policy_keeps_the_python_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
+    # selection="marked": every unmarked activation would be checked natively, then again in
+    # Python, so the native pair is not pushed even when asked for.
+    ctx, _ = context(True, monkeypatch, selection="marked")
+    assert ctx.engine._hooks.pack_hook.__func__ is PackingMixin.pack
+
+
+@needs_entries
 @pytest.mark.parametrize(
     "options",
     [

@@ -48,6 +48,7 @@ enum Slot : Py_ssize_t {
   kKeepParameter,   // the KEEP_PARAMETER reason (a stats["kept"] key)
   kKeepBudget,      // the KEEP_BUDGET reason
   kMarkNames,       // tuple of the attribute names that mark a tensor (offload.engine.marks)
+  kDeviceIndex,     // the policy's device index (fixed when it is made; -1 for the CPU)
   kSlotCount,
 };
 
@@ -57,8 +58,6 @@ struct Names {
   PyObject* layer;
   PyObject* counters;
   PyObject* kept;
-  PyObject* opt_in_only;
-  PyObject* device_index;
   PyObject* module_storages;
   PyObject* min_offload_bytes;
   PyObject* reserve_host_bytes;
@@ -201,12 +200,10 @@ PyObject* pack_common(PyObject* state, PyObject* obj) {
   PyObject* marks = item(state, kMarkNames);
   if (has_mark(obj, marks) || (base && has_mark(base.get(), marks))) return nullptr;
 
+  // No opt-in check: engine_hooks never pushes these hooks for an opt-in (``marked``) policy,
+  // where every unmarked activation would go through both paths.
   PyObject* policy = item(state, kPolicy);
-  {
-    Ref opt_in_only(get(policy, names.opt_in_only));
-    if (truthy(opt_in_only.get())) return nullptr;
-  }
-  if (t.get_device() != get_int(policy, names.device_index)) return nullptr;
+  if (t.get_device() != PyLong_AsLongLong(item(state, kDeviceIndex))) return nullptr;
   if (t.is_meta() || t.layout() != c10::kStrided || t.is_nested()) return nullptr;
   {
     Ref storages(get(policy, names.module_storages));
@@ -343,7 +340,7 @@ PyObject* intern(const char* name) {
 void register_saved_hooks(py::module_& m) {
   names = Names{
       intern("open_group"), intern("layer"), intern("counters"), intern("kept"),
-      intern("opt_in_only"), intern("device_index"), intern("module_storages"),
+      intern("module_storages"),
       intern("min_offload_bytes"), intern("reserve_host_bytes"), intern("saved_bytes"),
       intern("table"), intern("step"), intern("forward_done"), intern("index"), intern("state"),
       intern("h2d_waited"), intern("unpacks"), intern("unpacks_since_reload"), intern("gpu"),
@@ -356,7 +353,8 @@ void register_saved_hooks(py::module_& m) {
           throw py::value_error("make_saved_hooks: a state tuple of " + std::to_string(kSlotCount) +
                                 " items expected, got " + std::to_string(PyTuple_GET_SIZE(state.ptr())));
         if (!PyType_Check(PyTuple_GET_ITEM(state.ptr(), kParameterType)) ||
-            !PyTuple_Check(PyTuple_GET_ITEM(state.ptr(), kMarkNames)))
+            !PyTuple_Check(PyTuple_GET_ITEM(state.ptr(), kMarkNames)) ||
+            !PyLong_Check(PyTuple_GET_ITEM(state.ptr(), kDeviceIndex)))
           throw py::type_error("make_saved_hooks: the state's parameter type or mark names are malformed");
         // m_self is the state tuple: each C function holds it, and the GC traverses it.
         py::object pack = py::reinterpret_steal<py::object>(PyCFunction_New(&pack_def, state.ptr()));

@@ -75,10 +75,11 @@ def _state(engine: HookedEngine, pack: Hook, unpack: Hook) -> tuple[Any, ...]:
         KEEP_PARAMETER,
         KEEP_BUDGET,
         (KEEP_ATTR, TE_KEEP_ATTR, OFFLOAD_ATTR),
+        engine.policy.device_index,
     )
 
 
-_STATE_SIZE = 9  # len(_state(...)); the extension checks the same count (SAVED_HOOKS_STATE_SIZE)
+_STATE_SIZE = 10  # len(_state(...)); the extension checks the same count (SAVED_HOOKS_STATE_SIZE)
 
 
 def native_hooks_requested() -> bool:
@@ -89,14 +90,17 @@ def native_hooks_requested() -> bool:
 def engine_hooks(engine: HookedEngine) -> tuple[Hook, Hook]:
     """``(pack, unpack)`` for ``engine``'s saved-tensor hooks: the native pair over the engine's
     Python hooks when requested (:func:`native_hooks_requested`) and ``offload._entries`` is
-    live, else the Python hooks themselves.
+    live, else the Python hooks themselves. Never the native pair for an opt-in policy
+    (``selection="marked"``, v1's default): there every unmarked activation would be checked
+    natively, then decided again in Python.
 
     Both Python hooks are marked to run eagerly (``offload.engine.eager``): the native ones call
     them, and a C function has no frame for Dynamo to see.
     """
     pack, unpack = run_eagerly(engine.pack), run_eagerly(engine.unpack)
     ext = native.entries_extension()
-    if ext is None or not native_hooks_requested() or not hasattr(ext, "make_saved_hooks"):
+    wanted = native_hooks_requested() and not engine.policy.opt_in_only
+    if ext is None or not wanted or not hasattr(ext, "make_saved_hooks"):
         return pack, unpack
     return tuple(ext.make_saved_hooks(_state(engine, pack, unpack)))  # type: ignore[return-value]
 
