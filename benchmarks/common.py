@@ -339,6 +339,25 @@ def save_on_cpu_wrapper() -> Callable[[], Any]:
     return lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)
 
 
+def variant_step(
+    env: Env,
+    layers: torch.nn.ModuleList,
+    x: torch.Tensor,
+    *,
+    offload: Optional[dict[str, Any]] = None,
+    forward_wrapper: Optional[Callable[[], Any]] = None,
+    layer_calls: Optional[tuple[Any, Callable[[torch.Tensor], torch.Tensor]]] = None,
+) -> tuple[Callable[[], None], Any]:
+    """One variant's training step and its offload context (None where it has none); the
+    arguments are :func:`run_variant`'s."""
+    ctx = sync = None
+    if offload is not None:
+        kw = dict(offload)
+        ctx, sync = offload_context(env, kw.pop("num_layers"), len(layers), **kw)
+    calls = (ctx, sync) if layer_calls is None else layer_calls
+    return make_step(layers, x, context=calls[0], sync=calls[1], forward_wrapper=forward_wrapper), ctx
+
+
 def run_variant(
     env: Env,
     label: str,
@@ -364,14 +383,10 @@ def run_variant(
     row: dict[str, Any] = {"variant": label}
     if offload is not None:
         row["num_layers"] = offload.get("num_layers")
-    ctx = sync = step = calls = None
+    ctx = step = None
     t0 = time.perf_counter()
     try:
-        if offload is not None:
-            kw = dict(offload)
-            ctx, sync = offload_context(env, kw.pop("num_layers"), len(layers), **kw)
-        calls = (ctx, sync) if layer_calls is None else layer_calls
-        step = make_step(layers, x, context=calls[0], sync=calls[1], forward_wrapper=forward_wrapper)
+        step, ctx = variant_step(env, layers, x, offload=offload, forward_wrapper=forward_wrapper, layer_calls=layer_calls)
         timing = time_steps(step, env, warmup=warmup, steps=steps)
         s = timing.summary()
         row.update(
@@ -401,7 +416,7 @@ def run_variant(
         row["error"] = f"{type(exc).__name__}: {exc}"
         print(f"!! variant {label!r} failed: {row['error']}", file=sys.stderr)
     finally:
-        del ctx, sync, step, calls, layer_calls
+        del ctx, step, layer_calls
         x.grad = None
         for p in layers.parameters():
             p.grad = None

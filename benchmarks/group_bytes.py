@@ -1,23 +1,33 @@
-"""Small layers sharing one copy (``group_bytes``, issue 35) on SMALL, in alternating rounds.
+"""Small layers sharing one copy (``group_bytes``, issue 35), and the saved-tensor hooks, against
+plain, the hooks' floor and ``save_on_cpu``.
 
 SMALL (16 x Linear 1024 + GELU, 256 tokens, bf16; TransformerEngine's call shape, 15 layers
 offloaded, every activation however small) is host-bound: each layer's group moves 1 MiB, and
 the fixed host work per group (close, D2H and H2D submissions, their events, the waits) costs
-more than the transfer. Each round times, in one process and in turn: plain, offload with the
-defaults (``group_bytes`` 32 MiB: one group), the same with the native saved-tensor hooks
-(``OFFLOAD_NATIVE_HOOKS=1``, issue 35's fifth round), offload with ``group_bytes`` of 0 (off:
-every layer a group, the default before issue 35's fourth round), 4 and 16 MiB (4 groups and
-1), the hooks' floor (``cpu_overhead.HooksFloor``) and ``save_on_cpu``. Rounds alternate the
-variants so that the host's drift (27-36% between rounds on the H100 VM) falls on all of them,
-and each round starts one variant later, so that every variant runs at every place in a round
-(see :func:`one_round`); the ratios are per round, then the median over rounds.
+more than the transfer. The variants, in their order: plain; offload with the defaults
+(``group_bytes`` 32 MiB: one group; the native saved-tensor hooks, issue 35's sixth round); the
+same with the Python hooks (``OFFLOAD_NATIVE_HOOKS=0``); ``group_bytes`` of 0 (off: every layer a
+group, the default before issue 35's fourth round), 4 and 16 MiB (4 groups and 1); the hooks'
+floor (``cpu_overhead.HooksFloor``); ``save_on_cpu``.
+
+Two ways to time them, both in one process:
+
+- ``--interleave`` (the one to quote): every variant's context is built up front, and each cycle
+  times one step of each in turn (``benchmarks/interleave.py``); ``--steps`` cycles, ratios per
+  cycle, then their median. Drift on the H100 VM (27-36% between blocks of steps) falls on every
+  variant alike.
+- rounds (``--rounds``): each variant times ``--steps`` steps as a block, the variants in turn,
+  each round starting one variant later (see :func:`one_round`); the ratios are per round. The
+  method of the fourth and fifth rounds, kept to reproduce their figures.
 
 ``--workload moe`` runs the same variants on MOE (8 layers of 64 experts, T5c), whose layers
-of about 10 MiB share groups too.
+of about 10 MiB share groups too; ``--workload gpt_a`` on GPT-A (whose layers are each a group of
+their own anyway), for the <= 1% check of a change to the default path. ``--variants`` keeps the
+listed ones (comma-separated labels; plain always runs).
 
-Usage: ``python benchmarks/group_bytes.py [--workload small|moe] [--rounds 4] [--steps 100]``;
-``--cpu-smoke`` for a tiny CPU check. Writes ``benchmarks/results/group_bytes.json``
-(``group_bytes_moe.json`` for MOE).
+Usage: ``python benchmarks/group_bytes.py [--workload small|moe|gpt_a] [--interleave]
+[--rounds 4] [--steps 100] [--variants LABELS]``; ``--cpu-smoke`` for a tiny CPU check. Writes
+``benchmarks/results/group_bytes[_<workload>][_interleaved].json`` (no suffix for SMALL).
 """
 
 from __future__ import annotations
@@ -29,16 +39,21 @@ from typing import Any, Iterator, Optional
 
 import common
 import cpu_overhead
+import interleave
 import workloads
 
 GROUP_MIB = (0, 4, 16)
 
 
 @contextlib.contextmanager
-def native_hooks(on: bool) -> Iterator[None]:
-    """Contexts made inside push the native saved-tensor hooks if ``on`` (``OFFLOAD_NATIVE_HOOKS``)."""
+def python_hooks(on: bool) -> Iterator[None]:
+    """Contexts made inside push the Python saved-tensor hooks if ``on`` (``OFFLOAD_NATIVE_HOOKS=0``);
+    else the defaults apply."""
+    if not on:
+        yield
+        return
     before = os.environ.get("OFFLOAD_NATIVE_HOOKS")
-    os.environ["OFFLOAD_NATIVE_HOOKS"] = "1" if on else "0"
+    os.environ["OFFLOAD_NATIVE_HOOKS"] = "0"
     try:
         yield
     finally:
@@ -48,7 +63,30 @@ def native_hooks(on: bool) -> Iterator[None]:
             os.environ["OFFLOAD_NATIVE_HOOKS"] = before
 
 
-def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int, first: int = 0) -> list[dict[str, Any]]:
+def variants(spec: Any, keep: Optional[list[str]] = None) -> list[tuple[str, dict[str, Any]]]:
+    """The contenders, in their order: ``(label, keyword arguments of common.run_variant)``, where
+    ``python_hooks`` (popped before the call) says whether the context pushes the Python hooks.
+    ``keep``: the labels to keep (plain always is); an unknown label is an error."""
+    base = {"num_layers": spec.layers - 1, "min_offload_bytes": 0}
+    floor = cpu_overhead.HooksFloor()
+    out: list[tuple[str, dict[str, Any]]] = [("plain", {}), ("offload (default)", {"offload": base}),
+                                             ("offload (Python hooks)", {"offload": base, "python_hooks": True})]
+    for mib in GROUP_MIB:
+        label = f"offload group_bytes={mib} MiB" if mib else "offload group_bytes=0 (off)"
+        out.append((label, {"offload": {**base, "group_bytes": mib << 20}}))
+    out.append(("hooks floor", {"layer_calls": (floor, floor.sync)}))
+    out.append(("save_on_cpu", {"forward_wrapper": common.save_on_cpu_wrapper()}))
+    if keep is None:
+        return out
+    unknown = set(keep) - {label for label, _ in out}
+    if unknown:
+        raise SystemExit(f"group_bytes.py: --variants: no variant {sorted(unknown)}; the variants are "
+                         f"{[label for label, _ in out]}")
+    return [(label, kw) for label, kw in out if label == "plain" or label in keep]
+
+
+def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int, first: int = 0,
+              keep: Optional[list[str]] = None) -> list[dict[str, Any]]:
     """Every variant once; rows of :func:`common.run_variant`, in the variants' order.
 
     They run in that order rotated to start at variant ``first``: a variant's place in the
@@ -56,42 +94,59 @@ def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int, first
     in one round, came out 1.36x and 1.51x plain), so each round starts one variant later and
     every variant takes every place. Each row says where it ran (``position``).
     """
-    k = spec.layers - 1
-    base = {"num_layers": k, "min_offload_bytes": 0}
-    floor = cpu_overhead.HooksFloor()
-    variants: list[tuple[str, dict[str, Any]]] = [("plain", {}), ("offload (default)", {"offload": base}),
-                                                  ("offload (native hooks)", {"offload": base, "native_hooks": True})]
-    for mib in GROUP_MIB:
-        label = f"offload group_bytes={mib} MiB" if mib else "offload group_bytes=0 (off)"
-        variants.append((label, {"offload": {**base, "group_bytes": mib << 20}}))
-    variants.append(("hooks floor", {"layer_calls": (floor, floor.sync)}))
-    variants.append(("save_on_cpu", {"forward_wrapper": common.save_on_cpu_wrapper()}))
-    rows: list[Optional[dict[str, Any]]] = [None] * len(variants)
-    for position in range(len(variants)):
-        i = (first + position) % len(variants)
-        label, kw = variants[i]
-        with native_hooks(kw.pop("native_hooks", False)):
+    contenders = variants(spec, keep)
+    rows: list[Optional[dict[str, Any]]] = [None] * len(contenders)
+    for position in range(len(contenders)):
+        i = (first + position) % len(contenders)
+        label, kw = contenders[i]
+        with python_hooks(kw.pop("python_hooks", False)):
             row = common.run_variant(env, label, layers, x, steps=steps, **kw)
         row["position"] = position
         rows[i] = row
     return rows  # type: ignore[return-value]
 
 
+def interleaved(env: common.Env, spec: Any, layers: Any, x: Any, keep: Optional[list[str]] = None) -> list[dict[str, Any]]:
+    """Every variant's context at once, timed a step of each in turn (``interleave.run_cycles``,
+    ``--steps`` cycles after ``--warmup`` steps each): the summary rows of ``interleave.summarize``."""
+    contenders = []
+    for label, kw in variants(spec, keep):
+        with python_hooks(kw.pop("python_hooks", False)):
+            step, ctx = common.variant_step(env, layers, x, **kw)
+        contenders.append(interleave.Variant(label, step, ctx))
+    interleave.run_cycles(env, contenders, warmup=env.args.warmup, cycles=env.args.steps)
+    return interleave.summarize(contenders)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = common.make_parser(__doc__, warmup=20, steps=100, smoke_warmup=1, smoke_steps=3)
     parser.add_argument("--rounds", type=int, default=4)
-    parser.add_argument("--workload", choices=("small", "moe"), default="small",
-                        help="SMALL (T5a) or MOE, 8 layers of 64 experts (T5c)")
+    parser.add_argument("--workload", choices=("small", "moe", "gpt_a"), default="small",
+                        help="SMALL (T5a), MOE, 8 layers of 64 experts (T5c), or GPT-A (the <= 1%% check)")
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated labels of the variants to run (plain always runs); default: all")
+    parser.add_argument("--interleave", action="store_true",
+                        help="time one step of each variant in turn, --steps cycles (benchmarks/interleave.py); "
+                             "writes group_bytes[_<workload>]_interleaved.json")
     env = common.setup(parser, argv)
-    build = workloads.small if env.args.workload == "small" else workloads.moe
-    spec = build(workloads.scale_for(env.smoke))
+    spec = workloads.WORKLOADS[env.args.workload](workloads.scale_for(env.smoke))
+    keep = None if env.args.variants is None else [v.strip() for v in env.args.variants.split(",") if v.strip()]
     print(spec.describe(), flush=True)
     layers, make_input = spec.build(env.device)
     x = make_input()
+    name = "group_bytes" if env.args.workload == "small" else f"group_bytes_{env.args.workload}"
+    if env.args.interleave:
+        summary = interleaved(env, spec, layers, x, keep)
+        common.print_table(f"{spec.name}, {env.args.steps} interleaved cycles ({common.device_name(env)}): step / plain step of the same cycle",
+                           summary, [("variant", "variant", ""), ("ratio_median", "x plain (median)", ".3f"),
+                                     ("ratio_p25", "p25", ".3f"), ("ratio_p75", "p75", ".3f"),
+                                     ("step_ms", "step ms", ".2f"), ("groups", "groups", "")])
+        common.write_json(name + "_interleaved", env, {"workload": spec.describe(), "summary": summary})
+        return 0
     rounds = []
     for r in range(env.args.rounds):
         print(f"round {r + 1}:", flush=True)
-        rounds.append(one_round(env, spec, layers, x, env.args.steps, first=r))
+        rounds.append(one_round(env, spec, layers, x, env.args.steps, first=r, keep=keep))
     summary = []
     for i, row in enumerate(rounds[0]):
         ratios = [rs[i]["step_ms"] / rs[0]["step_ms"] for rs in rounds if "error" not in rs[i] and "error" not in rs[0]]
@@ -105,7 +160,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     common.print_table(f"{spec.name}, {len(rounds)} alternating rounds ({common.device_name(env)}): step / plain step of the same round",
                        summary, [("variant", "variant", ""), ("ratio_median", "x plain (median)", ".2f"),
                                  ("ratios", "per round", ""), ("groups", "groups", "")])
-    name = "group_bytes" if env.args.workload == "small" else "group_bytes_moe"
     common.write_json(name, env, {"workload": spec.describe(), "summary": summary, "rounds": rounds})
     return 0
 

@@ -160,3 +160,17 @@ def record_saved(fn: Callable[[], Any]) -> tuple[list[torch.Tensor], Any]:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = fn()
     return seen, out
+
+
+class Boom(torch.nn.Module):
+    """A layer that raises while ``armed``: a forward that fails inside an offload context."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2.0
+        if self.armed:
+            raise RuntimeError("boom")
+        return y

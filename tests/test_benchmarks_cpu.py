@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import pytest
@@ -466,7 +466,7 @@ def test_results_name_the_source_that_ran_by_digest(tmp_path: Path) -> None:
 def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
     result = run_smoke("group_bytes.py", "group_bytes_pytest", "--rounds", "2")
     summary = {row["variant"]: row for row in result["summary"]}
-    assert list(summary) == ["plain", "offload (default)", "offload (native hooks)", "offload group_bytes=0 (off)", "offload group_bytes=4 MiB",
+    assert list(summary) == ["plain", "offload (default)", "offload (Python hooks)", "offload group_bytes=0 (off)", "offload group_bytes=4 MiB",
                              "offload group_bytes=16 MiB", "hooks floor", "save_on_cpu"]
     assert all(len(row["ratios"]) == 2 and row["ratio_median"] > 0 for row in summary.values()), summary
     # Off, each offloaded layer is copied on its own; the default (32 MiB) and 16 MiB hold all of
@@ -478,6 +478,61 @@ def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
     for r, rows in enumerate(result["rounds"]):
         assert [row["position"] for row in rows] == [(i - r) % n for i in range(n)], r
     assert result["workload"].startswith("SMALL")
+
+
+def test_group_bytes_interleaved_times_each_variant_once_per_cycle() -> None:
+    result = run_smoke("group_bytes.py", "group_bytes_interleaved_pytest", "--interleave", "--steps", "3")
+    summary = {row["variant"]: row for row in result["summary"]}
+    assert len(summary) == 8 and summary["plain"]["ratio_median"] == 1.0
+    assert all(row["cycles"] == 3 and row["ratio_p25"] <= row["ratio_median"] <= row["ratio_p75"] for row in summary.values()), summary
+    assert summary["offload group_bytes=0 (off)"]["groups"] == 15 and summary["offload (default)"]["groups"] == 1
+
+
+def test_interleave_rotates_the_order_and_pairs_ratios_within_a_cycle() -> None:
+    interleave = bench_module("interleave")
+    order: list[str] = []
+    # Each variant's step "takes" a time set by the cycle: a drift that a per-cycle ratio cancels.
+    times = {"plain": 10.0, "a": 12.0, "b": 15.0}
+    drift = [1.0, 3.0, 0.5]
+    variants = [interleave.Variant(label, (lambda label=label: order.append(label))) for label in times]
+    env = SimpleNamespace(sync=lambda: None)
+    interleave.run_cycles(env, variants, warmup=1, cycles=3)  # type: ignore[arg-type]
+    assert order[:3] == ["plain", "a", "b"]  # the warm-up
+    assert order[3:] == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a"]
+    assert all(len(v.step_ms) == 3 for v in variants)
+    for v in variants:
+        v.step_ms = [times[v.label] * d for d in drift]
+    rows = {row["variant"]: row for row in interleave.summarize(variants)}
+    assert rows["a"]["ratio_median"] == 1.2 and rows["b"]["ratio_median"] == 1.5
+    assert rows["a"]["ratio_p25"] == rows["a"]["ratio_p75"] == 1.2  # the drift cancelled in every cycle
+    assert rows["plain"]["step_ms"] == 10.0 and rows["a"]["groups"] is None
+
+
+def test_host_samples_splits_stacks_into_the_engine_and_the_rest() -> None:
+    host_samples = bench_module("host_samples")
+    lines = [
+        "<module> (loop.py:3);step (loop.py:9);linear (libtorch_cpu.so) 50",
+        "<module> (loop.py:3);step (loop.py:9);LinearGELU.forward (offload/models.py:40);gelu (libtorch_cpu.so) 20",
+        "<module> (loop.py:3);step (loop.py:9);call_pack_hook (libtorch_python.so);"
+        "hook<pack_common> (saved_hooks.cpp:312);pack_common (saved_hooks.cpp:235);HostArena.claim (offload/host/arena.py:184) 12",
+        "<module> (loop.py:3);OffloadContext.__exit__ (offload/api.py:357);StepLifecycleMixin.end_layer (offload/engine/lifecycle.py:337) 8",
+        "<module> (loop.py:1);<module> (offload/__init__.py:1);_compile_bytecode (<frozen>:1) 10",
+        "",
+    ]
+    split = host_samples.split_samples(lines)
+    assert split["samples"] == 100 and split["engine_samples"] == 30 and split["engine_share"] == 0.3
+    # The model code the benchmarks import from the package is not the engine.
+    assert dict(split["by_entry"]) == {"hook<pack_common>": 0.12, "import offload (start-up)": 0.1, "OffloadContext.__exit__": 0.08}
+    assert dict(split["by_leaf"]) == {"HostArena.claim": 0.12, "_compile_bytecode": 0.1, "StepLifecycleMixin.end_layer": 0.08}
+
+
+def test_host_samples_without_py_spy_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    host_samples = bench_module("host_samples")
+    monkeypatch.setattr(host_samples.shutil, "which", lambda name: None)
+    assert host_samples.main(["--cpu-smoke"]) == 2
+    assert "needs py-spy on the PATH: pip install py-spy" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        host_samples.main(["--variants", "plain,fast"])
 
 
 def test_group_bytes_cpu_smoke_runs_moe_on_request() -> None:

@@ -1,5 +1,6 @@
 """The native saved-tensor hooks (``offload.engine.saved_hooks``, ``csrc/torch/saved_hooks.cpp``),
-pushed on request (``OFFLOAD_NATIVE_HOOKS=1``).
+pushed by default where ``offload._entries`` is built (``OFFLOAD_NATIVE_HOOKS=0`` keeps the
+Python pair).
 
 The Python ``pack`` and ``unpack`` are the definition; the native pair must give the same
 gradients and the same stats on every kind of saved tensor (parameters, leaf inputs, views of
@@ -65,25 +66,35 @@ def context(native_hooks: bool, monkeypatch: pytest.MonkeyPatch, **kw: Any) -> t
 STAT_KEYS = ("offloaded_tensors", "offloaded_bytes", "kept", "groups_offloaded", "bytes_d2h", "bytes_h2d", "reloads")
 
 
-def test_the_python_hooks_are_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("OFFLOAD_NATIVE_HOOKS", raising=False)
-    ctx, _ = cpu_context(3, 4)
-    pack, unpack = engine_hooks(ctx.engine)
-    assert pack.__func__ is PackingMixin.pack and unpack.__func__ is PackingMixin.unpack
-    for value in ("0", "off", "", "maybe"):
-        monkeypatch.setenv("OFFLOAD_NATIVE_HOOKS", value)
-        assert not native_hooks_requested(), value
-
-
 @needs_entries
-def test_native_hooks_on_request_are_c_functions(monkeypatch: pytest.MonkeyPatch) -> None:
-    ctx, _ = context(True, monkeypatch)
-    for value in ("1", "on", "TRUE"):
-        monkeypatch.setenv("OFFLOAD_NATIVE_HOOKS", value)
-        pack, unpack = engine_hooks(ctx.engine)
-        assert isinstance(pack, types.BuiltinFunctionType) and isinstance(unpack, types.BuiltinFunctionType)
+def test_the_native_hooks_are_the_default_and_can_be_turned_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OFFLOAD_NATIVE_HOOKS", raising=False)
+    assert native_hooks_requested()
+    ctx, _ = cpu_context(3, 4)
     # The engine pushes what engine_hooks gave it when it was made.
     assert isinstance(ctx.engine._hooks.pack_hook, types.BuiltinFunctionType)
+    assert isinstance(ctx.engine._hooks.unpack_hook, types.BuiltinFunctionType)
+    for value in ("1", "on", "TRUE", "", "maybe"):
+        monkeypatch.setenv("OFFLOAD_NATIVE_HOOKS", value)
+        pack, unpack = engine_hooks(ctx.engine)
+        assert isinstance(pack, types.BuiltinFunctionType) and isinstance(unpack, types.BuiltinFunctionType), value
+    for value in ("0", "off", " False ", "no"):
+        monkeypatch.setenv("OFFLOAD_NATIVE_HOOKS", value)
+        assert not native_hooks_requested(), value
+        pack, unpack = engine_hooks(ctx.engine)
+        assert pack.__func__ is PackingMixin.pack and unpack.__func__ is PackingMixin.unpack, value
+        ctx_off, _ = cpu_context(3, 4)
+        assert ctx_off.engine._hooks.pack_hook.__func__ is PackingMixin.pack, value
+
+
+def test_without_the_extension_the_python_hooks_are_pushed(monkeypatch: pytest.MonkeyPatch) -> None:
+    # OFFLOAD_NATIVE=0 (or a build without offload._entries): the hooks are the Python pair,
+    # whatever OFFLOAD_NATIVE_HOOKS says.
+    monkeypatch.delenv("OFFLOAD_NATIVE_HOOKS", raising=False)
+    monkeypatch.setattr(native, "entries_extension", lambda: None)
+    ctx, _ = cpu_context(3, 4)
+    assert ctx.engine._hooks.pack_hook.__func__ is PackingMixin.pack
+    assert ctx.engine._hooks.unpack_hook.__func__ is PackingMixin.unpack
 
 
 @needs_entries

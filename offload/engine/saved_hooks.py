@@ -1,4 +1,4 @@
-"""The saved-tensor hooks the engine pushes: Python, or native on request.
+"""The saved-tensor hooks the engine pushes: native where the extension is built, else Python.
 
 ``pack`` and ``unpack`` (``offload.engine.packing``) are the definition of what the hooks do.
 Autograd calls them once per saved tensor, and on a model that saves thousands of small tensors
@@ -20,12 +20,13 @@ Python hook before the native one has changed anything, so the one selection pol
 unpack decide it. ``tests/test_saved_hooks_cpu.py`` holds the two paths to the same gradients
 and stats.
 
-Opt-in for now: ``OFFLOAD_NATIVE_HOOKS=1`` (read when an engine is made) pushes the native pair
-where ``offload._entries`` is live. The default stays the Python pair until the native one has
-passed the whole GPU suite and shown its gain on the H100 host beyond that host's noise (issue
-35's fifth round: the engine, graph, FP8 and failed-step GPU tests passed with it; SMALL showed
-no change, MOE a few percent inside a 10% spread). Code that watches the engine by wrapping
-``policy.decide`` or ``engine.pack`` does not see what the native pair decides on its own.
+On by default where ``offload._entries`` is live; ``OFFLOAD_NATIVE_HOOKS=0`` (read when an
+engine is made) keeps the Python pair. They became the default in issue 35's sixth round, after
+the whole GPU suite passed with them (553 tests) and they gained in every step-interleaved run
+on the H100 host (SMALL 1.42 and 1.43x plain against the Python hooks' 1.51 and 1.46x; MOE 1.15
+and 1.20x against 1.20 and 1.23x; docs/benchmarks.md). Code that watches the engine by wrapping ``policy.decide`` or
+``engine.pack`` does not see what the native pair decides on its own: wrap the pushed hooks
+(``engine._hooks``), or set ``OFFLOAD_NATIVE_HOOKS=0``.
 
 The state the C functions read is a tuple (the order is :func:`_state`'s): a GC-tracked object,
 so that the cycle engine -> hooks -> state -> Python hooks -> engine is one the collector breaks.
@@ -83,14 +84,15 @@ _STATE_SIZE = 10  # len(_state(...)); the extension checks the same count (SAVED
 
 
 def native_hooks_requested() -> bool:
-    """Whether ``OFFLOAD_NATIVE_HOOKS`` asks for the native hooks (``1``, ``true``, ``yes``, ``on``)."""
-    return os.environ.get("OFFLOAD_NATIVE_HOOKS", "0").strip().lower() in native.ON_VALUES
+    """Whether the native hooks are wanted: yes unless ``OFFLOAD_NATIVE_HOOKS`` turns them off
+    (``0``, ``false``, ``no``, ``off``)."""
+    return os.environ.get("OFFLOAD_NATIVE_HOOKS", "1").strip().lower() not in native.OFF_VALUES
 
 
 def engine_hooks(engine: HookedEngine) -> tuple[Hook, Hook]:
     """``(pack, unpack)`` for ``engine``'s saved-tensor hooks: the native pair over the engine's
-    Python hooks when requested (:func:`native_hooks_requested`) and ``offload._entries`` is
-    live, else the Python hooks themselves. Never the native pair for an opt-in policy
+    Python hooks when wanted (:func:`native_hooks_requested`, the default) and ``offload._entries``
+    is live, else the Python hooks themselves. Never the native pair for an opt-in policy
     (``selection="marked"``, v1's default): there every unmarked activation would be checked
     natively, then decided again in Python.
 

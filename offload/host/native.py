@@ -39,10 +39,9 @@ __all__ = [
     "cuda_copy_info",
 ]
 
-# The values of an environment switch that turn a part off (OFFLOAD_NATIVE, OFFLOAD_NUMA) or on
-# (OFFLOAD_NATIVE_HOOKS).
+# The values of an environment switch that turn a part off (OFFLOAD_NATIVE, OFFLOAD_NUMA,
+# OFFLOAD_NATIVE_HOOKS).
 OFF_VALUES = frozenset({"0", "false", "no", "off"})
-ON_VALUES = frozenset({"1", "true", "yes", "on"})
 
 
 def _import(name: str, how_to_build: str) -> tuple[ModuleType | None, str]:

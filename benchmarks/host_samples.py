@@ -1,0 +1,163 @@
+"""Where an offloaded step's host time goes, by sampling: py-spy over a loop of SMALL or MOE steps.
+
+The complement of ``host_profile.py`` (cProfile): a sampling profiler sees the native saved-tensor
+hooks (C functions that cProfile cannot split) and the driver and allocator calls below our
+Python, and it does not inflate small Python calls. For each variant (plain, the defaults with the
+native hooks, the Python hooks) a worker process runs ``--steps`` steps under
+``py-spy record --native`` and this script splits the samples: the engine's share (any frame of
+``offload/`` or of the extension's sources), by the engine's entry point (the outermost such
+frame) and by the innermost frame. py-spy pauses the process to unwind native stacks (a SMALL step
+took 61 ms under it against 4), and the shares count the whole run, start-up included: read them
+as ranks and as a comparison between variants, not as times.
+
+Needs ``py-spy`` on the PATH (``pip install py-spy``; on a machine without a registry, install a
+wheel downloaded elsewhere). Usage: ``python benchmarks/host_samples.py [--workload small|moe]
+[--steps N] [--rate HZ] [--variants plain,native,python]``; ``--cpu-smoke`` samples a tiny CPU
+version. Writes ``benchmarks/results/host_samples_<workload>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import common
+import workloads
+
+# A frame of ours: a Python frame of the package, or a native frame of the extension's sources.
+OURS = re.compile(r"\(offload/|saved_hooks\.cpp|entry_table\.|host_memory\.cpp|cuda_driver\.cpp|offload_native\.cpp|_entries\.cpython")
+# The model code the benchmarks import from the package is not the engine.
+NOT_ENGINE = re.compile(r"\(offload/models\.py")
+VARIANTS = ("plain", "native", "python")
+
+
+def frame_name(frame: str) -> str:
+    """A py-spy frame without its ``(file:line)`` part."""
+    return frame.rsplit(" (", 1)[0]
+
+
+def split_samples(lines: Iterable[str], top: int = 12) -> dict[str, Any]:
+    """Split py-spy's raw (collapsed) stacks, one ``frame;frame;... count`` a line: the samples
+    in all, the engine's (a stack with a frame of ours that is not model code), and the engine's
+    samples by its outermost frame (the entry point) and by the innermost one."""
+    total = ours = 0
+    entry: collections.Counter[str] = collections.Counter()
+    leaf: collections.Counter[str] = collections.Counter()
+    for line in lines:
+        stack, _, count = line.rstrip("\n").rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        first = next((i for i, f in enumerate(frames) if OURS.search(f) and not NOT_ENGINE.search(f)), None)
+        if first is None:
+            continue
+        ours += n
+        name = frame_name(frames[first])
+        entry["import offload (start-up)" if name == "<module>" else name] += n
+        leaf[frame_name(frames[-1])] += n
+
+    def shares(counter: collections.Counter[str]) -> list[tuple[str, float]]:
+        return [(name, n / total) for name, n in counter.most_common(top)]
+
+    return {"samples": total, "engine_samples": ours, "engine_share": ours / total if total else 0.0,
+            "by_entry": shares(entry), "by_leaf": shares(leaf)}
+
+
+def worker(workload: str, variant: str, steps: int, smoke: bool) -> None:
+    """Run ``steps`` steps of one variant (after 5 untimed ones) and print the step time."""
+    import torch
+
+    import offload
+    from offload.models import run_layers
+
+    os.environ["OFFLOAD_NATIVE_HOOKS"] = "0" if variant == "python" else "1"
+    device = torch.device("cpu" if smoke else "cuda")
+    spec = workloads.WORKLOADS[workload](workloads.scale_for(smoke))
+    layers, make_input = spec.build(device)
+    x = make_input().requires_grad_(True)
+    n = len(layers)
+    ctx = sync = None
+    if variant != "plain":
+        ctx, sync = offload.get_cpu_offload_context(True, num_layers=n - 1, model_layers=n, min_offload_bytes=0,
+                                                    device="cpu" if smoke else None)
+    params = list(layers.parameters())
+
+    def step() -> None:
+        run_layers(layers, x, ctx, sync).float().sum().backward()
+        for p in params:
+            p.grad = None
+
+    for _ in range(5):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    print(f"{workload} {variant}: {(time.perf_counter() - t0) / steps * 1e3:.2f} ms a step under the sampler", flush=True)
+
+
+def sample(py_spy: str, workload: str, variant: str, steps: int, rate: int, smoke: bool, folder: Path) -> dict[str, Any]:
+    """One variant's worker under ``py-spy record --native``; its samples split."""
+    raw = folder / f"{workload}_{variant}.txt"
+    cmd = [py_spy, "record", "--native", "-r", str(rate), "-f", "raw", "-o", str(raw), "--",
+           sys.executable, __file__, "--worker", workload, variant, "--steps", str(steps)] + (["--cpu-smoke"] if smoke else [])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 or not raw.exists():
+        raise RuntimeError(f"py-spy failed on {workload}/{variant} (exit {done.returncode}):\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    print(done.stdout.strip(), flush=True)
+    return split_samples(raw.read_text().splitlines())
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", choices=("small", "moe"), default="moe")
+    parser.add_argument("--steps", type=int, default=None, help="steps a variant (default: MOE 30, SMALL 400; smoke 3)")
+    parser.add_argument("--rate", type=int, default=250, help="samples a second")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--cpu-smoke", action="store_true")
+    parser.add_argument("--name", default=None)
+    parser.add_argument("--worker", nargs=2, metavar=("WORKLOAD", "VARIANT"), help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    steps = args.steps or (3 if args.cpu_smoke else 30 if args.workload == "moe" else 400)
+    if args.worker:
+        worker(args.worker[0], args.worker[1], steps, args.cpu_smoke)
+        return 0
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if not set(variants) <= set(VARIANTS):
+        parser.error(f"--variants: {sorted(set(variants) - set(VARIANTS))} unknown; choose from {list(VARIANTS)}")
+    py_spy = shutil.which("py-spy")
+    if py_spy is None:
+        print("host_samples.py needs py-spy on the PATH: pip install py-spy (offline: a wheel downloaded elsewhere)", file=sys.stderr)
+        return 2
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for variant in variants:
+            results[variant] = split = sample(py_spy, args.workload, variant, steps, args.rate, args.cpu_smoke, Path(tmp))
+            print(f"== {args.workload} {variant}: {split['samples']} samples, the engine's {100 * split['engine_share']:.1f}%")
+            for title, key in (("by entry into the engine", "by_entry"), ("by innermost frame", "by_leaf")):
+                print(f"  {title}:")
+                for name, share in split[key]:
+                    print(f"    {100 * share:5.1f}%  {name[:100]}")
+    env = common.Env(device=None, smoke=args.cpu_smoke, offload_device=None, args=argparse.Namespace(no_json=False, name=args.name))  # type: ignore[arg-type]
+    common.write_json(f"host_samples_{args.workload}", env, {"steps": steps, "rate": args.rate, "variants": results},
+                      meta={"py_spy": subprocess.run([py_spy, "--version"], capture_output=True, text=True).stdout.strip(),
+                            "argv": sys.argv[1:]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
