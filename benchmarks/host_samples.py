@@ -79,25 +79,18 @@ def worker(workload: str, variant: str, steps: int, smoke: bool) -> None:
     import torch
 
     import offload
-    from offload.models import run_layers
 
     os.environ["OFFLOAD_NATIVE_HOOKS"] = "0" if variant == "python" else "1"
     device = torch.device("cpu" if smoke else "cuda")
     spec = workloads.WORKLOADS[workload](workloads.scale_for(smoke))
     layers, make_input = spec.build(device)
-    x = make_input().requires_grad_(True)
+    x = make_input()
     n = len(layers)
     ctx = sync = None
     if variant != "plain":
         ctx, sync = offload.get_cpu_offload_context(True, num_layers=n - 1, model_layers=n, min_offload_bytes=0,
                                                     device="cpu" if smoke else None)
-    params = list(layers.parameters())
-
-    def step() -> None:
-        run_layers(layers, x, ctx, sync).float().sum().backward()
-        for p in params:
-            p.grad = None
-
+    step = common.make_step(layers, x, context=ctx, sync=sync)
     for _ in range(5):
         step()
     if device.type == "cuda":
