@@ -535,6 +535,17 @@ def test_host_samples_without_py_spy_says_how_to_get_it(monkeypatch: pytest.Monk
         host_samples.main(["--variants", "plain,fast"])
 
 
+def test_group_bytes_variants_keeps_the_named_ones_and_refuses_unknown_labels() -> None:
+    group_bytes = bench_module("group_bytes")
+    spec = SimpleNamespace(layers=4)
+    assert [label for label, _ in group_bytes.variants(spec, ["hooks floor", "offload (Python hooks)"])] == [
+        "plain", "offload (Python hooks)", "hooks floor"]
+    assert group_bytes.variants(spec, ["offload (Python hooks)"])[1][1]["python_hooks"] is True
+    assert len(group_bytes.variants(spec)) == 8
+    with pytest.raises(SystemExit, match=r"no variant \['fast'\]; the variants are"):
+        group_bytes.variants(spec, ["plain", "fast"])
+
+
 def test_group_bytes_cpu_smoke_runs_moe_on_request() -> None:
     result = run_smoke("group_bytes.py", "group_bytes_moe_pytest", "--rounds", "1", "--workload", "moe")
     assert result["workload"].startswith("MOE")
