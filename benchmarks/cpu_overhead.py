@@ -91,8 +91,12 @@ class HooksFloor:
     (detached), and the sync function puts a gradient pre-hook that does nothing on the layer's
     output. No copies, no bookkeeping: the floor under our engine and ``save_on_cpu`` alike."""
 
-    def __init__(self) -> None:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._same, self._same)
+    def __init__(self, *, native: bool = False) -> None:
+        # ``native``: the hooks are ``Tensor.detach`` itself, a C function, as our native hooks
+        # are: what autograd's hook machinery costs without any Python frame (the floor under
+        # the default engine, whose hooks are C functions too).
+        same = torch.Tensor.detach if native else self._same
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(same, same)
 
     @staticmethod
     def _same(t: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,8 @@ more than the transfer. The variants, in their order: plain; offload with the de
 (``group_bytes`` 32 MiB: one group; the native saved-tensor hooks, issue 35's sixth round); the
 same with the Python hooks (``OFFLOAD_NATIVE_HOOKS=0``); ``group_bytes`` of 0 (off: every layer a
 group, the default before issue 35's fourth round), 4 and 16 MiB (4 groups and 1); the hooks'
-floor (``cpu_overhead.HooksFloor``); ``save_on_cpu``.
+floor (``cpu_overhead.HooksFloor``), with Python hooks and with C ones (``Tensor.detach``);
+offload with a host budget of 0 (every decision made, nothing copied); ``save_on_cpu``.
 
 Two ways to time them, both in one process:
 
@@ -75,6 +76,11 @@ def variants(spec: Any, keep: Optional[list[str]] = None) -> list[tuple[str, dic
         label = f"offload group_bytes={mib} MiB" if mib else "offload group_bytes=0 (off)"
         out.append((label, {"offload": {**base, "group_bytes": mib << 20}}))
     out.append(("hooks floor", {"layer_calls": (floor, floor.sync)}))
+    native_floor = cpu_overhead.HooksFloor(native=True)
+    out.append(("hooks floor (C)", {"layer_calls": (native_floor, native_floor.sync)}))
+    # Every tensor refused by the host budget: the hooks and every per-tensor decision, no
+    # group ever copied (one "offloaded nothing" warning).
+    out.append(("offload (nothing fits)", {"offload": {**base, "host_budget_bytes": 0}}))
     out.append(("save_on_cpu", {"forward_wrapper": common.save_on_cpu_wrapper()}))
     if keep is None:
         return out
@@ -137,9 +143,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = "group_bytes" if env.args.workload == "small" else f"group_bytes_{env.args.workload}"
     if env.args.interleave:
         summary = interleaved(env, spec, layers, x, keep)
+        table = [{**row, "ci95": "{:.3f}-{:.3f}".format(*row["ratio_ci95"])} for row in summary]
         common.print_table(f"{spec.name}, {env.args.steps} interleaved cycles ({common.device_name(env)}): step / plain step of the same cycle",
-                           summary, [("variant", "variant", ""), ("ratio_median", "x plain (median)", ".3f"),
+                           table, [("variant", "variant", ""), ("ratio_median", "x plain (median)", ".3f"),
                                      ("ratio_p25", "p25", ".3f"), ("ratio_p75", "p75", ".3f"),
+                                     ("ci95", "median's 95% interval", ""), ("ratio_fast", "fast steps", ".3f"),
                                      ("step_ms", "step ms", ".2f"), ("groups", "groups", "")])
         common.write_json(name + "_interleaved", env, {"workload": spec.describe(), "summary": summary})
         return 0

@@ -3,17 +3,19 @@
 The complement of ``host_profile.py`` (cProfile): a sampling profiler sees the native saved-tensor
 hooks (C functions that cProfile cannot split) and the driver and allocator calls below our
 Python, and it does not inflate small Python calls. For each variant (plain, the defaults with the
-native hooks, the Python hooks) a worker process runs ``--steps`` steps under
-``py-spy record --native`` and this script splits the samples: the engine's share (any frame of
-``offload/`` or of the extension's sources), by the engine's entry point (the outermost such
-frame) and by the innermost frame. py-spy pauses the process to unwind native stacks (a SMALL step
+native hooks, the Python hooks, a host budget of 0 so that nothing is copied) a worker process
+runs ``--steps`` steps under ``py-spy record --native`` and this script splits the samples: the
+engine's share (any frame of ``offload/`` or of the extension's sources), by the engine's entry
+point (the outermost such frame) and by the innermost frame. py-spy pauses the process to unwind native stacks (a SMALL step
 took 61 ms under it against 4), and the shares count the whole run, start-up included: read them
-as ranks and as a comparison between variants, not as times.
+as ranks and as a comparison between variants, not as times. Each later variant is compared
+with the first, frame by frame (samples a step in which the frame is on the stack): where the
+second variant spends what the first does not, inside the engine or outside it.
 
 Needs ``py-spy`` on the PATH (``pip install py-spy``; on a machine without a registry, install a
 wheel downloaded elsewhere). Usage: ``python benchmarks/host_samples.py [--workload small|moe]
-[--steps N] [--rate HZ] [--variants plain,native,python]``; ``--cpu-smoke`` samples a tiny CPU
-version. Writes ``benchmarks/results/host_samples_<workload>.json``.
+[--steps N] [--rate HZ] [--variants plain,native,python,nothing_fits]``; ``--cpu-smoke`` samples
+a tiny CPU version. Writes ``benchmarks/results/host_samples_<workload>.json``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ import workloads
 OURS = re.compile(r"\(offload/|saved_hooks\.cpp|entry_table\.|host_memory\.cpp|cuda_driver\.cpp|offload_native\.cpp|_entries\.cpython")
 # The model code the benchmarks import from the package is not the engine.
 NOT_ENGINE = re.compile(r"\(offload/models\.py")
-VARIANTS = ("plain", "native", "python")
+UNRESOLVED = re.compile(r"0x[0-9a-fA-F]+$")
+VARIANTS = ("plain", "native", "python", "nothing_fits")
 
 
 def frame_name(frame: str) -> str:
@@ -52,6 +55,7 @@ def split_samples(lines: Iterable[str], top: int = 12) -> dict[str, Any]:
     total = ours = 0
     entry: collections.Counter[str] = collections.Counter()
     leaf: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()  # every sample, each frame once
     for line in lines:
         stack, _, count = line.rstrip("\n").rpartition(" ")
         if not stack:
@@ -59,6 +63,9 @@ def split_samples(lines: Iterable[str], top: int = 12) -> dict[str, Any]:
         n = int(count)
         total += n
         frames = stack.split(";")
+        for name in {frame_name(f) for f in frames}:
+            if not UNRESOLVED.match(name):  # a bare address: another one in every process
+                inclusive[name] += n
         first = next((i for i, f in enumerate(frames) if OURS.search(f) and not NOT_ENGINE.search(f)), None)
         if first is None:
             continue
@@ -71,7 +78,19 @@ def split_samples(lines: Iterable[str], top: int = 12) -> dict[str, Any]:
         return [(name, n / total) for name, n in counter.most_common(top)]
 
     return {"samples": total, "engine_samples": ours, "engine_share": ours / total if total else 0.0,
-            "by_entry": shares(entry), "by_leaf": shares(leaf)}
+            "by_entry": shares(entry), "by_leaf": shares(leaf),
+            # Raw counts of the frames in at least 0.1% of the samples: what :func:`differences`
+            # compares between variants (the engine's code is not the only thing offloading
+            # changes: the allocator's frees, autograd's unpacking...).
+            "inclusive": {name: n for name, n in inclusive.most_common() if n * 1000 >= total}}
+
+
+def differences(a: dict[str, Any], b: dict[str, Any], steps: int, top: int = 25) -> list[tuple[str, float]]:
+    """The frames whose inclusive samples a step differ most between two variants' splits
+    (``a`` minus ``b``, samples a step; a frame under the 0.1% cut in one counts as 0 there)."""
+    names = set(a["inclusive"]) | set(b["inclusive"])
+    diff = {name: (a["inclusive"].get(name, 0) - b["inclusive"].get(name, 0)) / steps for name in names}
+    return sorted(diff.items(), key=lambda kv: -abs(kv[1]))[:top]
 
 
 def worker(workload: str, variant: str, steps: int, smoke: bool) -> None:
@@ -81,6 +100,8 @@ def worker(workload: str, variant: str, steps: int, smoke: bool) -> None:
     import offload
 
     os.environ["OFFLOAD_NATIVE_HOOKS"] = "0" if variant == "python" else "1"
+    # nothing_fits: a host budget of 0, so every decision is made and nothing is copied.
+    options = {"host_budget_bytes": 0} if variant == "nothing_fits" else {}
     device = torch.device("cpu" if smoke else "cuda")
     spec = workloads.WORKLOADS[workload](workloads.scale_for(smoke))
     layers, make_input = spec.build(device)
@@ -89,7 +110,7 @@ def worker(workload: str, variant: str, steps: int, smoke: bool) -> None:
     ctx = sync = None
     if variant != "plain":
         ctx, sync = offload.get_cpu_offload_context(True, num_layers=n - 1, model_layers=n, min_offload_bytes=0,
-                                                    device="cpu" if smoke else None)
+                                                    device="cpu" if smoke else None, **options)
     step = common.make_step(layers, x, context=ctx, sync=sync)
     for _ in range(5):
         step()
@@ -145,6 +166,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 print(f"  {title}:")
                 for name, share in split[key]:
                     print(f"    {100 * share:5.1f}%  {name[:100]}")
+        first = variants[0]
+        for variant in variants[1:]:
+            diff = differences(results[variant], results[first], steps)
+            results[variant][f"minus_{first}"] = diff
+            print(f"== {variant} minus {first}: samples a step, by frame (inclusive)")
+            for name, n in diff:
+                print(f"    {n:+8.2f}  {name[:100]}")
     env = common.Env(device=None, smoke=args.cpu_smoke, offload_device=None, args=argparse.Namespace(no_json=False, name=args.name))  # type: ignore[arg-type]
     common.write_json(f"host_samples_{args.workload}", env, {"steps": steps, "rate": args.rate, "variants": results},
                       meta={"py_spy": subprocess.run([py_spy, "--version"], capture_output=True, text=True).stdout.strip(),

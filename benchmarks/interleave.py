@@ -11,10 +11,18 @@ plain step of its own cycle, a second or less apart, and the median over cycles 
 Each step is timed on the host from its call to the end of a device synchronize, so the GPU
 work of one variant never runs into the next one's time. The synchronize is the same for every
 variant; it adds the step's GPU tail, which a host-bound step (SMALL, MOE) barely has.
+
+How sure a median is: on MOE the per-cycle ratios spread widely (quartiles 1.0-1.27 around a
+median of 1.12), so a 40-cycle run and a 150-cycle run of the same variant can differ by 0.1.
+Each row therefore carries the distribution-free 95% interval of its median ratio (order
+statistics, no assumption on the spread's shape), and the ratio of the variant's fast steps (its
+10th-percentile step over plain's), which interference on the shared host, always a slowdown,
+touches least. The raw step times are kept, to be read again.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -50,23 +58,52 @@ def run_cycles(env: common.Env, variants: list[Variant], *, warmup: int, cycles:
             v.step_ms.append((time.perf_counter() - t0) * 1e3)
 
 
+def median_interval(values: list[float]) -> tuple[float, float]:
+    """The distribution-free 95% confidence interval of the median of ``values``: the order
+    statistics of ranks n/2 - 0.98 sqrt(n) rounded down and 1 + n/2 + 0.98 sqrt(n) rounded up,
+    counted from 1 (the normal approximation to the binomial count of values under the median).
+    With fewer than 6 values, their whole range."""
+    ordered = sorted(values)
+    n = len(ordered)
+    if n < 6:
+        return ordered[0], ordered[-1]
+    half = 0.98 * math.sqrt(n)
+    lo = max(1, math.floor(n / 2 - half))
+    hi = min(n, math.ceil(1 + n / 2 + half))
+    return ordered[lo - 1], ordered[hi - 1]
+
+
+def fast_step(step_ms: list[float]) -> float:
+    """A variant's fast step: the 10th percentile of its step times (the least touched by
+    interference, which only ever slows a step down)."""
+    if len(step_ms) < 2:
+        return step_ms[0]
+    return statistics.quantiles(step_ms, n=10)[0]
+
+
 def summarize(variants: list[Variant], baseline: str = "plain") -> list[dict[str, Any]]:
     """Per variant: the median of its per-cycle ratios to ``baseline``'s step of the same cycle,
-    their quartiles, and its median step time; the context's groups and tensors a step."""
+    their quartiles and the median's 95% interval (:func:`median_interval`), the ratio of its
+    fast step to the baseline's (:func:`fast_step`), its median step time and the raw ones; the
+    context's groups and tensors a step."""
     base = next(v for v in variants if v.label == baseline).step_ms
     rows = []
     for v in variants:
         ratios = [a / b for a, b in zip(v.step_ms, base)]
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+        lo, hi = median_interval(ratios)
         stats: Optional[dict[str, Any]] = None if v.context is None else common.offload_stats(v.context)
         rows.append({
             "variant": v.label,
             "ratio_median": statistics.median(ratios),
             "ratio_p25": q[0],
             "ratio_p75": q[2],
+            "ratio_ci95": [lo, hi],
+            "ratio_fast": fast_step(v.step_ms) / fast_step(base),
             "step_ms": statistics.median(v.step_ms),
             "cycles": len(v.step_ms),
             "groups": None if stats is None else stats.get("groups_offloaded"),
             "offloaded_tensors": None if stats is None else stats.get("offloaded_tensors"),
+            "steps_ms": [round(t, 3) for t in v.step_ms],
         })
     return rows

@@ -467,7 +467,7 @@ def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
     result = run_smoke("group_bytes.py", "group_bytes_pytest", "--rounds", "2")
     summary = {row["variant"]: row for row in result["summary"]}
     assert list(summary) == ["plain", "offload (default)", "offload (Python hooks)", "offload group_bytes=0 (off)", "offload group_bytes=4 MiB",
-                             "offload group_bytes=16 MiB", "hooks floor", "save_on_cpu"]
+                             "offload group_bytes=16 MiB", "hooks floor", "hooks floor (C)", "offload (nothing fits)", "save_on_cpu"]
     assert all(len(row["ratios"]) == 2 and row["ratio_median"] > 0 for row in summary.values()), summary
     # Off, each offloaded layer is copied on its own; the default (32 MiB) and 16 MiB hold all of
     # SMALL's (tiny on the CPU) in one.
@@ -483,9 +483,10 @@ def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
 def test_group_bytes_interleaved_times_each_variant_once_per_cycle() -> None:
     result = run_smoke("group_bytes.py", "group_bytes_interleaved_pytest", "--interleave", "--steps", "3")
     summary = {row["variant"]: row for row in result["summary"]}
-    assert len(summary) == 8 and summary["plain"]["ratio_median"] == 1.0
+    assert len(summary) == 10 and summary["plain"]["ratio_median"] == 1.0
     assert all(row["cycles"] == 3 and row["ratio_p25"] <= row["ratio_median"] <= row["ratio_p75"] for row in summary.values()), summary
     assert summary["offload group_bytes=0 (off)"]["groups"] == 15 and summary["offload (default)"]["groups"] == 1
+    assert summary["offload (nothing fits)"]["groups"] == 0  # every tensor refused by the budget
 
 
 def test_interleave_rotates_the_order_and_pairs_ratios_within_a_cycle() -> None:
@@ -506,6 +507,23 @@ def test_interleave_rotates_the_order_and_pairs_ratios_within_a_cycle() -> None:
     assert rows["a"]["ratio_median"] == 1.2 and rows["b"]["ratio_median"] == 1.5
     assert rows["a"]["ratio_p25"] == rows["a"]["ratio_p75"] == 1.2  # the drift cancelled in every cycle
     assert rows["plain"]["step_ms"] == 10.0 and rows["a"]["groups"] is None
+    assert rows["a"]["ratio_ci95"] == [1.2, 1.2] and rows["b"]["steps_ms"] == [15.0, 45.0, 7.5]
+    assert rows["b"]["ratio_fast"] == pytest.approx(1.5)  # 10th percentiles: 15 * 0.5 against 10 * 0.5
+
+
+def test_the_median_interval_and_the_fast_step() -> None:
+    interleave = bench_module("interleave")
+    # 100 values 1..100: the order statistics of ranks 40 and 61, the textbook interval.
+    assert interleave.median_interval([float(v) for v in range(100, 0, -1)]) == (40.0, 61.0)
+    assert interleave.median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # too few: the range
+    # It narrows as the cycles grow: a 40-cycle median is less sure than a 400-cycle one.
+    spread = [1.0 + 0.01 * (i % 30) for i in range(400)]
+    lo40, hi40 = interleave.median_interval(spread[:40])
+    lo400, hi400 = interleave.median_interval(spread)
+    assert hi400 - lo400 < hi40 - lo40
+    # The fast step is the 10th percentile, not the middle, and slow outliers do not move it.
+    assert interleave.fast_step([float(v) for v in range(1, 101)]) == pytest.approx(10.1)
+    assert interleave.fast_step([10.0] * 9 + [1000.0] * 2) == pytest.approx(10.0)
 
 
 def test_host_samples_splits_stacks_into_the_engine_and_the_rest() -> None:
@@ -526,6 +544,25 @@ def test_host_samples_splits_stacks_into_the_engine_and_the_rest() -> None:
     assert dict(split["by_leaf"]) == {"HostArena.claim": 0.12, "_compile_bytecode": 0.1, "StepLifecycleMixin.end_layer": 0.08}
 
 
+def test_host_samples_compares_variants_frame_by_frame() -> None:
+    # Inclusive counts (a frame once a sample, however deep), bare addresses left out (another
+    # one in every process), then the difference a step between two variants' splits.
+    host_samples = bench_module("host_samples")
+    engine = host_samples.split_samples([
+        "step (loop.py:9);backward (autograd.py:1);unpack_common (saved_hooks.cpp:300);restore (entry_table.h:9) 30",
+        "step (loop.py:9);backward (autograd.py:1);0x7f00aa 10",
+        "step (loop.py:9);linear (libtorch_cpu.so) 60",
+    ])
+    floor = host_samples.split_samples([
+        "step (loop.py:9);backward (autograd.py:1);0x7f00bb 20",
+        "step (loop.py:9);linear (libtorch_cpu.so) 60",
+    ])
+    assert engine["inclusive"] == {"step": 100, "backward": 40, "linear": 60, "unpack_common": 30, "restore": 30}
+    diff = dict(host_samples.differences(engine, floor, steps=10))
+    assert diff == {"unpack_common": 3.0, "restore": 3.0, "backward": 2.0, "step": 2.0, "linear": 0.0}
+    assert host_samples.differences(engine, floor, steps=10, top=2)[0][1] == 3.0
+
+
 def test_host_samples_without_py_spy_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     host_samples = bench_module("host_samples")
     monkeypatch.setattr(host_samples.shutil, "which", lambda name: None)
@@ -541,7 +578,9 @@ def test_group_bytes_variants_keeps_the_named_ones_and_refuses_unknown_labels() 
     assert [label for label, _ in group_bytes.variants(spec, ["hooks floor", "offload (Python hooks)"])] == [
         "plain", "offload (Python hooks)", "hooks floor"]
     assert group_bytes.variants(spec, ["offload (Python hooks)"])[1][1]["python_hooks"] is True
-    assert len(group_bytes.variants(spec)) == 8
+    assert len(group_bytes.variants(spec)) == 10
+    floor_c = group_bytes.variants(spec, ["hooks floor (C)"])[1][1]["layer_calls"][0]
+    assert floor_c._hooks.pack_hook is floor_c._hooks.unpack_hook is torch.Tensor.detach  # no Python frame
     with pytest.raises(SystemExit, match=r"no variant \['fast'\]; the variants are"):
         group_bytes.variants(spec, ["plain", "fast"])
 

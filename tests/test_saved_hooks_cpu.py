@@ -197,6 +197,39 @@ def test_native_hooks_take_the_common_cases_without_python(monkeypatch: pytest.M
 
 
 @needs_entries
+def test_small_tensors_are_kept_natively_and_diagnosed_alike(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under the size floor the native pack keeps the tensor itself ("small"), with no Python
+    # pack, and tallies the largest one as the policy does: the "nothing offloaded" warning names
+    # the same size whichever hooks ran.
+    calls = {"pack": 0}
+    pack = PackingMixin.pack
+
+    def counted_pack(self: Any, t: torch.Tensor, group: Any = None) -> Any:
+        calls["pack"] += 1
+        return pack(self, t, group)
+
+    monkeypatch.setattr(PackingMixin, "pack", counted_pack)
+    layers = mixed_model()
+    x = torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    messages, kept = {}, {}
+    for native_hooks in (False, True):
+        calls["pack"] = 0
+        ctx, sync = context(native_hooks, monkeypatch, min_offload_bytes=1 << 30)
+        with pytest.warns(UserWarning, match="smaller than min_offload_bytes") as caught:
+            assert_bitwise(expected, train_step(layers, x, ctx, sync))
+        messages[native_hooks] = [str(w.message) for w in caught]
+        kept[native_hooks] = ctx.stats["kept"]
+        if native_hooks:
+            marked_packs = calls["pack"]
+    assert messages[True] == messages[False]
+    assert "the largest of them had 2048 bytes" in messages[True][0]  # a (8, 64) float32 activation
+    assert kept[True] == kept[False] and kept[True]["small"] > 0
+    # Only the marked tensors (and views of them) still go through the Python pack.
+    assert 0 < marked_packs <= kept[True]["marked"]
+
+
+@needs_entries
 def test_in_place_change_is_refused_with_native_hooks(monkeypatch: pytest.MonkeyPatch) -> None:
     layers = make_mlp_layers()
     x = torch.randn(8, 64, requires_grad=True)

@@ -10,14 +10,16 @@
 // The contract (offload/engine/saved_hooks.py gives the Python side): the Python pack and unpack
 // stay the definition. A native hook either does exactly what they would do for this input, or
 // calls them with the same argument before it has changed anything, so every case it does not
-// know (a mark, a subclass, a small tensor, an on-demand reload, the last entry of a group, an
-// in-place change to report...) is decided by the one Python policy and the one Python unpack.
+// know (a mark, a subclass, a tensor of another device, an on-demand reload, the last entry of a
+// group, an in-place change to report...) is decided by the one Python policy and the one Python
+// unpack.
 // What the native pack takes on:
 // - a parameter, a leaf that requires grad, or a view of one: kept, counted as "parameter";
 // - an unmarked plain tensor of the engine's device, strided, over no module's parameter or
 //   buffer memory and at least the floor in size: offloaded into the open group after the
 //   arena's claim (which is asked through Python: the budget has one definition), or kept as
-//   "budget" when the claim is refused.
+//   "budget" when the claim is refused;
+// - such a tensor under the size floor: kept as "small".
 // What the native unpack takes on:
 // - a kept tensor whose version did not move;
 // - an entry of a reloaded group whose H2D the compute stream already waited for, other than
@@ -47,6 +49,7 @@ enum Slot : Py_ssize_t {
   kReloaded,        // GroupState.RELOADED
   kKeepParameter,   // the KEEP_PARAMETER reason (a stats["kept"] key)
   kKeepBudget,      // the KEEP_BUDGET reason
+  kKeepSmall,       // the KEEP_SMALL reason
   kMarkNames,       // tuple of the attribute names that mark a tensor (offload.engine.marks)
   kDeviceIndex,     // the policy's device index (fixed when it is made; -1 for the CPU)
   kSlotCount,
@@ -71,6 +74,7 @@ struct Names {
   PyObject* unpacks;
   PyObject* unpacks_since_reload;
   PyObject* gpu;
+  PyObject* largest_small;
 };
 Names names;
 
@@ -166,6 +170,18 @@ PyObject* kept_handle(PyObject* tensor, const at::Tensor& t, PyObject* group) {
   return check(PyTuple_Pack(3, tensor, version.get(), layer.get()));
 }
 
+// A kept activation's handle, counted under `reason`: detached when it has a node, as
+// packing.keep_handle does (it may be that node's own output: the cycle reason in packing.py).
+// Only plain tensors reach here (subclasses and parameters are decided before).
+PyObject* keep_activation(PyObject* obj, const at::Tensor& t, PyObject* group, PyObject* reason) {
+  count_kept(group, reason);
+  if (t.requires_grad() && !t.is_leaf()) {
+    Ref detached(check(THPVariable_Wrap(t.detach())));
+    return kept_handle(detached.get(), t, group);
+  }
+  return kept_handle(obj, t, group);
+}
+
 EntryTable* native_table(PyObject* table) {
   py::handle h(table);
   if (!py::isinstance<EntryTable>(h)) return nullptr;
@@ -223,7 +239,15 @@ PyObject* pack_common(PyObject* state, PyObject* obj) {
     if (floor.get() == Py_None) floor.reset(get(policy, names.min_offload_bytes));
     const long long min_bytes = PyLong_AsLongLong(floor.get());
     if (min_bytes == -1 && PyErr_Occurred()) throw PythonError{};
-    if (nbytes == 0 || nbytes < min_bytes) return nullptr;  // small: counted by Python
+    if (nbytes == 0 || nbytes < min_bytes) {
+      // KEEP_SMALL, and the policy's tally of the largest such tensor (the "nothing offloaded"
+      // diagnosis names it). No opted-in exception here: a marked tensor went to Python above.
+      Ref largest(get(policy, names.largest_small));
+      const long long so_far = PyLong_AsLongLong(largest.get());
+      if (so_far == -1 && PyErr_Occurred()) throw PythonError{};
+      if (nbytes > so_far) set(policy, names.largest_small, PyLong_FromLongLong(nbytes));
+      return keep_activation(obj, t, group.get(), item(state, kKeepSmall));
+    }
   }
   Ref table_obj(get(group.get(), names.table));
   EntryTable* table = native_table(table_obj.get());
@@ -233,15 +257,7 @@ PyObject* pack_common(PyObject* state, PyObject* obj) {
   Ref size(check(PyLong_FromLongLong(nbytes)));
   Ref reserve(get(policy, names.reserve_host_bytes));
   Ref granted(check(PyObject_CallOneArg(reserve.get(), size.get())));
-  if (!truthy(granted.get())) {
-    count_kept(group.get(), item(state, kKeepBudget));
-    if (t.requires_grad() && !t.is_leaf()) {
-      // Detached: it may be its node's own output (the cycle reason in packing.py).
-      Ref detached(check(THPVariable_Wrap(t.detach())));
-      return kept_handle(detached.get(), t, group.get());
-    }
-    return kept_handle(obj, t, group.get());
-  }
+  if (!truthy(granted.get())) return keep_activation(obj, t, group.get(), item(state, kKeepBudget));
   {
     Ref saved(get(group.get(), names.saved_bytes));
     set(group.get(), names.saved_bytes, PyNumber_Add(saved.get(), size.get()));
@@ -344,6 +360,7 @@ void register_saved_hooks(py::module_& m) {
       intern("min_offload_bytes"), intern("reserve_host_bytes"), intern("saved_bytes"),
       intern("table"), intern("step"), intern("forward_done"), intern("index"), intern("state"),
       intern("h2d_waited"), intern("unpacks"), intern("unpacks_since_reload"), intern("gpu"),
+      intern("largest_small"),
   };
   m.attr("SAVED_HOOKS_STATE_SIZE") = static_cast<int>(kSlotCount);
   m.def(

@@ -10,11 +10,12 @@ frame:
 
 - pack: a parameter (or a leaf that requires grad, or a view of one) is kept; an unmarked plain
   tensor of the engine's device, large enough, goes into the open group after the arena's claim
-  (asked through Python, so the budget keeps one definition);
+  (asked through Python, so the budget keeps one definition), and one under the size floor is
+  kept as "small";
 - unpack: a kept tensor whose version did not move; an entry of a reloaded group whose H2D was
   already waited for, other than the reload's last entry.
 
-Anything else (no open group, a mark, a subclass, a small or foreign tensor, a storage, the first
+Anything else (no open group, a mark, a subclass, a tensor of another device, a storage, the first
 unpack of a reload, the last one, an in-place change to report) is handed, unchanged, to the
 Python hook before the native one has changed anything, so the one selection policy and the one
 unpack decide it. ``tests/test_saved_hooks_cpu.py`` holds the two paths to the same gradients
@@ -44,7 +45,7 @@ from ..host import native
 from .eager import run_eagerly
 from .group import GroupState
 from .marks import KEEP_ATTR, OFFLOAD_ATTR, TE_KEEP_ATTR
-from .policy import KEEP_BUDGET, KEEP_PARAMETER
+from .policy import KEEP_BUDGET, KEEP_PARAMETER, KEEP_SMALL
 
 Hook = Callable[[Any], Any]
 
@@ -75,12 +76,13 @@ def _state(engine: HookedEngine, pack: Hook, unpack: Hook) -> tuple[Any, ...]:
         GroupState.RELOADED,
         KEEP_PARAMETER,
         KEEP_BUDGET,
+        KEEP_SMALL,
         (KEEP_ATTR, TE_KEEP_ATTR, OFFLOAD_ATTR),
         engine.policy.device_index,
     )
 
 
-_STATE_SIZE = 10  # len(_state(...)); the extension checks the same count (SAVED_HOOKS_STATE_SIZE)
+_STATE_SIZE = 11  # len(_state(...)); the extension checks the same count (SAVED_HOOKS_STATE_SIZE)
 
 
 def native_hooks_requested() -> bool:
