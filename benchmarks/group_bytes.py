@@ -148,6 +148,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                            table, [("variant", "variant", ""), ("ratio_median", "x plain (median)", ".3f"),
                                      ("ratio_p25", "p25", ".3f"), ("ratio_p75", "p75", ".3f"),
                                      ("ci95", "median's 95% interval", ""), ("ratio_fast", "fast steps", ".3f"),
+                                     ("host_ratio_median", "host time", ".3f"),
                                      ("step_ms", "step ms", ".2f"), ("groups", "groups", "")])
         common.write_json(name + "_interleaved", env, {"workload": spec.describe(), "summary": summary})
         return 0

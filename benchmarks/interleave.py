@@ -17,7 +17,9 @@ median of 1.12), so a 40-cycle run and a 150-cycle run of the same variant can d
 Each row therefore carries the distribution-free 95% interval of its median ratio (order
 statistics, no assumption on the spread's shape), and the ratio of the variant's fast steps (its
 10th-percentile step over plain's), which interference on the shared host, always a slowdown,
-touches least. The raw step times are kept, to be read again.
+touches least. The raw step times are kept, to be read again. Each step's host time (to its
+return, before the synchronize) is kept and compared as well: it says whether what a variant
+adds is host work or waiting on the GPU.
 """
 
 from __future__ import annotations
@@ -39,11 +41,13 @@ class Variant:
     step: Callable[[], None]
     context: Any = None
     step_ms: list[float] = field(default_factory=list)
+    host_ms: list[float] = field(default_factory=list)  # from the call to its return, before the sync
 
 
 def run_cycles(env: common.Env, variants: list[Variant], *, warmup: int, cycles: int) -> None:
     """Warm every variant up (``warmup`` steps each), then time ``cycles`` cycles of one step of
-    each; cycle ``c`` starts at variant ``c % len(variants)``. Fills each variant's ``step_ms``."""
+    each; cycle ``c`` starts at variant ``c % len(variants)``. Fills each variant's ``step_ms``
+    (to the end of the synchronize) and ``host_ms`` (to the step's return, before it)."""
     for v in variants:
         for _ in range(warmup):
             v.step()
@@ -54,8 +58,10 @@ def run_cycles(env: common.Env, variants: list[Variant], *, warmup: int, cycles:
             v = variants[(c + k) % n]
             t0 = time.perf_counter()
             v.step()
+            t1 = time.perf_counter()
             env.sync()
             v.step_ms.append((time.perf_counter() - t0) * 1e3)
+            v.host_ms.append((t1 - t0) * 1e3)
 
 
 def median_interval(values: list[float]) -> tuple[float, float]:
@@ -86,10 +92,12 @@ def summarize(variants: list[Variant], baseline: str = "plain") -> list[dict[str
     their quartiles and the median's 95% interval (:func:`median_interval`), the ratio of its
     fast step to the baseline's (:func:`fast_step`), its median step time and the raw ones; the
     context's groups and tensors a step."""
-    base = next(v for v in variants if v.label == baseline).step_ms
+    base_variant = next(v for v in variants if v.label == baseline)
+    base = base_variant.step_ms
     rows = []
     for v in variants:
         ratios = [a / b for a, b in zip(v.step_ms, base)]
+        host_ratios = [a / b for a, b in zip(v.host_ms, base_variant.host_ms)]
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         lo, hi = median_interval(ratios)
         stats: Optional[dict[str, Any]] = None if v.context is None else common.offload_stats(v.context)
@@ -100,10 +108,15 @@ def summarize(variants: list[Variant], baseline: str = "plain") -> list[dict[str
             "ratio_p75": q[2],
             "ratio_ci95": [lo, hi],
             "ratio_fast": fast_step(v.step_ms) / fast_step(base),
+            # The same ratio of the host's time alone (the step's return, before the synchronize):
+            # where it rises as much as the whole step's, what a variant adds is host work; where
+            # the whole step rises more, the rest waits on the GPU.
+            "host_ratio_median": statistics.median(host_ratios) if host_ratios else None,
             "step_ms": statistics.median(v.step_ms),
             "cycles": len(v.step_ms),
             "groups": None if stats is None else stats.get("groups_offloaded"),
             "offloaded_tensors": None if stats is None else stats.get("offloaded_tensors"),
             "steps_ms": [round(t, 3) for t in v.step_ms],
+            "host_steps_ms": [round(t, 3) for t in v.host_ms],
         })
     return rows

@@ -500,15 +500,39 @@ def test_interleave_rotates_the_order_and_pairs_ratios_within_a_cycle() -> None:
     interleave.run_cycles(env, variants, warmup=1, cycles=3)  # type: ignore[arg-type]
     assert order[:3] == ["plain", "a", "b"]  # the warm-up
     assert order[3:] == ["plain", "a", "b", "a", "b", "plain", "b", "plain", "a"]
-    assert all(len(v.step_ms) == 3 for v in variants)
+    assert all(len(v.step_ms) == len(v.host_ms) == 3 for v in variants)
     for v in variants:
         v.step_ms = [times[v.label] * d for d in drift]
+        v.host_ms = [0.5 * times[v.label] * d for d in drift] if v.label != "b" else [5.0 * d for d in drift]
     rows = {row["variant"]: row for row in interleave.summarize(variants)}
     assert rows["a"]["ratio_median"] == 1.2 and rows["b"]["ratio_median"] == 1.5
     assert rows["a"]["ratio_p25"] == rows["a"]["ratio_p75"] == 1.2  # the drift cancelled in every cycle
     assert rows["plain"]["step_ms"] == 10.0 and rows["a"]["groups"] is None
     assert rows["a"]["ratio_ci95"] == [1.2, 1.2] and rows["b"]["steps_ms"] == [15.0, 45.0, 7.5]
     assert rows["b"]["ratio_fast"] == pytest.approx(1.5)  # 10th percentiles: 15 * 0.5 against 10 * 0.5
+    # a's extra is all host time; b's host time is plain's, so what it adds waits on the GPU.
+    assert rows["a"]["host_ratio_median"] == pytest.approx(1.2) and rows["b"]["host_ratio_median"] == pytest.approx(1.0)
+
+
+def test_interleave_times_the_host_apart_from_the_sync() -> None:
+    interleave = bench_module("interleave")
+    clock = [0.0]
+    monkey_time = SimpleNamespace(perf_counter=lambda: clock[0])
+
+    def step() -> None:
+        clock[0] += 0.002  # 2 ms of host work
+
+    def sync() -> None:
+        clock[0] += 0.003  # then 3 ms waiting for the device
+
+    variants = [interleave.Variant("plain", step)]
+    real_time = interleave.time
+    interleave.time = monkey_time
+    try:
+        interleave.run_cycles(SimpleNamespace(sync=sync), variants, warmup=0, cycles=2)  # type: ignore[arg-type]
+    finally:
+        interleave.time = real_time
+    assert variants[0].host_ms == pytest.approx([2.0, 2.0]) and variants[0].step_ms == pytest.approx([5.0, 5.0])
 
 
 def test_the_median_interval_and_the_fast_step() -> None:
