@@ -587,6 +587,40 @@ def test_host_samples_compares_variants_frame_by_frame() -> None:
     assert host_samples.differences(engine, floor, steps=10, top=2)[0][1] == 3.0
 
 
+FAKE_PY_SPY = """#!{python}
+import sys
+args = sys.argv[1:]
+if args == ["--version"]:
+    print("py-spy 0.0-fake")
+    raise SystemExit(0)
+variant = args[args.index("--worker") + 2]
+if variant == "native":
+    print("worker crashed")
+    raise SystemExit(3)
+open(args[args.index("-o") + 1], "w").write(
+    "step (loop.py:9);linear (libtorch_cpu.so) 50\\n"
+    "step (loop.py:9);hook<pack_common> (saved_hooks.cpp:1);restore (entry_table.h:9) " + ("10" if variant == "plain" else "40") + "\\n")
+"""
+
+
+def test_host_samples_keeps_what_finished_when_a_variant_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A worker that fails is reported and skipped; the others are compared with the first, and
+    # the JSON is written after each variant (a device call cut short keeps what it has).
+    host_samples = bench_module("host_samples")
+    fake = tmp_path / "py-spy"
+    fake.write_text(FAKE_PY_SPY.format(python=sys.executable))
+    fake.chmod(0o755)
+    monkeypatch.setattr(host_samples.shutil, "which", lambda name: str(fake))
+    written: list[dict[str, Any]] = []
+    monkeypatch.setattr(host_samples.common, "write_json", lambda name, env, payload, **kw: written.append(json.loads(json.dumps(payload))))
+    assert host_samples.main(["--cpu-smoke", "--variants", "plain,native,python"]) == 1
+    assert len(written) == 2  # after plain, and after python; none after the failed one
+    variants = written[-1]["variants"]
+    assert "worker crashed" in variants["native"]["error"]
+    assert variants["plain"]["engine_samples"] == 10 and variants["python"]["engine_samples"] == 40
+    assert dict(variants["python"]["minus_plain"])["restore"] == 30 / 3  # 3 smoke steps
+
+
 def test_host_samples_without_py_spy_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     host_samples = bench_module("host_samples")
     monkeypatch.setattr(host_samples.shutil, "which", lambda name: None)
