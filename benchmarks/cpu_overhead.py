@@ -86,9 +86,9 @@ def option_variants() -> list[tuple[str, dict[str, Any]]]:
 
 
 class HooksFloor:
-    """The least any engine built on Python saved-tensor hooks adds in TransformerEngine's call
-    shape: each layer's ``with`` pushes pack and unpack hooks that hand the tensor back
-    (detached), and the sync function puts a gradient pre-hook that does nothing on the layer's
+    """The least any engine built on saved-tensor hooks adds in TransformerEngine's call shape
+    (Python hooks, or with ``native=True`` C ones): each layer's ``with`` pushes pack and unpack
+    hooks that hand the tensor back (detached), and the sync function puts a gradient pre-hook that does nothing on the layer's
     output. No copies, no bookkeeping: the floor under our engine and ``save_on_cpu`` alike."""
 
     def __init__(self, *, native: bool = False) -> None:

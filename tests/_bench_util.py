@@ -27,6 +27,7 @@ def run_smoke(script: str, name: str, *args: str) -> dict[str, Any]:
     """``benchmarks/<script> --cpu-smoke --name <name> *args`` in a process of its own (it spawns
     its workers); its JSON, removed after reading."""
     out = BENCH / "results" / "smoke" / f"{name}.json"
+    # One thread: the tiny GEMMs gain nothing from more, and a shared CI box is oversubscribed.
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     try:
         done = subprocess.run([sys.executable, str(BENCH / script), "--cpu-smoke", "--name", name, *args],

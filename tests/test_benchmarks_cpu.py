@@ -5,7 +5,6 @@ that every LLAMA contender goes through (HF checkpointing on and off, gradients 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import time
@@ -32,17 +31,10 @@ def tiny_llama() -> tuple[Any, torch.Tensor, Any]:
 
 def test_long_context_cpu_smoke_reports_every_contender() -> None:
     name = "long_context_pytest"
-    out = BENCH / "results" / "smoke" / f"{name}.json"
-    # One thread: the tiny GEMMs gain nothing from more, and a shared CI box is oversubscribed.
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     try:
-        done = subprocess.run([sys.executable, str(BENCH / "long_context.py"), "--cpu-smoke", "--name", name],
-                              cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-        assert done.returncode == 0, f"long_context.py --cpu-smoke failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-        result = json.loads(out.read_text())
+        result = run_smoke("long_context.py", name)
     finally:
-        out.unlink(missing_ok=True)
-        out.with_suffix(".png").unlink(missing_ok=True)
+        (BENCH / "results" / "smoke" / f"{name}.png").unlink(missing_ok=True)  # its plot
     rows = {r["variant"]: r for r in result["rows"]}
     expected = ["plain", "HF checkpointing", "offload all but the last", "MLP selective + offload k=4",
                 "MLP selective + offload k=8", "MLP selective + offload k=15", "plan @ device", "plan @ lowest"]
