@@ -147,11 +147,13 @@ def make_step(
     sync: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
     forward_wrapper: Optional[Callable[[], Any]] = None,
     grad_out: Optional[torch.Tensor] = None,
+    on_forward: Optional[Callable[[], None]] = None,
 ) -> Callable[[], None]:
     """One training step: forward in TransformerEngine's call shape, backward, grads set to None.
 
     ``context``/``sync``: the offload context and sync function (None: plain run).
     ``forward_wrapper``: a context manager factory put around the whole forward (``save_on_cpu``).
+    ``on_forward``: called between the forward's return and the backward (to time the two apart).
     The backward is seeded with a fixed random gradient (no loss kernel in the timing).
     """
     from offload.models import run_layers
@@ -165,6 +167,8 @@ def make_step(
     def step() -> None:
         with forward_wrapper() if forward_wrapper is not None else contextlib.nullcontext():
             y = run_layers(layers, x, context, sync)
+        if on_forward is not None:
+            on_forward()
         y.backward(dy)
         del y
         for p in params:
@@ -347,15 +351,16 @@ def variant_step(
     offload: Optional[dict[str, Any]] = None,
     forward_wrapper: Optional[Callable[[], Any]] = None,
     layer_calls: Optional[tuple[Any, Callable[[torch.Tensor], torch.Tensor]]] = None,
+    on_forward: Optional[Callable[[], None]] = None,
 ) -> tuple[Callable[[], None], Any]:
     """One variant's training step and its offload context (None where it has none); the
-    arguments are :func:`run_variant`'s."""
+    arguments are :func:`run_variant`'s, and ``on_forward`` :func:`make_step`'s."""
     ctx = sync = None
     if offload is not None:
         kw = dict(offload)
         ctx, sync = offload_context(env, kw.pop("num_layers"), len(layers), **kw)
     calls = (ctx, sync) if layer_calls is None else layer_calls
-    return make_step(layers, x, context=calls[0], sync=calls[1], forward_wrapper=forward_wrapper), ctx
+    return make_step(layers, x, context=calls[0], sync=calls[1], forward_wrapper=forward_wrapper, on_forward=on_forward), ctx
 
 
 def run_variant(

@@ -228,6 +228,10 @@ IN_STEP_FORWARD = ("entry", "pack", "exit", "sync")      # the main thread
 IN_STEP_BACKWARD = ("reach", "unpack", "freed")          # autograd's device thread
 IN_STEP_PER_TENSOR = ("pack", "unpack")
 IN_STEP_PER_GROUP = tuple(p for p in IN_STEP_PARTS if p not in IN_STEP_PER_TENSOR)
+# Timed inside the parts above (the schedule calls them from entry and exit), so never summed:
+# a group's D2H submission (``start_offload``) and its release (``release``: the compute
+# stream's wait, the originals' memory given back).
+IN_STEP_INSIDE = ("offload", "release")
 
 
 class _TimedContext:
@@ -254,6 +258,7 @@ def measure_in_step(
     steps: int,
     warmup: int,
     options: Optional[dict[str, Any]] = None,
+    native_hooks: bool = False,
 ) -> dict[str, Any]:
     """Each entry point of the engine timed inside real training steps of ``layers``.
 
@@ -268,15 +273,22 @@ def measure_in_step(
     offloaded tensors; per group: the other parts over the offloaded groups (each charges all
     calls, kept tensors' too, to its unit). Needs the engine's ``_hooks``,
     ``on_backward_reach`` and ``_group_freed`` (this tree's engine); parts it cannot wrap are None.
+
+    Timing pack and unpack means Python hooks in place of the engine's (native ones cannot be
+    wrapped). ``native_hooks=True`` leaves the engine's hooks alone, so that the group parts are
+    timed as a default step runs them; pack and unpack are then None. Either way the
+    ``IN_STEP_INSIDE`` parts (a group's D2H submission and its release, both called inside entry
+    or exit) are reported apart and never added to the totals.
     """
     ctx, sync = common.offload_context(env, num_layers, len(layers), **(options or {}))
     engine = ctx.engine
     timed_ctx = _TimedContext(ctx)
     timers: dict[str, Optional[_TimedCalls]] = {"entry": timed_ctx.entry, "exit": timed_ctx.exit, "sync": _TimedCalls(sync)}
-    if hasattr(engine, "_hooks") and hasattr(engine, "pack") and hasattr(engine, "unpack"):
+    if not native_hooks and hasattr(engine, "_hooks") and hasattr(engine, "pack") and hasattr(engine, "unpack"):
         timers["pack"], timers["unpack"] = _TimedCalls(engine.pack), _TimedCalls(engine.unpack)
         engine._hooks = torch.autograd.graph.saved_tensors_hooks(timers["pack"], timers["unpack"])
-    for part, name in (("reach", "on_backward_reach"), ("freed", "_group_freed")):
+    for part, name in (("reach", "on_backward_reach"), ("freed", "_group_freed"),
+                       ("offload", "start_offload"), ("release", "release")):
         method = getattr(engine, name, None)
         timers[part] = None if method is None else _TimedCalls(method)
         if method is not None:
@@ -296,7 +308,7 @@ def measure_in_step(
     stats = common.offload_stats(ctx)
     n_t, n_g = stats["offloaded_tensors"], stats.get("groups_offloaded")
     res: dict[str, Any] = {"steps": steps, "instrumented_step_ms": step_ms, "offloaded_tensors": n_t, "groups_offloaded": n_g}
-    for part in IN_STEP_PARTS:
+    for part in IN_STEP_PARTS + IN_STEP_INSIDE:
         t = timers.get(part)
         res[f"{part}_us_step"] = None if t is None else t.seconds / steps * 1e6
         res[f"{part}_calls_step"] = None if t is None else t.calls / steps

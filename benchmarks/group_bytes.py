@@ -117,9 +117,10 @@ def interleaved(env: common.Env, spec: Any, layers: Any, x: Any, keep: Optional[
     ``--steps`` cycles after ``--warmup`` steps each): the summary rows of ``interleave.summarize``."""
     contenders = []
     for label, kw in variants(spec, keep):
+        v = interleave.Variant(label, step=lambda: None)
         with python_hooks(kw.pop("python_hooks", False)):
-            step, ctx = common.variant_step(env, layers, x, **kw)
-        contenders.append(interleave.Variant(label, step, ctx))
+            v.step, v.context = common.variant_step(env, layers, x, on_forward=v.forward_done, **kw)
+        contenders.append(v)
     interleave.run_cycles(env, contenders, warmup=env.args.warmup, cycles=env.args.steps)
     return interleave.summarize(contenders)
 
@@ -149,6 +150,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      ("ratio_p25", "p25", ".3f"), ("ratio_p75", "p75", ".3f"),
                                      ("ci95", "median's 95% interval", ""), ("ratio_fast", "fast steps", ".3f"),
                                      ("host_ratio_median", "host time", ".3f"),
+                                     ("forward_ratio_median", "forward", ".3f"), ("backward_ratio_median", "backward", ".3f"),
                                      ("step_ms", "step ms", ".2f"), ("groups", "groups", "")])
         common.write_json(name + "_interleaved", env, {"workload": spec.describe(), "summary": summary})
         return 0

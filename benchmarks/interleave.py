@@ -19,7 +19,8 @@ statistics, no assumption on the spread's shape), and the ratio of the variant's
 10th-percentile step over plain's), which interference on the shared host, always a slowdown,
 touches least. The raw step times are kept, to be read again. Each step's host time (to its
 return, before the synchronize) is kept and compared as well: it says whether what a variant
-adds is host work or waiting on the GPU.
+adds is host work or waiting on the GPU; where a step reports its forward's return
+(:meth:`Variant.forward_done`), the host time is split into the forward's and the backward's.
 """
 
 from __future__ import annotations
@@ -42,6 +43,13 @@ class Variant:
     context: Any = None
     step_ms: list[float] = field(default_factory=list)
     host_ms: list[float] = field(default_factory=list)  # from the call to its return, before the sync
+    forward_ms: list[float] = field(default_factory=list)  # from the call to the forward's return
+    started: float = 0.0  # perf_counter at the timed step's call
+
+    def forward_done(self) -> None:
+        """Mark the forward's return in the step being timed (``make_step``'s ``on_forward``)."""
+        if self.started:
+            self.forward_ms.append((time.perf_counter() - self.started) * 1e3)
 
 
 def run_cycles(env: common.Env, variants: list[Variant], *, warmup: int, cycles: int) -> None:
@@ -49,6 +57,7 @@ def run_cycles(env: common.Env, variants: list[Variant], *, warmup: int, cycles:
     each; cycle ``c`` starts at variant ``c % len(variants)``. Fills each variant's ``step_ms``
     (to the end of the synchronize) and ``host_ms`` (to the step's return, before it)."""
     for v in variants:
+        v.started = 0.0  # warm-up steps are not timed
         for _ in range(warmup):
             v.step()
     env.sync()
@@ -56,7 +65,7 @@ def run_cycles(env: common.Env, variants: list[Variant], *, warmup: int, cycles:
     for c in range(cycles):
         for k in range(n):
             v = variants[(c + k) % n]
-            t0 = time.perf_counter()
+            t0 = v.started = time.perf_counter()
             v.step()
             t1 = time.perf_counter()
             env.sync()
@@ -98,6 +107,10 @@ def summarize(variants: list[Variant], baseline: str = "plain") -> list[dict[str
     for v in variants:
         ratios = [a / b for a, b in zip(v.step_ms, base)]
         host_ratios = [a / b for a, b in zip(v.host_ms, base_variant.host_ms)]
+        split = len(v.forward_ms) == len(v.host_ms) and len(base_variant.forward_ms) == len(base_variant.host_ms)
+        forward_ratios = [a / b for a, b in zip(v.forward_ms, base_variant.forward_ms)] if split else []
+        backward_ratios = [(a - fa) / (b - fb) for a, fa, b, fb in
+                           zip(v.host_ms, v.forward_ms, base_variant.host_ms, base_variant.forward_ms)] if split else []
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         lo, hi = median_interval(ratios)
         stats: Optional[dict[str, Any]] = None if v.context is None else common.offload_stats(v.context)
@@ -112,11 +125,16 @@ def summarize(variants: list[Variant], baseline: str = "plain") -> list[dict[str
             # where it rises as much as the whole step's, what a variant adds is host work; where
             # the whole step rises more, the rest waits on the GPU.
             "host_ratio_median": statistics.median(host_ratios) if host_ratios else None,
+            # The host time split at the forward's return, where the steps report it.
+            "forward_ratio_median": statistics.median(forward_ratios) if forward_ratios else None,
+            "backward_ratio_median": statistics.median(backward_ratios) if backward_ratios else None,
+            "forward_ms": statistics.median(v.forward_ms) if split and v.forward_ms else None,
             "step_ms": statistics.median(v.step_ms),
             "cycles": len(v.step_ms),
             "groups": None if stats is None else stats.get("groups_offloaded"),
             "offloaded_tensors": None if stats is None else stats.get("offloaded_tensors"),
             "steps_ms": [round(t, 3) for t in v.step_ms],
             "host_steps_ms": [round(t, 3) for t in v.host_ms],
+            "forward_steps_ms": [round(t, 3) for t in v.forward_ms],
         })
     return rows

@@ -41,6 +41,9 @@ def test_group_bytes_interleaved_times_each_variant_once_per_cycle() -> None:
     assert all(row["cycles"] == 3 and row["ratio_p25"] <= row["ratio_median"] <= row["ratio_p75"] for row in summary.values()), summary
     assert summary["offload group_bytes=0 (off)"]["groups"] == 15 and summary["offload (default)"]["groups"] == 1
     assert summary["offload (nothing fits)"]["groups"] == 0  # every tensor refused by the budget
+    # Every variant's step reports its forward's return, so each host time is split there.
+    assert all(len(row["forward_steps_ms"]) == 3 and 0 < row["forward_ms"] < row["step_ms"] for row in summary.values()), summary
+    assert all(row["forward_ratio_median"] > 0 and row["backward_ratio_median"] > 0 for row in summary.values())
 
 
 def test_interleave_rotates_the_order_and_pairs_ratios_within_a_cycle() -> None:
@@ -87,6 +90,49 @@ def test_interleave_times_the_host_apart_from_the_sync() -> None:
     finally:
         interleave.time = real_time
     assert variants[0].host_ms == pytest.approx([2.0, 2.0]) and variants[0].step_ms == pytest.approx([5.0, 5.0])
+
+
+def test_interleave_splits_the_host_time_at_the_forwards_return() -> None:
+    interleave = bench_module("interleave")
+    clock = [0.0]
+    monkey_time = SimpleNamespace(perf_counter=lambda: clock[0])
+    forward_ms = {"plain": 2.0, "offload": 3.0}
+    backward_ms = {"plain": 4.0, "offload": 4.4}
+    variants: list[Any] = []
+
+    def make_step(label: str) -> Any:
+        def step() -> None:
+            clock[0] += forward_ms[label] / 1e3
+            variant.forward_done()  # what make_step's on_forward calls
+            clock[0] += backward_ms[label] / 1e3
+        variant = interleave.Variant(label, step)
+        return variant
+
+    variants = [make_step("plain"), make_step("offload")]
+    real_time = interleave.time
+    interleave.time = monkey_time
+    try:
+        interleave.run_cycles(SimpleNamespace(sync=lambda: None), variants, warmup=2, cycles=3)  # type: ignore[arg-type]
+    finally:
+        interleave.time = real_time
+    # Warm-up steps are not recorded, a second run's included; each timed step is split where
+    # its forward returned.
+    assert [len(v.forward_ms) for v in variants] == [3, 3]
+    try:
+        interleave.time = monkey_time
+        interleave.run_cycles(SimpleNamespace(sync=lambda: None), variants, warmup=2, cycles=1)  # type: ignore[arg-type]
+    finally:
+        interleave.time = real_time
+    assert [len(v.forward_ms) for v in variants] == [len(v.step_ms) for v in variants] == [4, 4]
+    rows = {row["variant"]: row for row in interleave.summarize(variants)}
+    assert rows["offload"]["forward_ratio_median"] == pytest.approx(1.5)
+    assert rows["offload"]["backward_ratio_median"] == pytest.approx(1.1)
+    assert rows["offload"]["host_ratio_median"] == pytest.approx(7.4 / 6.0)
+    assert rows["offload"]["forward_ms"] == pytest.approx(3.0) and rows["offload"]["forward_steps_ms"] == [3.0] * 4
+    # A step that does not report its forward has no split (and no made-up one).
+    bare = [interleave.Variant("plain", lambda: None), interleave.Variant("x", lambda: None)]
+    interleave.run_cycles(SimpleNamespace(sync=lambda: None), bare, warmup=0, cycles=2)  # type: ignore[arg-type]
+    assert all(row["forward_ratio_median"] is None and row["backward_ratio_median"] is None for row in interleave.summarize(bare))
 
 
 def test_the_median_interval_and_the_fast_step() -> None:
@@ -203,3 +249,27 @@ def test_group_bytes_cpu_smoke_runs_moe_on_request() -> None:
     summary = {row["variant"]: row for row in result["summary"]}
     assert "error" not in str(result["rounds"]), result["rounds"]
     assert summary["offload group_bytes=0 (off)"]["groups"][0] > summary["offload (default)"]["groups"][0] >= 1
+
+
+def test_in_step_parts_with_the_native_hooks_time_the_copy_and_the_release_apart() -> None:
+    common, engine_parts, workloads = (bench_module(m) for m in ("common", "engine_parts", "workloads"))
+    import argparse
+
+    env = common.Env(device=torch.device("cpu"), smoke=True, offload_device="cpu",
+                     args=argparse.Namespace(no_json=True, name=None))
+    spec = workloads.small(workloads.scale_for(True))
+    layers, make_input = spec.build(env.device)
+    rows = {native: engine_parts.measure_in_step(env, layers, make_input(), num_layers=spec.layers - 1, steps=2, warmup=1,
+                                                 options={"min_offload_bytes": 0, "group_bytes": 0}, native_hooks=native)
+            for native in (True, False)}
+    groups = spec.layers - 1  # group_bytes=0: every offloaded layer copies and releases its own group
+    for native, row in rows.items():
+        assert row["offload_calls_step"] == groups and row["release_calls_step"] == groups, (native, row)
+        assert 0 < row["offload_us_step"] < row["exit_us_step"] + row["entry_us_step"], row  # timed inside them
+        assert row["groups_offloaded"] == groups and row["per_group_us"] > 0
+    # The native hooks are left alone: no Python pack or unpack to time, so no per-tensor figure.
+    assert rows[True]["pack_us_step"] is None and rows[True]["per_tensor_us"] is None
+    assert rows[False]["pack_calls_step"] > 0 and rows[False]["per_tensor_us"] > 0
+    # The inside parts are never added to the totals (they are already in entry and exit).
+    parts = sum(rows[False][f"{p}_us_step"] for p in engine_parts.IN_STEP_PARTS)
+    assert rows[False]["parts_us_step"] == pytest.approx(parts)

@@ -96,10 +96,12 @@ class EntryTable {
       // What torch.Tensor._make_subclass(torch.Tensor, t) makes: same storage and version
       // counter, no autograd history, and free to change its storage later (release needs it).
       // Never `t` itself: a node's output held here would close a reference cycle through the
-      // graph (see offload/engine/packing.py).
-      at::Tensor alias = t.detach();
-      alias.unsafeGetTensorImpl()->set_allow_tensor_metadata_change(true);
-      aliases_.push_back(std::move(alias));
+      // graph (see offload/engine/packing.py). A shallow copy of the TensorImpl, not detach():
+      // detach() is a dispatched view op that also records the view's autograd metadata, which
+      // nothing here reads.
+      c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      aliases_.emplace_back(impl->shallow_copy_and_detach(impl->version_counter(),
+                                                          /*allow_tensor_metadata_change=*/true));
     }
     return static_cast<int64_t>(entries_.size()) - 1;
   }
@@ -160,20 +162,26 @@ class EntryTable {
   }
 
   // Let go of the originals' memory: each alias is emptied in place and kept as its entry's
-  // version sentinel. `set_()` counts as an in-place change of the shared version counter, so
-  // the counter is put back: a change made later through any alias the caller holds still moves
-  // it, and unpack still refuses it.
+  // version sentinel (its version counter is the original's, shared).
+  //
+  // Done on the TensorImpl directly, not through set_(): every alias gets the same empty
+  // storage (one per release, on the aliases' device) with sizes {0}. set_() went through the
+  // dispatcher, made a new empty storage for each alias and bumped the shared version counter
+  // (which then had to be put back); at MOE's ~900 tensors a group, in a step, that was 2 us a
+  // tensor on the H100 host. Nothing here touches the version counter, so a change made later
+  // through any alias the caller holds still moves it, and unpack still refuses it. The old
+  // storages go back to the caching allocator here (once slot_storages_ lets go too), as before.
   void release() {
-    // Below autograd's dispatch keys, as in restore(): set_() is then one kernel call instead of
-    // three dispatches a tensor (it runs once per saved tensor at every release), and it does
-    // not bump the version counter itself (restored below all the same).
-    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    c10::Storage empty;  // made for the first alias's device, again only if one differs
     for (at::Tensor& alias : aliases_) {
-      // A copy of the counter's handle is the shared counter itself.
-      c10::VariableVersion counter = alias.unsafeGetTensorImpl()->version_counter();
-      const int64_t version = counter.current_version();
-      alias.set_();
-      counter.set_version(version);
+      c10::TensorImpl* impl = alias.unsafeGetTensorImpl();
+      const c10::Device device = impl->device();
+      if (!empty || empty.device() != device)
+        empty = c10::Storage(c10::Storage::use_byte_size_t(), 0, c10::DataPtr(nullptr, device),
+                             /*allocator=*/nullptr, /*resizable=*/false);
+      impl->set_storage_keep_dtype(empty);
+      impl->set_sizes_contiguous({0});
+      impl->set_storage_offset(0);
     }
     slot_storages_.clear();
     holds_ = false;
