@@ -167,10 +167,11 @@ class EntryTable {
   // Done on the TensorImpl directly, not through set_(): every alias gets the same empty
   // storage (one per release, on the aliases' device) with sizes {0}. set_() went through the
   // dispatcher, made a new empty storage for each alias and bumped the shared version counter
-  // (which then had to be put back); at MOE's ~900 tensors a group, in a step, that was 2 us a
-  // tensor on the H100 host. Nothing here touches the version counter, so a change made later
-  // through any alias the caller holds still moves it, and unpack still refuses it. The old
-  // storages go back to the caching allocator here (once slot_storages_ lets go too), as before.
+  // (which then had to be put back). Nothing here touches the version counter, so a change made
+  // later through any alias the caller holds still moves it, and unpack still refuses it. In a
+  // MOE step on the H100 host (~900 tensors a group) a release took 2.1 us a tensor with set_(),
+  // 1.0-1.2 us this way: most of it is now the caching allocator taking the originals back, here
+  // (once slot_storages_ lets go too), as before.
   void release() {
     c10::Storage empty;  // made for the first alias's device, again only if one differs
     for (at::Tensor& alias : aliases_) {
