@@ -22,8 +22,8 @@ import torch
 
 from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_option_values, check_unknown_options
 from .layers.args import (
-    COMPILED_FIRST, check_offload_count, check_torchtune_options, default_budget, default_inputs, dynamo_compiled_code,
-    layer_list, prune_dead_hooks, second_forward_error,
+    COMPILED_FIRST, check_offload_count, check_plan, check_torchtune_options, default_budget, default_inputs,
+    dynamo_compiled_code, layer_list, prune_dead_hooks, second_forward_error,
 )
 from .engine.schedules import DEFAULT_GROUP_BYTES
 from .engine.schedules.auto import ScheduleAuto
@@ -38,6 +38,7 @@ from .forwards.plan_wrappers import install_plan_wrappers, remove_plan_wrappers
 from .forwards.selective import Candidates, describe_candidates, selective_candidates
 from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
 from .layers import model_form
+from .sizes import byte_count, byte_options
 
 
 # Copies in flight before the oldest group is released: one group computing while the previous
@@ -88,7 +89,9 @@ class OffloadActivations:
 
     Plans (per layer keep / offload / recompute, each kept or offloaded layer with or without its
     MLP under selective recompute; see ``offload.planner``; with layers only):
-    ``memory_budget_bytes=N`` (or ``"device"``, ``"lowest"``) measures its first steps (probe
+    ``memory_budget_bytes=N`` (bytes: an int, a float, or a size such as ``"20GB"`` or
+    ``"20 GiB"``, read as :func:`offload.get_cpu_offload_context` reads its byte counts; or
+    ``"device"``, ``"lowest"``) measures its first steps (probe
     steps, :mod:`offload.planner.sequence`: with ``probe="auto"`` the first runs every layer
     checkpointed, so it fits wherever checkpointing fits, and the plain step is probed only where
     it is predicted to fit), then follows the fastest plan whose predicted peak fits ``N``: from
@@ -132,7 +135,11 @@ class OffloadActivations:
         _check_bool(api, "enabled", enabled)
         if measure_peak is not None:
             _check_bool(api, "measure_peak", measure_peak)
-        check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
+        min_offload_size = check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
+        # Byte counts as whole bytes from here on ("20GB", 20e9: offload.sizes), checked once.
+        options = byte_options(api, options)
+        if group_bytes is not None:
+            group_bytes = byte_count(api, "group_bytes", group_bytes, 0, extra=" or None (the default)")
         if min_offload_size is not None:
             if "min_offload_bytes" in options:
                 raise ValueError(
@@ -176,6 +183,7 @@ class OffloadActivations:
         count = len(self.layers)
         self._budget = check_budget(memory_budget_bytes, "OffloadActivations:")
         probe = check_probe(AUTO if probe is None else probe, "OffloadActivations:")
+        check_plan(plan)
         self._candidates = selective_candidates(self.layers, selective)
         if plan is not None and plan.selects() and not self._candidates:
             raise ValueError(

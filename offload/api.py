@@ -28,6 +28,7 @@ from .engine.eager import run_eagerly
 from .engine.core import OffloadEngine
 from .engine.group import GroupState
 from .keywords import reject_unknown
+from .sizes import byte_options
 from .engine.policy import SELECTIONS, SelectionPolicy
 from .engine.schedules import DEFAULT_GROUP_BYTES, ManualSchedule, Schedule, ScheduleV1, ScheduleV2
 from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
@@ -203,12 +204,7 @@ def check_option_values(api: str, **options: Any) -> list[torch.nn.Module]:
         _check_int(api, "model_layers", options["model_layers"], 1)
     if given("num_layers") is not None or ("num_layers" in options and not given("manual_synchronization")):
         _check_int(api, "num_layers", options["num_layers"], 0)
-    if "min_offload_bytes" in options:
-        _check_int(api, "min_offload_bytes", options["min_offload_bytes"], 0, "an integer number of bytes")
-    if given("group_bytes") is not None:
-        _check_int(api, "group_bytes", options["group_bytes"], 0, "an integer number of bytes")
-    if given("host_budget_bytes") is not None:
-        _check_int(api, "host_budget_bytes", options["host_budget_bytes"], 0, "None or an integer number of bytes")
+    byte_options(api, options)
     if given("timing") is not None:
         _check_bool(api, "timing", options["timing"])
     _check_choice(api, "selection", given("selection"), SELECTIONS, "'marked' for v1, 'auto' for v2")
@@ -256,7 +252,11 @@ def build_engine(
     api = _api or ("get_cpu_offload_context" if layer_contexts else "OffloadActivations")
     check_unknown_options(api, unknown)
     # The options by name, as passed (the parameters above): checked in one place.
-    modules = check_option_values(api, **{name: value for name, value in locals().items() if name in ENGINE_OPTIONS})
+    given = {name: value for name, value in locals().items() if name in ENGINE_OPTIONS}
+    modules = check_option_values(api, **given)
+    sizes = byte_options(api, given)  # "20GB" and the like, as whole bytes
+    min_offload_bytes, group_bytes = sizes["min_offload_bytes"], sizes["group_bytes"]
+    host_budget_bytes = sizes["host_budget_bytes"]
     resolved_mode = resolve_mode(mode)
     _check_counts(num_layers, model_layers, api, mode=resolved_mode, manual=manual_synchronization)
     if offload_weights:
@@ -551,11 +551,18 @@ def get_cpu_offload_context(
     see ``offload.engine.schedules.v2``). Layers that save more are groups of their own, as
     without it; at most ``group_bytes`` more stay on the GPU while a shared group fills.
 
+    Byte counts (``min_offload_bytes``, ``host_budget_bytes``, ``group_bytes``) take an int, a
+    whole float (``20e9``) or a size string: a number and an optional unit, case-insensitive,
+    ``B``, ``kB``/``MB``/``GB``/``TB`` (powers of 1000) or ``KiB``/``MiB``/``GiB``/``TiB``
+    (powers of 1024), such as ``"20GB"`` or ``"20 GiB"`` (:mod:`offload.sizes`); at most
+    ``2**63 - 1``.
+
     Options are checked here, with errors that name this function and the option: wrong types
     raise ``TypeError`` (unknown keywords too, listing the accepted ones), values out of range
-    ``ValueError``; with ``enabled=False`` too, except the layer counts against each other
-    (TransformerEngine's own defaults, ``num_layers=1, model_layers=1``, describe no layer to
-    offload) and ``offload_activations=False``, which a disabled context means anyway.
+    (and size strings the grammar refuses) ``ValueError``; with ``enabled=False`` too, except the
+    layer counts against each other (TransformerEngine's own defaults, ``num_layers=1,
+    model_layers=1``, describe no layer to offload) and ``offload_activations=False``, which a
+    disabled context means anyway.
     """
     api = "get_cpu_offload_context"
     check_unknown_options(api, unknown)

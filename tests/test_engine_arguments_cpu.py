@@ -21,8 +21,11 @@ from _util import assert_bitwise, cpu_context, make_mlp_layers
         (dict(num_layers=1, model_layers=4, mode="v3"), "mode must be one of 'v1', 'v2' or None .*got 'v3'"),
         (dict(num_layers=1, model_layers=4, device="xla"), "CUDA device or 'cpu'"),
         (dict(num_layers=1, model_layers=4, selection="all"), "selection must be one of 'auto', 'marked'"),
-        (dict(num_layers=1, model_layers=4, min_offload_bytes=-5), "min_offload_bytes must be an integer number of bytes >= 0, got -5"),
-        (dict(num_layers=1, model_layers=4, host_budget_bytes=-1), "host_budget_bytes must be None or an integer number of bytes >= 0"),
+        (dict(num_layers=1, model_layers=4, min_offload_bytes=-5), r"min_offload_bytes must be a number of bytes from 0 to 2\*\*63 - 1 .*, got -5"),
+        (dict(num_layers=1, model_layers=4, host_budget_bytes=-1), r"host_budget_bytes must be a number of bytes from 0 .* or None \(the default\), got -1"),
+        # A size string is read (offload.sizes), but a bare "k" could mean 1000 or 1024.
+        (dict(num_layers=1, model_layers=4, min_offload_bytes="64k"), "'64k' has the unit 'k', which could mean powers of 1000 or of 1024: write KB or KiB"),
+        (dict(num_layers=1, model_layers=4, min_offload_bytes=1.5), r"min_offload_bytes .* got 1.5: not a whole number of bytes"),
     ],
 )
 def test_bad_arguments_are_refused_clearly(kwargs, message) -> None:
@@ -32,10 +35,9 @@ def test_bad_arguments_are_refused_clearly(kwargs, message) -> None:
 
 
 WRONG_TYPES = [
-    (dict(min_offload_bytes=None), r"min_offload_bytes must be an integer number of bytes >= 0, got None \(NoneType\)"),
-    (dict(min_offload_bytes="64k"), r"min_offload_bytes must be an integer number of bytes >= 0, got '64k' \(str\)"),
-    (dict(min_offload_bytes=1.5), r"min_offload_bytes .* got 1.5 \(float\)"),
-    (dict(host_budget_bytes="1GB"), r"host_budget_bytes must be None or an integer"),
+    (dict(min_offload_bytes=None), r"min_offload_bytes must be a number of bytes from 0 to 2\*\*63 - 1 \(an int such as 20 << 30, a float such as 20e9, or a string such as '20GB' or '20 GiB'\), got None \(NoneType\)"),
+    (dict(min_offload_bytes=b"64"), r"min_offload_bytes must be a number of bytes .* got b'64' \(bytes\)"),
+    (dict(host_budget_bytes=[1 << 30]), r"host_budget_bytes must be a number of bytes .* or None \(the default\), got \[1073741824\] \(list\)"),
     (dict(num_layers=True), r"num_layers must be an integer >= 0, got True \(bool\)"),
     (dict(model_layers="4"), r"model_layers must be an integer >= 1, got '4' \(str\)"),
     (dict(double_buffering="yes"), r"double_buffering must be True or False, got 'yes' \(str\)"),

@@ -13,20 +13,24 @@ count, plan or budget (:func:`default_budget`).
 from __future__ import annotations
 
 import sys
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
 from ..api import MODE_ENV_VAR, MODES, _check_bool, _check_choice, _check_int, _got, resolve_mode
 from .find import describe_layers
+from ..sizes import byte_count
 from ..planner.budget import DEVICE
 from ..planner.make import Budget
+from ..planner.types import Plan
 
 
 def check_torchtune_options(
     use_pin_memory: Any, use_streams: Any, max_fwd_stash_size: Any, min_offload_size: Any
-) -> None:
-    """torchtune's ``OffloadActivations`` options: types, ranges, and what has no equivalent."""
+) -> Optional[int]:
+    """torchtune's ``OffloadActivations`` options: types, ranges, and what has no equivalent.
+    Returns ``min_offload_size`` in whole bytes (it takes the forms of ``min_offload_bytes``), or
+    None where it was not given."""
     api = "OffloadActivations"
     _check_bool(api, "use_pin_memory", use_pin_memory)
     if not use_pin_memory:
@@ -53,8 +57,9 @@ def check_torchtune_options(
             raise ValueError(
                 f"offload: OffloadActivations: max_fwd_stash_size must be at least 1, got {max_fwd_stash_size}"
             )
-    if min_offload_size is not None:
-        _check_int(api, "min_offload_size", min_offload_size, 0, "an integer number of bytes")
+    if min_offload_size is None:
+        return None
+    return byte_count(api, "min_offload_size", min_offload_size, 0)
 
 
 def layer_list(layers: Any) -> list[torch.nn.Module]:
@@ -88,6 +93,26 @@ def layer_list(layers: Any) -> list[torch.nn.Module]:
                 "not an nn.Module; pass the model's repeated layer modules (e.g. model.layers)"
             )
     return listed
+
+
+def check_plan(plan: Any) -> None:
+    """``plan=``: None or an :class:`offload.planner.Plan`; a ``TypeError`` that says how to get
+    one otherwise. A dict (``plan.to_dict()``, saved as JSON) is refused rather than loaded: one
+    loader, :meth:`Plan.from_dict`, checks it, and :attr:`OffloadActivations.plan` then is the
+    object the caller holds."""
+    if plan is None or isinstance(plan, Plan):
+        return
+    if isinstance(plan, dict):
+        how = "it looks like plan.to_dict()'s data: pass offload.planner.Plan.from_dict(d)"
+    elif isinstance(plan, (str, bytes)):
+        how = ("to follow a plan saved with json.dump(plan.to_dict(), f), pass "
+               "offload.planner.Plan.from_dict(json.load(f)); for a budget, use memory_budget_bytes")
+    else:
+        how = "pass offload.plan(layers, train_step, ...)'s result or offload.planner.Plan.from_dict(d)"
+    raise TypeError(
+        f"offload: OffloadActivations: plan must be an offload.planner.Plan or None, got "
+        f"{_got(plan) if len(repr(plan)) <= 60 else type(plan).__name__}; {how}"
+    )
 
 
 def check_offload_count(name: str, value: Any, count: int, options: dict[str, Any]) -> None:

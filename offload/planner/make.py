@@ -17,6 +17,7 @@ import torch
 
 from ..api import DEFAULT_MIN_OFFLOAD_BYTES, resolve_device
 from ..keywords import parameter_names, reject_unknown
+from ..sizes import byte_count
 from ..engine.policy import SelectionPolicy
 from ..engine.stats import format_bytes
 from .budget import DEVICE, DEVICE_HEADROOM_EXPANDABLE, DeviceBudget, device_budget
@@ -34,16 +35,14 @@ LOWEST_TOLERANCE = 0.03
 
 
 def check_budget(memory_budget_bytes: Budget, where: str) -> Budget:
-    """Validate a budget argument: bytes (int > 0), ``"lowest"``, ``"device"``, or None (no budget)."""
-    if memory_budget_bytes is None or memory_budget_bytes in (LOWEST, DEVICE):
+    """Validate a budget argument: ``"lowest"``, ``"device"``, None (no budget), or bytes >= 1 in
+    any form :func:`offload.sizes.byte_count` reads (``20 << 30``, ``20e9``, ``"20GB"``,
+    ``"20 GiB"``), returned as whole bytes. ``TypeError`` for a wrong type, ``ValueError`` for a
+    bad value, each naming ``where`` and the option."""
+    if memory_budget_bytes is None or isinstance(memory_budget_bytes, str) and memory_budget_bytes in (LOWEST, DEVICE):
         return memory_budget_bytes
-    if isinstance(memory_budget_bytes, bool) or not isinstance(memory_budget_bytes, int) or memory_budget_bytes <= 0:
-        raise ValueError(
-            f"offload: {where} memory_budget_bytes must be a positive int number of bytes "
-            f"(e.g. 20 << 30 for 20 GiB), 'device' (what this GPU can give) or 'lowest', "
-            f"got {memory_budget_bytes!r}"
-        )
-    return memory_budget_bytes
+    return byte_count(where.rstrip(":"), "memory_budget_bytes", memory_budget_bytes, 1,
+                      extra=f", {DEVICE!r} (what this GPU can give) or {LOWEST!r}")
 
 
 def check_device_budget(memory_budget_bytes: Budget, device: torch.device, where: str) -> None:
@@ -216,7 +215,7 @@ def profile_step(
         raise ValueError(f"offload.plan: warmup_steps must be an int >= 0, got {warmup_steps!r}")
     dev = resolve_device(device)
     sequence = ProbeSequence(
-        layers, probe_policy(dev, min_offload_bytes), dev,
+        layers, probe_policy(dev, byte_count("offload.plan", "min_offload_bytes", min_offload_bytes)), dev,
         probe=check_probe(probe, "plan():"), warmup_steps=warmup_steps,
         candidates=selective_candidates(layers, selective),
         link=(lambda: link) if link is not None else (lambda: measure_link(dev)),

@@ -43,13 +43,15 @@ _NO_LINK = LinkProfile(d2h_gbps=1.0, h2d_gbps=1.0, duplex_gbps=1.0)
 
 
 def check_probe(probe: object, where: str) -> str:
-    """Validate a ``probe=`` argument."""
+    """Validate a ``probe=`` argument: ``TypeError`` for a wrong type, ``ValueError`` for a
+    string that is not one of :data:`PROBE_CHOICES`."""
+    what = (f"offload: {where} probe must be one of {', '.join(map(repr, PROBE_CHOICES))} ('auto': "
+            "low memory first, plain where it fits)")
+    if not isinstance(probe, str):
+        raise TypeError(f"{what}, got {probe!r} ({type(probe).__name__})")
     if probe not in PROBE_CHOICES:
-        raise ValueError(
-            f"offload: {where} probe must be one of {PROBE_CHOICES} ('auto': low memory first, "
-            f"plain where it fits), got {probe!r}"
-        )
-    return str(probe)
+        raise ValueError(f"{what}, got {probe!r}")
+    return probe
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
