@@ -224,7 +224,7 @@ class PlannedSteps:
         plan, failed, started = self._plans.get(bucket), None, time.perf_counter()
         if plan is None:
             try:
-                plan = self._make(profile_at(profile, bucket), bucket)
+                plan = self._make(profile_at(profile, bucket), bucket, shape)
             except BudgetError as exc:
                 failed = exc
         # Every rank meets a new agreed bucket at the same step, whatever its own cache holds (an
@@ -287,9 +287,9 @@ class PlannedSteps:
     def _read_device(self) -> Any:
         return read_device_budget(self.device, expandable=self._expandable)
 
-    def _make(self, profile: StepProfile, shape: Optional[StepShape]) -> Plan:
-        """The plan for ``profile`` (at ``shape``) under the budget in force, lowered after an
-        out-of-memory step."""
+    def _make(self, profile: StepProfile, shape: Optional[StepShape], step: Optional[StepShape] = None) -> Plan:
+        """The plan for ``profile`` (at ``shape``, the bucket of the step's own shape ``step``)
+        under the budget in force, lowered after an out-of-memory step."""
         emptied = self.device.type == "cuda" and (self.budget == DEVICE or self._cap is not None)
         if emptied:
             # What the device gives is read now: the probe steps' (or a failed step's) cached
@@ -303,7 +303,11 @@ class PlannedSteps:
         except BudgetError as exc:
             if shape is None:
                 raise
-            raise BudgetError(f"offload: no plan fits a step of {shape}: {exc}{self._what_fits(shape)}") from None
+            # The step as the user ran it; the shape the plan is made for only as the reason.
+            named = shape if step is None or step == shape else f"{step} (planned for " + (
+                f"its length bucket, up to length {shape.length})" if step.batch == shape.batch else
+                f"{shape}, the largest batch and length bucket of the ranks)")
+            raise BudgetError(f"offload: no plan fits a step of {named}: {exc}{self._what_fits(shape)}") from None
         if self._lowered:
             plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
         return plan
