@@ -1,5 +1,5 @@
 """Contexts that keep working after an error, options checked up front, and reports that say what
-happened (issue 32, defects 4, 7, 8, 9, 10 and what a newcomer trips on).
+happened (issue 32, defects 4, 7, 8, 9, 10 and what a newcomer trips on; issue 49, items 10 and 13).
 
 - After a BudgetError the context raises it again at every entry (it is not broken by it), a
   step outside it still runs plainly, and ``set_budget`` makes it follow a plan.
@@ -10,10 +10,14 @@ happened (issue 32, defects 4, 7, 8, 9, 10 and what a newcomer trips on).
 - Under ``torch.compile``, planning runs the probe eagerly and quietly.
 - Newcomer items: one layer warns that nothing is offloaded, a non-module in the layer list is
   named, ``selective=`` takes modules with short errors, ``repr`` names the layers.
+- A BudgetError names the step's own shape, and its length bucket only as the reason.
+- A model-form context holding the model is named by ``tile_head``, with how to release it; one
+  collected without ``close()`` does not hold the model.
 """
 
 from __future__ import annotations
 
+import gc
 import sys
 import warnings
 from typing import Any
@@ -24,7 +28,10 @@ import torch
 import offload
 from offload.planner import BudgetError
 
-from _util import assert_bitwise
+from offload.planner.shapes import StepShape
+from offload.tiling import tile_head
+
+from _util import assert_bitwise, llama_grads, make_gpt_layers, oa_step, tiny_llama, train_step
 from test_plans_followed_cpu import LINK, MIXED, Stack, grads, made_plan, plain
 
 
@@ -55,6 +62,25 @@ def test_a_budget_error_repeats_at_each_entry_and_a_new_budget_can_be_set(model)
     assert_bitwise(expected, grads(stack, x, oa))
     assert oa.stats["offloaded_bytes"] > 0
     oa.close()
+
+
+def test_a_budget_error_names_the_steps_own_length_and_its_bucket_only_as_the_reason() -> None:
+    layers, x = make_gpt_layers(4), torch.randn(2, 16, 64)
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x), device="cpu", min_offload_bytes=0,
+                                           warmup_steps=0)
+    budget = offload.planner.lowest_peak(profile).prediction.peak_bytes * 11 // 10  # fits length 16 only
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0)
+    for _ in range(3):  # the probe steps
+        oa_step(layers, x, oa)
+    for length, bucket in ((96, 99), (200, 216)):
+        assert StepShape(2, length).bucket() == StepShape(2, bucket)
+        with pytest.raises(BudgetError) as caught:
+            oa_step(layers, torch.randn(2, length, 64), oa)
+        said = str(caught.value)
+        assert said.startswith(f"offload: no plan fits a step of batch 2 x length {length} (planned for its "
+                               f"length bucket, up to length {bucket}): "), said
+        assert f"x length {bucket}" not in said, said
+    assert_bitwise(train_step(layers, x), oa_step(layers, x, oa))  # the context goes on
 
 
 def test_set_budget_is_refused_where_it_cannot_apply(model) -> None:
@@ -236,3 +262,35 @@ def test_the_nothing_offloaded_warning_names_a_nested_context(model) -> None:
     assert_bitwise(expected, [p.grad.clone() for p in stack.parameters()] + [xx.grad.clone()])
     inner.close()
     outer.close()
+
+
+# -- issue 49, item 10: a model-form context and tile_head ------------------------------------------------
+def test_tile_head_names_a_live_model_form_context_and_is_not_blocked_by_a_dead_one() -> None:
+    pytest.importorskip("transformers")
+    llama, ids = tiny_llama(2)
+    expected = llama_grads(llama, ids)
+    assert_bitwise(expected, llama_grads(llama, ids))  # the plain step repeats itself
+
+    def context() -> offload.OffloadActivations:
+        return offload.OffloadActivations(llama.model.layers, model=llama, memory_budget_bytes="lowest", device="cpu",
+                                          min_offload_bytes=0)
+
+    oa = context()
+    with pytest.raises(ValueError, match=r"^offload.tile_head: LlamaForCausalLM has its forward held by the "
+                                         r"OffloadActivations\(2 layers \(LlamaDecoderLayer\), .*\) it was given to as "
+                                         r"model= .*: call that context's close\(\) \(oa.close\(\)\) first"):
+        tile_head(llama, 16)
+    oa.close()  # what the message says releases the model
+    with tile_head(llama, 16):
+        pass
+    assert "forward" not in llama.__dict__
+    # Dropped without close() after a step: the model runs its own forward, and tile_head is not
+    # refused (it takes the inert stand-in off).
+    oa = context()
+    assert_bitwise(expected, llama_grads(llama, ids, oa))  # a probe step
+    del oa
+    gc.collect()
+    assert_bitwise(expected, llama_grads(llama, ids))
+    with tile_head(llama, 16) as head:
+        assert llama.__dict__["forward"] is head.wrapper
+    assert "forward" not in llama.__dict__

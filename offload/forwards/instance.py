@@ -31,11 +31,23 @@ def module_list(modules: Union[nn.Module, Any], where: str) -> list[nn.Module]:
 
 def check_own_forward(module: nn.Module, ours: type, who: str, already: str, advice: str) -> None:
     """Raise ``ValueError`` if ``module`` has a forward set on the instance: ``f"{who} {already}"``
-    when it is one of ``ours``, else that another tool set it, with ``advice``."""
+    when it is one of ``ours``, else that another tool set it, with ``advice``.
+
+    A stand-in that knows its holder (a ``holder`` attribute, as the model form's has) is named
+    with it: ``holder`` is None once the holder is gone, and the stand-in is then taken off here
+    and not refused: it only calls the module's own forward. (Here, when a tool asks, rather than
+    from the holder's finalizer, which could run while other code iterates the module's
+    ``__dict__``: a ``copy.deepcopy`` of it, say.)"""
     own = module.__dict__.get("forward")
+    if own is not None and hasattr(own, "holder") and own.holder is None:
+        del module.forward
+        own = None
     if isinstance(own, ours):
         raise ValueError(f"{who} {already}")
     if own is not None:
+        holder = getattr(own, "holder", None)
+        if holder is not None:
+            raise ValueError(f"{who} has its forward held by {holder}")
         raise ValueError(f"{who} has a forward set on the instance by other code; {advice}")
 
 

@@ -18,7 +18,9 @@ and loss). Three things need that place:
 
 The forward stand-in holds its context weakly and acts only while that context is entered in
 this thread: elsewhere (evaluation, another context, a copy of the model) it calls the model's
-own forward.
+own forward. ``close()`` takes it off; one whose context was collected without ``close()`` is
+inert, and the tools that set a forward of their own (``tile_head``) take it off themselves, while
+a live context's is named in their refusal, with how to release it (:attr:`ModelForward.holder`).
 """
 
 from __future__ import annotations
@@ -151,6 +153,20 @@ class ModelForward:
     def __signature__(self) -> inspect.Signature:
         # The model's own: the Trainer keeps only the dataset columns its forward names.
         return inspect.signature(self.fn)
+
+    @property
+    def holder(self) -> Optional[str]:
+        """Who holds the model through this stand-in and how to release it, for the tools that
+        refuse a model whose forward is taken (``tile_head``); None once its context is gone
+        (collected without ``close()``, or this is a copy's stand-in): the stand-in then only
+        calls the model's own forward, and those tools take it off
+        (:func:`offload.forwards.instance.check_own_forward`)."""
+        owner = self.owner() if self.owner is not None else None
+        if owner is None:
+            return None
+        return (f"the {owner!r} it was given to as model= (whose plans tile the head themselves "
+                "where they need to): call that context's close() (oa.close()) first, which gives the "
+                "model its own forward back")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owner() if self.owner is not None else None

@@ -301,7 +301,9 @@ def tile_head(model: nn.Module, chunk_tokens: Optional[Chunk] = None) -> TiledHe
     (0: that call runs untiled); None: :func:`offload.tiling.loss.default_head_chunk` of the
     vocabulary (about 1 GiB of working set). Raises ``ValueError`` for a model
     :func:`head_support` refuses (with its reason), one tiled already, one whose ``forward`` was
-    replaced on the instance by other code, or a bad ``chunk_tokens``.
+    replaced on the instance by other code (an ``OffloadActivations(..., model=model)`` holding it
+    is named, with how to release it; the inert stand-in of one collected without ``close()`` is
+    taken off), or a bad ``chunk_tokens``.
     """
     ok, reason = head_support(model)
     if not ok:
