@@ -247,7 +247,7 @@ def plan(
     submodules a plan may run under selective recompute, layer by layer (default each layer's
     ``mlp``; False for none; see :func:`offload.forwards.selective.selective_candidates`).
     ``memory_budget_bytes``: peak device bytes the
-    plan may use, ``"device"`` for what this GPU can give the step (its capacity less what others
+    plan may use (an int, a whole float or a size such as ``"20GB"``: :func:`check_budget`), ``"device"`` for what this GPU can give the step (its capacity less what others
     hold, less ``DEVICE_HEADROOM``; see :mod:`offload.planner.budget`), ``"lowest"`` for the
     lowest-memory plan, or None for no limit. ``link``: the
     host link's speed, measured if None. Pass the plan to ``OffloadActivations(layers,
