@@ -114,6 +114,14 @@ class HostLedger:
             self._node_source = node_source_from_env()
         return self._node_source
 
+    def set_node_source(self, source: Optional[NodeSource]) -> None:
+        """Read the node from ``source`` from now on (None: as the environment says, the real node
+        unless ``OFFLOAD_SIMULATED_NODE`` is set): tests and benchmarks simulate a node so."""
+        with self._lock:
+            self._node_source, self.node, self._node_read_at = source, None, -1.0
+            if source is not None:
+                source.note_held(self.held_bytes - self.pending_bytes)  # what this process holds
+
     def read_node(self, max_age_s: float = 0.0) -> NodeMemory:
         """Read the node's memory now (unless a read is at most ``max_age_s`` old): the pool is
         about to grow, or a plan is being made."""
