@@ -38,7 +38,7 @@ import threading
 import time
 from typing import Mapping, Optional
 
-from .node import NodeMemory, NodeSource, node_source_from_env
+from .node import NodeMemory, NodeSource, node_source_from_env, size_text
 
 LOCAL_RANKS_ENV_VAR = "LOCAL_WORLD_SIZE"  # set by torchrun (and most launchers) on every rank
 # A node read this recent is reused: a growth queues several blocks in a row, and reading the
@@ -74,8 +74,7 @@ def default_host_budget(environ: Optional[Mapping[str, str]] = None,
     if node is None:
         node = node_source_from_env(environ).read()
     budget = max(0, node.total_bytes - node.floor_bytes) // ranks
-    gib = 1 << 30
-    return budget, (f"node total {node.total_bytes / gib:.1f} GiB less {node.floor_bytes / gib:.1f} GiB left "
+    return budget, (f"node total {size_text(node.total_bytes)} less {size_text(node.floor_bytes)} left "
                     f"for others ({node.source}) / {LOCAL_RANKS_ENV_VAR}={ranks}, within what the node "
                     "has available at each growth")
 

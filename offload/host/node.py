@@ -64,12 +64,13 @@ class NodeMemory:
 
     def describe(self) -> str:
         """E.g. ``node 251.5 GiB, 180.2 GiB available, floor 25.2 GiB (psutil)``."""
-        return (f"node {_gib(self.total_bytes)}, {_gib(self.available_bytes)} available, "
-                f"floor {_gib(self.floor_bytes)} ({self.source})")
+        return (f"node {size_text(self.total_bytes)}, {size_text(self.available_bytes)} available, "
+                f"floor {size_text(self.floor_bytes)} ({self.source})")
 
 
-def _gib(nbytes: int) -> str:
-    # GiB, or MiB for a small (simulated) node. (The engine's format_bytes sits above this layer.)
+def size_text(nbytes: int) -> str:
+    """``nbytes`` in GiB, or MiB below 1 GiB (a simulated node). (The engine's ``format_bytes``
+    sits above this layer.)"""
     return f"{nbytes / (1 << 30):.1f} GiB" if nbytes >= 1 << 30 else f"{nbytes / (1 << 20):.1f} MiB"
 
 

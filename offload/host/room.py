@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .ledger import NODE_READ_MAX_AGE_S, HostAccount, HostLedger
-from .node import NodeMemory
+from .node import NodeMemory, size_text
 
 PLAN_SLACK_FRACTION = 0.25
 PLAN_SLACK_MIN_BYTES = 256 << 20
@@ -108,8 +108,8 @@ class HostRoom:
     node: NodeMemory
 
     def describe(self) -> str:
-        """E.g. ``9.6 GiB (the node: node 64.0 GiB, 25.6 GiB available, floor 16.0 GiB ...)``."""
-        return f"{self.held_bytes / (1 << 30):.2f} GiB held at most ({self.binding}; {self.node.describe()})"
+        """E.g. ``9.6 GiB held at most (the node's room: ...; node 64.0 GiB, 25.6 GiB available, ...)``."""
+        return f"{size_text(self.held_bytes)} held at most ({self.binding}; {self.node.describe()})"
 
 
 def least_room(ledger: HostLedger, cap: tuple[int, str], own_held: int, account: HostAccount) -> HostRoom:
