@@ -27,7 +27,7 @@ import torch
 
 import offload
 from offload.host import room
-from offload.host.arena import BLOCK_GRANULE, HostArena
+from offload.host.arena import HostArena
 from offload.host.ledger import HostLedger, process_ledger, set_process_host_budget
 from offload.host.node import SimulatedNode, cgroup_limit, node_floor, node_source_from_env
 
