@@ -129,6 +129,18 @@ def test_cgroup_limits_are_read_v2_and_v1(tmp_path: Path) -> None:
     assert cgroup_limit(v1) is None
 
 
+def test_a_limit_on_an_ancestor_cgroup_binds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Slurm job or a systemd slice sets the limit above the process's own cgroup."""
+    step = tmp_path / "job" / "step"
+    step.mkdir(parents=True)
+    (tmp_path / "cgroup.controllers").write_text("memory")
+    for d, limit, used in ((tmp_path / "job", str(4 << 30), 3 << 30), (step, "max", 1 << 30)):
+        (d / "memory.max").write_text(limit)
+        (d / "memory.current").write_text(str(used))
+    monkeypatch.setattr("offload.host.node._own_cgroup", lambda controller: "job/step")
+    assert cgroup_limit(tmp_path) == (4 << 30, 1 << 30, f"cgroup v2 {tmp_path / 'job' / 'memory.max'}")
+
+
 def test_a_simulated_node_is_named_in_the_environment(tmp_path: Path) -> None:
     source = node_source_from_env({"OFFLOAD_SIMULATED_NODE": f"{64 * MIB}:{tmp_path}"})
     assert isinstance(source, SimulatedNode) and source.read().total_bytes == 64 * MIB

@@ -107,33 +107,50 @@ def _stat_value(path: Path, key: str) -> int:
     return 0
 
 
-def _cgroup_v2_dir(root: Path) -> Optional[Path]:
-    # The process's own cgroup ("0::/path" in /proc/self/cgroup), else the root of the mount (a
-    # container sees its own cgroup there).
+def _own_cgroup(controller: str) -> Optional[str]:
+    # The process's cgroup path for ``controller`` ("" for v2's unified line) in /proc/self/cgroup.
     try:
         for line in Path("/proc/self/cgroup").read_text().splitlines():
-            if line.startswith("0::"):
-                own = root / line[3:].lstrip("/")
-                if (own / "memory.max").exists():
-                    return own
-    except OSError:
+            _, controllers, path = line.split(":", 2)
+            if controllers == controller or controller in controllers.split(","):
+                return path.lstrip("/")
+    except (OSError, ValueError):
         pass
-    return root if (root / "memory.max").exists() else None
+    return None
+
+
+def _v2_dirs(root: Path) -> list[Path]:
+    # The process's own cgroup and its ancestors up to the mount's root (a limit may sit on any
+    # of them: a Slurm job's, a systemd slice's); a container sees its own cgroup as the root.
+    own = _own_cgroup("")
+    start = root / own if own and (root / own / "memory.max").exists() else root
+    dirs = [start]
+    while dirs[-1] != root and root in dirs[-1].parents:
+        dirs.append(dirs[-1].parent)
+    return [d for d in dirs if (d / "memory.max").exists()]
 
 
 def cgroup_limit(root: Path = _CGROUP_ROOT) -> Optional[tuple[int, int, str]]:
-    """(limit, available within it, which files) of the process's memory cgroup, or None when it
-    has no limit (or none can be read)."""
-    v2 = _cgroup_v2_dir(root)
-    if v2 is not None:
-        limit, used = _read_int(v2 / "memory.max"), _read_int(v2 / "memory.current")
-        if limit is not None and used is not None:
-            cache = _stat_value(v2 / "memory.stat", "inactive_file")
-            return limit, max(0, limit - used + cache), f"cgroup v2 {v2 / 'memory.max'}"
-        return None
-    v1 = root / "memory"
+    """(limit, available within it, which files) of the tightest memory cgroup over the process
+    (its own or an ancestor's), or None when none has a limit (or none can be read)."""
+    tightest: Optional[tuple[int, int, str]] = None
+    for d in _v2_dirs(root):
+        limit, used = _read_int(d / "memory.max"), _read_int(d / "memory.current")
+        if limit is None or used is None:
+            continue
+        available = max(0, limit - used + _stat_value(d / "memory.stat", "inactive_file"))
+        if tightest is None or available < tightest[1]:
+            tightest = (limit, available, f"cgroup v2 {d / 'memory.max'}")
+    if tightest is not None or (root / "cgroup.controllers").exists():
+        return tightest
+    own = _own_cgroup("memory")
+    v1 = root / "memory" / own if own and (root / "memory" / own / "memory.limit_in_bytes").exists() else root / "memory"
     limit, used = _read_int(v1 / "memory.limit_in_bytes"), _read_int(v1 / "memory.usage_in_bytes")
-    if limit is None or used is None or limit >= _NO_LIMIT:
+    if limit is None or used is None:
+        return None
+    # v1 keeps the limit over its ancestors in memory.stat (0 or absent where there is none).
+    limit = min(limit, _stat_value(v1 / "memory.stat", "hierarchical_memory_limit") or limit)
+    if limit >= _NO_LIMIT:
         return None
     cache = _stat_value(v1 / "memory.stat", "total_inactive_file")
     return limit, max(0, limit - used + cache), f"cgroup v1 {v1 / 'memory.limit_in_bytes'}"
