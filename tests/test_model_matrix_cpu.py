@@ -177,22 +177,22 @@ class Step:
     cache: Optional[list[tuple[str, Any]]]
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Step ``step``'s ids, mask (left padding in the second row) and labels."""
+def batch(step: int, device: Any = "cpu") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step ``step``'s ids, mask (left padding in the second row) and labels, on ``device``."""
     gen = torch.Generator().manual_seed(1000 + step)
     ids = torch.randint(3, VOCAB, (BATCH, LENGTH), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :PAD] = 0
     ids[1, :PAD] = 0
     labels = ids.masked_fill(mask == 0, -100)
-    return ids, mask, labels
+    return ids.to(device), mask.to(device), labels.to(device)
 
 
 def run_step(model: torch.nn.Module, step: int, context: Any = None) -> Step:
     """A training step (forward in ``context``, backward outside), checking on the way that the
     caller's ids, mask and labels are left untouched and a cache the caller passes (even steps of
     a cache model: the first, probe steps included) comes back as the same object."""
-    ids, mask, labels = batch(step)
+    ids, mask, labels = batch(step, model.device)
     given = [(t, t.clone(), t._version) for t in (ids, mask, labels)]
     kwargs: dict[str, Any] = {}
     passed = None
@@ -258,7 +258,7 @@ def _saved_bytes(model: torch.nn.Module) -> int:
                layers[-1].register_forward_hook(lambda *a: inside.__setitem__(0, False))]
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            ids, mask, labels = batch(0)
+            ids, mask, labels = batch(0, model.device)
             model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
     finally:
         for h in handles:
@@ -268,8 +268,9 @@ def _saved_bytes(model: torch.nn.Module) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def reference(family: str, attention: str, use_cache: bool) -> Reference:
-    """The plain run of a family, once its first step is seen to repeat bit for bit."""
+def reference(family: str, attention: str, use_cache: bool, device: str = "cpu") -> Reference:
+    """The plain run of a family on ``device`` (weights made on the CPU), once its first step is
+    seen to repeat bit for bit."""
     config = {**FAMILIES, **MORE_FAMILIES}[family][0]()
     config.use_cache = use_cache
     config._attn_implementation = attention
@@ -277,17 +278,17 @@ def reference(family: str, attention: str, use_cache: bool) -> Reference:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attention)
-    model.train()
+    model.to(device).train()
     steps = [run_step(model, i) for i in range(STEPS)]
     assert_step_equal(steps[0], run_step(model, 0), "the plain run against itself")
     return Reference(model, steps, _saved_bytes(model))
 
 
-def make_context(mode: str, model: torch.nn.Module, saved_bytes: int) -> offload.OffloadActivations:
+def make_context(mode: str, model: torch.nn.Module, saved_bytes: int, device: str = "cpu") -> offload.OffloadActivations:
     """The context of one mode (see :data:`MODES`); every tensor is offloadable (the default's
     64 KiB floor would leave a tiny model's plans nothing to offload or recompute for)."""
     layers = layers_of(model)
-    options: dict[str, Any] = dict(device="cpu", min_offload_bytes=0)
+    options: dict[str, Any] = dict(device=device, min_offload_bytes=0)
     if mode == "fixed":
         return offload.OffloadActivations(layers, num_offload_layers=1, **options)
     if mode == "lowest":
