@@ -11,8 +11,8 @@ and loss). Three things need that place:
   steps run first on the same call cut to that many tokens (``labels`` included), the plan for
   the long shape is made from that profile (:mod:`offload.planner.scaling`), and the step itself
   runs planned. The probe steps' gradients are thrown away (the parameters' ``.grad`` are put
-  back as they were) and the random number generators are restored, so the run goes on as if
-  they had not happened;
+  back as they were), the random number generators are restored and a KV cache passed in is put
+  back (:mod:`offload.forwards.stateful`), so the run goes on as if they had not happened;
 - **the head's figures** (:class:`~offload.planner.tiling.HeadInfo`): its vocabulary and width,
   and whether it can be tiled at all (``head_support``'s reason goes into the plan table).
 
@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional, Protocol
 import torch
 
 from ..forwards.instance import check_own_forward
+from ..forwards.stateful import StateSnapshot, check_unchanged, stateful_arguments
 from ..planner.shapes import StepShape
 from ..planner.tiling import LOGIT_BYTES, HeadInfo
 from ..tiling.causal_lm import TiledCausalLMForward, head_support
@@ -114,6 +115,10 @@ def short_step(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, 
         for p in params:
             p.grad = None
         devices = [p.device for p in params[:1] if p.device.type == "cuda"]
+        # A KV cache the caller passed: the probe steps must leave it as they found it (the call
+        # itself runs after them against it). Put back after each, or refused if written in place.
+        states = stateful_arguments((), call)
+        before = StateSnapshot(states)
         try:
             with torch.random.fork_rng(devices=devices):
                 out = fn(**call)
@@ -125,6 +130,9 @@ def short_step(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, 
         finally:
             for p, g in zip(params, grads):
                 p.grad = g
+            before.restore()
+        check_unchanged(before, states, "the model form's probe step at a short length, run on the call's own "
+                        "arguments before it,")
 
     return run
 
