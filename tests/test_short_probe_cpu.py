@@ -55,16 +55,23 @@ def ids(seed: int = 1) -> torch.Tensor:
 
 class Watched:
     """A model with everything a user may watch: an optimizer in backward (SGD in each
-    parameter's post-accumulate-grad hook), parameter tensor hooks, module backward hooks, a
+    parameter's post-accumulate-grad hook), parameter tensor hooks, hooks on the parameters'
+    gradient accumulators (DDP's and DeepSpeed's kind), module backward hooks, a
     trainable scale outside the model (its graph built by the caller), a leaf ``inputs_embeds``,
     and optionally a forward hook. Two instances with the same seed start the same."""
 
     def __init__(self, forward_hook: bool = False) -> None:
         self.model = tiny_llama()
-        self.calls = {"post_accumulate": 0, "tensor": 0, "backward": 0, "backward_pre": 0, "forward": 0}
+        self.calls = {"post_accumulate": 0, "tensor": 0, "accumulator": 0, "backward": 0, "backward_pre": 0,
+                      "forward": 0}
+        # Hooks on the gradient accumulators (as DDP's reducer and DeepSpeed set them): held here,
+        # since a parameter holds its accumulator weakly.
+        self.accumulators = []
         for p in self.model.parameters():
             p.register_post_accumulate_grad_hook(self._sgd)
             p.register_hook(self._count("tensor"))
+            self.accumulators.append(p.view_as(p).grad_fn.next_functions[0][0])
+            self.accumulators[-1].register_hook(self._count("accumulator"))
         self.model.model.layers[0].register_full_backward_hook(self._count("backward"))
         self.model.model.layers[1].mlp.register_full_backward_pre_hook(self._count("backward_pre"))
         if forward_hook:
@@ -150,7 +157,8 @@ def test_the_short_probe_changes_nothing_the_user_can_observe(how: str) -> None:
         assert_same(plain, probed, f"step {i}")
     # The hooks were really there, each fired in the plain steps.
     calls = steps[-1][2]["calls"]
-    assert all(calls[name] > 0 for name in ("post_accumulate", "tensor", "backward", "backward_pre")), calls
+    assert all(calls[name] > 0 for name in ("post_accumulate", "tensor", "accumulator", "backward", "backward_pre")), \
+        calls
 
 
 def test_forward_hooks_send_the_first_batch_to_a_full_length_probe_unchanged() -> None:

@@ -218,7 +218,7 @@ class ShortStep:
             return exc
         error = RuntimeError(
             f"offload: the short probe (this call cut to {self.length} tokens a sequence, {self.shape} given) "
-            f"raised {type(failed).__name__}: {failed}. The call itself has not run yet. If the step runs without "
+            f"raised {type(failed).__name__}: {str(failed).rstrip('.')}. The call itself has not run yet. If the step runs without "
             "offload, the probe could not cut its inputs: pass OffloadActivations(..., short_probe=False) to probe "
             "the first batch at its full length instead (and tell us the inputs it could not cut)"
         )
