@@ -34,21 +34,24 @@ def short_probe_at_16_tokens(monkeypatch):
     torch.use_deterministic_algorithms(False)
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, device: str = "cpu"):
     config = transformers.LlamaConfig(
         hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, vocab_size=VOCAB, use_cache=False, attn_implementation="sdpa")
     torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
+    with torch.device(device):
+        return transformers.LlamaForCausalLM(config)
 
 
 def context(model, **kw: Any) -> offload.OffloadActivations:
-    return offload.OffloadActivations(model.model.layers, model=model, memory_budget_bytes=1 << 40,
-                                      device="cpu", min_offload_bytes=0, **kw)
+    device = next(model.parameters()).device
+    budget = {"memory_budget_bytes": 1 << 40} if device.type == "cpu" else {}  # "device" on CUDA
+    return offload.OffloadActivations(model.model.layers, model=model, device=device, min_offload_bytes=0,
+                                      **budget, **kw)
 
 
-def ids(seed: int = 1) -> torch.Tensor:
-    return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed))
+def ids(seed: int = 1, device: str = "cpu") -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, LENGTH), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
 # --- every observable, against the plain step -----------------------------------------------------
@@ -60,8 +63,9 @@ class Watched:
     trainable scale outside the model (its graph built by the caller), a leaf ``inputs_embeds``,
     and optionally a forward hook. Two instances with the same seed start the same."""
 
-    def __init__(self, forward_hook: bool = False) -> None:
-        self.model = tiny_llama()
+    def __init__(self, forward_hook: bool = False, device: str = "cpu") -> None:
+        self.device = device
+        self.model = tiny_llama(device=device)
         self.calls = {"post_accumulate": 0, "tensor": 0, "accumulator": 0, "backward": 0, "backward_pre": 0,
                       "forward": 0}
         # Hooks on the gradient accumulators (as DDP's reducer and DeepSpeed set them): held here,
@@ -77,8 +81,8 @@ class Watched:
         if forward_hook:
             self.model.model.layers[1].register_forward_hook(self._count("forward"))
         torch.manual_seed(2)
-        self.scale = torch.randn(HIDDEN).requires_grad_(True)
-        self.leaf = torch.randn(BATCH, LENGTH, HIDDEN).requires_grad_(True)
+        self.scale = torch.randn(HIDDEN).to(device).requires_grad_(True)
+        self.leaf = torch.randn(BATCH, LENGTH, HIDDEN).to(device).requires_grad_(True)
 
     def _sgd(self, p: torch.Tensor) -> None:
         self.calls["post_accumulate"] += 1
@@ -92,7 +96,7 @@ class Watched:
         return hook
 
     def step(self, how: str, ctx: Optional[offload.OffloadActivations]) -> torch.Tensor:
-        tokens = ids()
+        tokens = ids(device=self.device)
         with ctx if ctx is not None else _nothing():
             if how == "caller_graph":
                 embeds = self.model.model.embed_tokens(tokens) * self.scale
@@ -112,6 +116,7 @@ class Watched:
             "scale.grad": self.scale.grad, "leaf.grad": self.leaf.grad,
             "buffers": [b.clone() for b in self.model.buffers()],
             "rng": torch.get_rng_state(),
+            "cuda rng": torch.cuda.get_rng_state() if self.device != "cpu" else None,
         }
 
 
@@ -128,13 +133,13 @@ def assert_same(plain: dict[str, Any], got: dict[str, Any], when: str) -> None:
     for key in ("weights", "grads", "buffers"):
         for i, (a, b) in enumerate(zip(plain[key], got[key])):
             assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{when}: {key}[{i}] differs"
-    for key in ("scale.grad", "leaf.grad", "rng"):
+    for key in ("scale.grad", "leaf.grad", "rng", "cuda rng"):
         a, b = plain[key], got[key]
         assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), f"{when}: {key} differs"
 
 
-def run_watched(how: str, forward_hook: bool, steps: int = 2):
-    plain, again, probed = Watched(forward_hook), Watched(forward_hook), Watched(forward_hook)
+def run_watched(how: str, forward_hook: bool, steps: int = 2, device: str = "cpu"):
+    plain, again, probed = (Watched(forward_hook, device) for _ in range(3))
     ctx = context(probed.model)
     out = []
     for i in range(steps):

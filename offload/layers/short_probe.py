@@ -36,6 +36,7 @@ dims, ``(T,)`` on its one dim (``cache_position``), and ``(k, B or 1, T)`` on it
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -133,7 +134,9 @@ def _gradient_hooks_hidden(model: torch.nn.Module, params: list[torch.nn.Paramet
 def _state_given_back(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> Iterator[None]:
     grads = [p.grad for p in params]
     buffers = [(b, b._version, b.clone()) for b in model.buffers()]
-    devices = [p.device for p in params[:1] if p.device.type == "cuda"]
+    # Every CUDA device the model is on (not only its trainable parameters': a frozen model
+    # trained through a leaf inputs_embeds has none).
+    devices = list(dict.fromkeys(p.device for p in model.parameters() if p.device.type == "cuda"))
     for p in params:
         p.grad = None
     try:
@@ -174,9 +177,14 @@ class ShortStep:
                  shape: StepShape) -> None:
         self.model, self.fn, self.arguments, self.shape = model, fn, arguments, shape
         self.failed: Optional[BaseException] = None
-        self.refused = next((p for p in (_argument_problem(n, v, shape) for n, v in arguments.items()) if p), "") \
-            or _hook_problem(model)
         self.length = 0
+
+    @functools.cached_property
+    def refused(self) -> str:
+        """Why this call cannot be probed short unseen (empty when it can); asked only of a call
+        long enough to be (it walks the model's modules)."""
+        problems = (_argument_problem(name, value, self.shape) for name, value in self.arguments.items())
+        return next((p for p in problems if p), "") or _hook_problem(self.model)
 
     def __call__(self, length: int) -> None:
         self.length = length
