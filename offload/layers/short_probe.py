@@ -100,7 +100,7 @@ def _hook_problem(model: torch.nn.Module) -> str:
     for kind in ("forward_pre", "forward", "backward_pre", "backward"):
         if any(not _is_ours(h) for h in getattr(nn_module, f"_global_{kind}_hooks").values()):
             return (f"a global module {kind.replace('_', ' ')} hook is registered (torch.nn.modules.module."
-                    f"register_module_{kind}_hook), which would see the probe steps")
+                    "register_module_..._hook): it is shared with every module, so the probe cannot hide it")
     for name, module in model.named_modules():
         if module is model:
             continue  # the probe calls the model's forward itself, not the module: its hooks never run
