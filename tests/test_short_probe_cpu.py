@@ -154,7 +154,7 @@ def run_watched(how: str, forward_hook: bool, steps: int = 2, device: str = "cpu
 @pytest.mark.parametrize("how", ["ids", "caller_graph", "leaf"])
 def test_the_short_probe_changes_nothing_the_user_can_observe(how: str) -> None:
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # probed short: no full-length warning
+        warnings.filterwarnings("error", message=".*probed at its full length")  # probed short
         ctx, steps = run_watched(how, forward_hook=False)
     assert ctx._planned.profile.shape == CUT, "the first batch was not probed short"
     for i, (want, got, plain, probed) in enumerate(steps):
@@ -180,7 +180,7 @@ def test_short_probe_false_probes_at_full_length_without_a_warning() -> None:
     model = tiny_llama()
     ctx = context(model, short_probe=False)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message=".*probed at its full length")
         with ctx:
             model(input_ids=ids(), labels=ids()).loss.backward()
     assert ctx._planned.profile is None or ctx._planned.profile.shape != CUT
@@ -226,7 +226,7 @@ def test_every_input_layout_is_cut(layout: str) -> None:
     want = _step(model, None, extra)
     ctx = context(model)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")
+        warnings.filterwarnings("error", message=".*probed at its full length")
         got = _step(model, ctx, extra)
     assert ctx._planned.profile.shape == CUT, f"{layout}: not probed short"
     assert torch.equal(want[0], got[0]) and all(torch.equal(a, b) for a, b in zip(want[1], got[1])), layout
