@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .engine.core import OffloadEngine
+from .layers.short_probe import ShortStep
 from .planner.agree import agree_flag, agree_shape, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
@@ -179,19 +180,27 @@ class PlannedSteps:
             return  # planned at the model's entry already (the model form)
         self._plan_shape(shape_of(hidden.shape))
 
-    def at_model_entry(self, shape: StepShape, short_step: Optional[Callable[[int], None]], probe_tokens: int) -> bool:
+    def at_model_entry(self, shape: StepShape, short_step: Optional[ShortStep], probe_tokens: int) -> bool:
         """The model's forward begins (``OffloadActivations(..., model=model)``). A probe step of
         more than twice ``probe_tokens`` tokens is not probed at its own length: the probe steps
         run now, as ``short_step(length)`` calls at ``probe_tokens`` (a minute-long step probed
         at full length would cost minutes), and this step becomes a planned one. Returns whether
-        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`)."""
+        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`); a
+        step the short probe would not leave unchanged (``short_step.refused``) is probed at its
+        full length, with a warning."""
         if not self._probing or self.profile is not None or short_step is None or shape.tokens <= 2 * probe_tokens:
+            return False
+        if short_step.refused:
+            warnings.warn(short_step.refusal_warning(probe_tokens), UserWarning, stacklevel=2)
             return False
         if self.probe is not None:
             self.probe.end_forward()  # nothing ran under it yet: its hooks come off unused
         self.probe, self._probing = None, False
         length = max(1, probe_tokens // shape.batch)
-        self.profile = self._sequence.run(lambda: short_step(length), "offload (probe at a short length)")  # type: ignore[union-attr]
+        try:
+            self.profile = self._sequence.run(lambda: short_step(length), "offload (probe at a short length)")  # type: ignore[union-attr]
+        except Exception as exc:
+            raise short_step.explain(exc) from exc.__cause__
         self._pin_ahead()
         self._wrappers(self.profile)
         return True
