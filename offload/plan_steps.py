@@ -206,7 +206,7 @@ class PlannedSteps:
         if not self._probing or self.profile is not None:
             return False
         batch, length, unable = agree_max([shape.batch, shape.length, int(short_step is None)], self.device,
-                                          self._group)
+                                          self._group, "short probe")
         agreed = StepShape(batch, length)
         if unable or agreed.tokens <= 2 * probe_tokens:
             return False
@@ -312,7 +312,7 @@ class PlannedSteps:
         """The outcome of a probe step all ranks of the plan group move on by: the worst."""
         if not ranks_agree_enabled(self._group):
             return own
-        return StepOutcome.from_values(agree_max(own.values(), self.device, self._group))
+        return StepOutcome.from_values(agree_max(own.values(), self.device, self._group, "probe step"))
 
     def _close_previous_step(self) -> None:
         cuda = self.device.type == "cuda"

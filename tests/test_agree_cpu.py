@@ -66,6 +66,16 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         result["step"] = [step_shape.batch, step_shape.length, ran_out]
         result["max"] = agree_max([rank, 3 - rank, 0], cpu)
         result["step_calls"] = counter.calls - before
+        # Ranks at different points (rank 0 decides whether a plan fits, rank 1 a step's shape):
+        # one clear error on both, not one point's values read as the other's.
+        try:
+            if rank == 0:
+                agree_flag(True, cpu)
+            else:
+                agree_shape(SHAPES[rank], cpu)
+            result["mismatch"] = "no error"
+        except RuntimeError as exc:
+            result["mismatch"] = str(exc)
         # False: no agreeing at all, whatever the process group.
         before = counter.calls
         result["off"] = [ranks_agree_enabled(False), agree_step(SHAPES[rank], rank == 1, cpu, group=False)[1],
@@ -117,6 +127,7 @@ def test_a_step_agrees_its_shape_and_flag_in_one_all_reduce(ranks: list[dict[str
     for rank, res in enumerate(ranks):
         assert res["step"] == [2, 300, True] and res["max"] == [1, 3, 0]
         assert res["step_calls"] == 2
+        assert "different agreement points ('planned step' and 'plan fits')" in res["mismatch"], res["mismatch"]
         assert res["off"] == [False, rank == 1, [rank], 0]  # group=False: each rank's own, no collective
 
 

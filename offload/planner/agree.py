@@ -42,6 +42,9 @@ the same order: the points above, in every forward (every micro-batch's, if each
 graph), never inside a CUDA graph's capture. Under pipeline parallelism the stages enter
 their first layers at different times, waiting on each other's sends, so a collective over the
 whole world there deadlocks: pass the data-parallel ``group`` (the ranks holding the same layers).
+Every call reduces as many values, led by the name of its point (and its negation): ranks that
+reach different points of this module (a rank that skipped a step, or raised where the others
+did not) all raise one clear error there instead of pairing one point's values with another's.
 A step that fails on one rank must still reach the next agreement point on every rank: a loop that
 retries out-of-memory steps goes on with the next step (with DDP or FSDP2, whose own collectives
 cannot survive a rank's failure in the middle of a forward, the ranks must agree to skip the
@@ -61,6 +64,10 @@ __all__ = ["Group", "agree_flag", "agree_max", "agree_shape", "agree_step", "ran
 
 # The ranks that agree: a process group, None for the default one, False for none (no collective).
 Group = Union[None, Literal[False], "dist.ProcessGroup"]
+
+# Where the ranks agree (the module notes), each with its number in the reduced tensor.
+POINTS = ("probe step", "short probe", "planned step", "plan fits", "values")
+_WIDTH = 3  # values per call, at most: every call reduces as many (its point's two, then these)
 
 
 def ranks_agree_enabled(group: Group = None) -> bool:
@@ -93,17 +100,31 @@ def _cuda(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
-def agree_max(values: Sequence[int], device: torch.device, group: Group = None) -> list[int]:
-    """The element-wise maximum of ``values`` over the ranks of ``group`` (the default group if
-    None), in one all-reduce: the largest size, the worst outcome, any rank's flag (as 0 or 1).
-    ``values`` itself, with no collective, where :func:`ranks_agree_enabled` is false. Every rank
-    must call it at the same point with as many values (see the module notes); ``device`` is
-    this rank's compute device."""
+def agree_max(values: Sequence[int], device: torch.device, group: Group = None, point: str = "values") -> list[int]:
+    """The element-wise maximum of ``values`` (at most three non-negative ints) over the ranks
+    of ``group`` (the default group if None), in one all-reduce: the largest size, the worst
+    outcome, any rank's flag (as 0 or 1). ``values`` itself, with no collective, where
+    :func:`ranks_agree_enabled` is false. Every rank must call it at the same ``point`` (one of
+    :data:`POINTS`; see the module notes), or all raise RuntimeError; ``device`` is this rank's
+    compute device."""
+    values = [int(v) for v in values]
     if not ranks_agree_enabled(group):
-        return [int(v) for v in values]
-    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_reduce_device(torch.device(device), group))
+        return values
+    if len(values) > _WIDTH or min(values, default=0) < 0:
+        raise ValueError(f"offload: agree_max takes at most {_WIDTH} non-negative ints, got {values}")
+    tag = POINTS.index(point) + 1
+    row = [tag, -tag, *values, *[0] * (_WIDTH - len(values))]
+    t = torch.tensor(row, dtype=torch.int64, device=_reduce_device(torch.device(device), group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()  # the host read: the plan is chosen on the host
+    got = t.tolist()  # the host read: the plan is chosen on the host
+    if got[0] != -got[1]:  # the largest and the smallest point differ
+        raise RuntimeError(
+            f"offload: the ranks of the plan group reached different agreement points ({POINTS[-got[1] - 1]!r} and "
+            f"{POINTS[got[0] - 1]!r}): a rank skipped a step, or went on past an error the others did not have. "
+            "Every rank must run the same steps; a step that fails on one rank must still be entered by all "
+            "(see offload.planner.agree)"
+        )
+    return got[2:2 + len(values)]
 
 
 def agree_step(shape: StepShape, flag: bool, device: torch.device,
@@ -113,7 +134,7 @@ def agree_step(shape: StepShape, flag: bool, device: torch.device,
     out of memory since its last one)."""
     if not ranks_agree_enabled(group):
         return shape, bool(flag)
-    batch, length, any_flag = agree_max([shape.batch, shape.length, int(bool(flag))], device, group)
+    batch, length, any_flag = agree_max([shape.batch, shape.length, int(bool(flag))], device, group, "planned step")
     return StepShape(int(batch), int(length)), bool(any_flag)
 
 
@@ -125,7 +146,7 @@ def agree_shape(shape: StepShape, device: torch.device, group: Group = None) -> 
     module notes); ``device`` is this rank's compute device."""
     if not ranks_agree_enabled(group):
         return shape
-    batch, length = agree_max([shape.batch, shape.length], device, group)
+    batch, length = agree_max([shape.batch, shape.length], device, group, "planned step")
     return StepShape(int(batch), int(length))
 
 
@@ -134,4 +155,4 @@ def agree_flag(flag: bool, device: torch.device, group: Group = None) -> bool:
     a rank that found no plan fitting the agreed shape makes every rank raise ``BudgetError``
     at the same point, so none waits for it in a later collective. ``flag`` itself, with no
     collective, where :func:`ranks_agree_enabled` is false."""
-    return bool(agree_max([int(bool(flag))], device, group)[0])
+    return bool(agree_max([int(bool(flag))], device, group, "plan fits")[0])

@@ -335,6 +335,7 @@ def gloo_worker(rank: int, world: int, port: int, out_dir: str, names: list[str]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world),
                       GLOO_SOCKET_IFNAME="lo")
     init("gloo", rank, world, timeout_s=60.0)
+    torch.set_num_threads(1)  # the ranks share the host's cores: oversubscribed threads slow gloo's steps
     try:
         s = setup_for(rank, world, torch.device("cpu"))
         results = {name: run_scenario(s, name) for name in names}
