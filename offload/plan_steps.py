@@ -144,8 +144,7 @@ class PlannedSteps:
             shape = profile_shape(plan.profile)
             if shape is not None:
                 self._shape = shape.bucket()
-                self._plans[self._shape] = plan
-                self._agreed.add(self._shape)  # (every rank is given the same plan)
+                self._plans[self._shape] = plan  # (not agreed: each rank may be given its own)
         elif budget is not None:
             link = _Once(lambda: measure_link(device))
             self._sequence = ProbeSequence(
