@@ -311,7 +311,12 @@ class OffloadActivations:
             self._enter_auto()
             return self
         self._entered, self._thread = True, threading.get_ident()
-        if self._planned is not None and torch.is_grad_enabled() and self._planned.enter():
+        try:
+            probing = self._planned is not None and torch.is_grad_enabled() and self._planned.enter()
+        except BaseException:  # a BudgetError (the ranks' agreed one, or no plan fits): not entered
+            self._entered = False
+            raise
+        if probing:
             # A probe step (offload.plan_steps): its forward runs under the probe, measured or
             # (a warm-up) plainly.
             self._tracking = self._probe_step = self._planned.probe is not None
@@ -437,7 +442,8 @@ class OffloadActivations:
         """Plan for another budget (bytes, ``"device"`` or ``"lowest"``) from the figures already
         measured, between steps: no probe step runs again. Raises :class:`BudgetError` when no
         plan fits it, and the context stays as it was; before the probe steps are over, the
-        plan they lead to is made for the new budget."""
+        plan they lead to is made for the new budget. Under a process group, call it on every
+        rank of the plan group with the same budget."""
         where = "OffloadActivations.set_budget:"
         budget = check_budget(memory_budget_bytes, where)
         if budget is None:

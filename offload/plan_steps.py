@@ -8,20 +8,30 @@ the loop did after it, is over), :meth:`PlannedSteps.at_first_layer` at the firs
 ``with``'s exit of a probe step. A step is either a probe step (:mod:`offload.planner.sequence`;
 its forward runs under the probe, the engine does nothing) or a planned one.
 
+**Ranks decide together.** Under a process group of more than one rank (``plan_group``: the
+group that does, e.g. the data-parallel one under pipeline parallelism, or False for none),
+every decision that changes the collectives a rank issues is agreed by all ranks of the group at
+the same step (:mod:`offload.planner.agree` lists them): how each probe step went, at the next
+step's entry (so all take the same probe steps and leave the probe together); whether the model
+form probes short, at the model's entry; each planned step's bucket, any rank's out-of-memory
+recovery, and a ``BudgetError``, at its first layer's entry. Without a group nothing is
+communicated, and a probe step's outcome is acted on at its ``with``'s exit.
+
 **One plan per shape.** The profile the probe steps measured is kept, with the shape it was
 measured at. Each planned step reads its batch shape at the first layer's entry, rounds it up to
 its bucket (:meth:`~offload.planner.shapes.StepShape.bucket`), and follows that bucket's plan:
 made from the profile predicted at the bucket's shape (:mod:`offload.planner.scaling`) the first
 time the bucket is seen, then cached. No probe step runs again. Where no plan fits a shape, the
 ``BudgetError`` comes there, before any layer ran, naming the shape; the context stays as it
-was, and a step of a shape that fits goes on. Under a process group of more than one rank the
-ranks agree on the shape first (:mod:`offload.planner.agree`; ``plan_group``: the group that
-does, e.g. the data-parallel one under pipeline parallelism, or False for none).
+was, and a step of a shape that fits goes on. Ranks agree on the bucket first: the largest
+batch and length of any rank.
 
 **Out of memory.** A planned step that ran out of device memory (the allocator's OOM count grew
 since the previous planned step's entry) lowers the budget plans are made for to 90% of the least of that
 plan's predicted peak, its budget and what the device gives now, and the next step is planned again: an OOM-retry loop, or the Trainer's next
-step, fits. A warning and the plan's ``budget_reason`` say what happened.
+step, fits. A warning and the plan's ``budget_reason`` say what happened. Under a process group
+every rank plans that step again (the others at their own budgets), so no rank raises a
+``BudgetError`` alone.
 
 **Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: its host
 regions are pinned in the background from then on, during the calibration step where one
@@ -43,7 +53,7 @@ import torch
 
 from .engine.core import OffloadEngine
 from .layers.short_probe import ShortStep
-from .planner.agree import agree_flag, agree_shape, ranks_agree_enabled
+from .planner.agree import agree_flag, agree_max, agree_step, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
 from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
@@ -51,7 +61,7 @@ from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_pol
 from .planner.probe import ProbeStep
 from .planner.scaling import profile_at, profile_shape
 from .planner.search import BudgetError
-from .planner.sequence import ProbeSequence
+from .planner.sequence import ProbeSequence, StepOutcome, Verdict
 from .planner.shapes import StepShape, shape_of
 from .planner.tiling import HeadInfo, longest_fitting, lowest_at
 from .planner.types import Plan, StepProfile
@@ -98,14 +108,19 @@ class PlannedSteps:
         self.profile: Optional[StepProfile] = None  # the probe's figures, what plans are made from
         self._plans: dict[StepShape, Plan] = {}     # per bucket, at the budget in force
         self._shape: Optional[StepShape] = None     # the bucket of the plan in force
-        self._agreed: Optional[StepShape] = None    # the last bucket the ranks agreed on
+        # The buckets every rank of the group has a plan for (the same set on every rank; this
+        # rank's _plans may hold more after another rank ran out of memory): a bucket outside
+        # it is planned together, a BudgetError agreed.
+        self._agreed: set[StepShape] = set()
         self._cap: Optional[int] = None             # the budget's ceiling after an OOM
         self._lowered = ""                          # why, for the plan's report
         self._ooms: Optional[int] = None            # the allocator's OOM count at the last check
+        self._ran_out = False                       # this rank ran out of memory: to tell the others
         self._step_index: Optional[int] = None      # the engine's index of the last planned step
         self._on_plan = weakref.WeakMethod(on_plan)  # type: ignore[arg-type]
         self.probe: Optional[ProbeStep] = None  # this step's, while it runs measured
         self._probing = False  # this step is one of the probe sequence's (measured or not)
+        self._failed: Optional[tuple[StepOutcome, BaseException]] = None  # the probe step raised: how
         self._pinned_ahead = False
         self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
         self._sequence: Optional[ProbeSequence] = None
@@ -130,7 +145,7 @@ class PlannedSteps:
             shape = profile_shape(plan.profile)
             if shape is not None:
                 self._shape = shape.bucket()
-                self._plans[self._shape] = plan
+                self._plans[self._shape] = plan  # (not agreed: each rank may be given its own)
         elif budget is not None:
             link = _Once(lambda: measure_link(device))
             self._sequence = ProbeSequence(
@@ -185,22 +200,32 @@ class PlannedSteps:
         more than twice ``probe_tokens`` tokens is not probed at its own length: the probe steps
         run now, as ``short_step(length)`` calls at ``probe_tokens`` (a minute-long step probed
         at full length would cost minutes), and this step becomes a planned one. Returns whether
-        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`); a
-        step the short probe would not leave unchanged (``short_step.refused``) is probed at its
-        full length, with a warning."""
-        if not self._probing or self.profile is not None or short_step is None or shape.tokens <= 2 * probe_tokens:
+        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`).
+        Ranks decide together, on the largest batch and length of any rank, and each cuts its
+        own batch (never longer than it is); none probes short if any rank cannot: no labels, or
+        a step the short probe would not leave unchanged (``short_step.refused``: that rank warns,
+        and every rank probes at its full length)."""
+        if not self._probing or self.profile is not None:
             return False
-        if short_step.refused:
-            warnings.warn(short_step.refusal_warning(probe_tokens), UserWarning, stacklevel=2)
+        refused = short_step is not None and bool(short_step.refused)
+        batch, length, unable = agree_max([shape.batch, shape.length, int(short_step is None or refused)],
+                                          self.device, self._group, "short probe")
+        agreed = StepShape(batch, length)
+        if agreed.tokens <= 2 * probe_tokens:
+            return False
+        if refused:
+            warnings.warn(short_step.refusal_warning(probe_tokens), UserWarning, stacklevel=2)  # type: ignore[union-attr]
+        if unable:
             return False
         if self.probe is not None:
             self.probe.end_forward()  # nothing ran under it yet: its hooks come off unused
         self.probe, self._probing = None, False
-        length = max(1, probe_tokens // shape.batch)
+        cut = max(1, probe_tokens // agreed.batch)
         try:
-            self.profile = self._sequence.run(lambda: short_step(length), "offload (probe at a short length)")  # type: ignore[union-attr]
+            self.profile = self._sequence.run(lambda: short_step(cut), "offload (probe at a short length)",  # type: ignore
+                                              self._agree_outcome)
         except Exception as exc:
-            raise short_step.explain(exc) from exc.__cause__
+            raise short_step.explain(exc) from exc.__cause__  # type: ignore[union-attr]
         self._pin_ahead()
         self._wrappers(self.profile)
         return True
@@ -221,13 +246,15 @@ class PlannedSteps:
         assert profile is not None
         step = self.engine.step
         self._step_index = step.index if step is not None else None
-        bucket = shape.bucket()
-        agreeing = self._group is not False and ranks_agree_enabled(self._group)
-        if agreeing:
-            bucket = agree_shape(bucket, self.device, self._group)
-        agreed_new = bucket != self._agreed
-        self._agreed = bucket
-        if bucket == self._shape and self.plan is not None:
+        # One collective: the bucket every rank plans for, and whether any ran out of memory.
+        bucket, ran_out = agree_step(shape.bucket(), self._ran_out, self.device, self._group)
+        self._ran_out = False
+        if ran_out:
+            # Every rank plans again at this step (the one that ran out at its lowered budget,
+            # from an emptied cache), so that any BudgetError is raised by all.
+            self._agreed.clear()
+        together = bucket not in self._agreed
+        if not together and bucket == self._shape and self.plan is not None:
             self._scale(shape, bucket)
             return
         plan, failed, started = self._plans.get(bucket), None, time.perf_counter()
@@ -236,15 +263,15 @@ class PlannedSteps:
                 plan = self._make(profile_at(profile, bucket), bucket, shape)
             except BudgetError as exc:
                 failed = exc
-        # Every rank meets a new agreed bucket at the same step, whatever its own cache holds (an
-        # out-of-memory step empties one rank's): decide together, so no rank raises alone while
-        # the others wait in their next collective.
-        if agreed_new and agreeing and agree_flag(failed is not None, self.device, self._group) \
-                and failed is None:
+        # Every rank meets a bucket new to the group at the same step, whatever its own cache
+        # holds: decide together, so no rank raises alone while the others wait in their next
+        # collective.
+        if together and agree_flag(failed is not None, self.device, self._group) and failed is None:
             failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
                                  "see its error")
         if failed is not None:
             raise failed
+        self._agreed.add(bucket)
         if bucket not in self._plans:
             self._plans[bucket] = plan  # type: ignore[assignment]
             self.planning_s += time.perf_counter() - started
@@ -266,24 +293,44 @@ class PlannedSteps:
         if probe is None:
             return
         probe.end_forward()
-        if exc is not None:
-            self.probe, self._probing = None, False
-            # Out of memory moves on to a lower-memory probe (or is a BudgetError at the
-            # lowest); the step is probed again either way.
-            self._sequence.step_failed(probe, exc)  # type: ignore[union-attr]
+        if exc is None:
+            return
+        own = self._sequence.judge(probe, exc)  # type: ignore[union-attr]
+        self._failed = (own, exc)
+        if not ranks_agree_enabled(self._group):
+            self._close_probe_step()  # alone: act on it now (a BudgetError comes from this with)
+        elif own.verdict == Verdict.NO_FIT:
+            exc.add_note("offload: this was the planner's low-memory probe step; every rank of the plan group "
+                         "raises BudgetError at the next step's entry (no plan can fit)")
+
+    def _close_probe_step(self) -> None:
+        # The ranks agree on how the step went (the worst outcome of any), and all move on by it.
+        probe, failed = self.probe, self._failed
+        self.probe, self._probing, self._failed = None, False, None
+        sequence = self._sequence
+        assert sequence is not None
+        if failed is None:
+            if probe is not None:
+                probe.end_step()
+            own, exc = sequence.judge(probe), None
+        else:
+            own, exc = failed
+        self.profile = sequence.advance(own, self._agree_outcome(own), exc, probe)
+        self._pin_ahead()
+
+    def _agree_outcome(self, own: StepOutcome) -> StepOutcome:
+        """The outcome of a probe step all ranks of the plan group move on by: the worst."""
+        if not ranks_agree_enabled(self._group):
+            return own
+        return StepOutcome.from_values(agree_max(own.values(), self.device, self._group, "probe step"))
 
     def _close_previous_step(self) -> None:
         cuda = self.device.type == "cuda"
         mark = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
         if cuda:
             mark.record()
-        probe, self.probe = self.probe, None
         if self._probing:
-            self._probing = False
-            if probe is not None:
-                probe.end_step()
-            self.profile = self._sequence.step_done(probe)  # type: ignore[union-attr]
-            self._pin_ahead()
+            self._close_probe_step()
         elif self._step_mark is not None:
             # Read lazily (report): reading the events now would make the host wait.
             peak = torch.cuda.max_memory_allocated(self.device) if cuda and self.measure_peak else None
@@ -355,7 +402,7 @@ class PlannedSteps:
             if pending is not None:
                 pending.min_offload_bytes = schedule.min_offload_bytes(pending.layer)
         self._wrappers(plan.profile, plan)  # type: ignore[arg-type]
-        if self._ooms is None and self.device.type == "cuda":
+        if self._ooms is None:
             self._ooms = _oom_count(self.device)
         # The plan says what each layer will copy: pin those blocks now, on the arena's
         # background thread, so the first planned step does not stall on pinning.
@@ -413,18 +460,20 @@ class PlannedSteps:
         if count <= self._ooms:
             return
         self._ooms = count
-        torch.cuda.empty_cache()  # the failed step's split blocks, before the device is read
         plan = self.plan
         peak = plan.prediction.peak_bytes
         # Below what the plan predicted and was allowed (the step found less), and within what
         # the device gives now (a memory cap lowered since, another process grown).
-        device_now = read_device_budget(self.device, self._expandable, emptied=True).budget_bytes
-        cap = min(int(OOM_BACKOFF * min(peak, plan.budget_bytes or peak)), device_now)
+        cap = int(OOM_BACKOFF * min(peak, plan.budget_bytes or peak))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()  # the failed step's split blocks, before the device is read
+            cap = min(cap, read_device_budget(self.device, self._expandable, emptied=True).budget_bytes)
         self._cap = cap if self._cap is None else min(self._cap, cap)
         self._lowered = (f"lowered to {format_bytes(self._cap)} after step {index} ran out of device "
                          f"memory (its plan predicted a peak of {format_bytes(peak)})")
         self._plans.clear()
         self.plan, self._shape = None, None  # the next first layer plans again
+        self._ran_out = True  # and tells the other ranks, which plan again with it there
         warnings.warn(f"offload: the budget plans are made for is {self._lowered}; the next step is "
                       "planned again", UserWarning, stacklevel=4)
 
@@ -433,6 +482,9 @@ class PlannedSteps:
         :meth:`offload.OffloadActivations.set_budget`). Made for the shape in force first, so a
         budget no plan fits raises before anything changes."""
         check_device_budget(budget, self.device, where)
+        # The next planned step decides together again, whether this call raises or not (on
+        # one rank, it may), so that its BudgetError, if any, is every rank's.
+        self._agreed.clear()
         old = self.budget, self._cap, self._lowered
         self.budget, self._cap, self._lowered = budget, None, ""
         try:
@@ -469,5 +521,5 @@ class _Once:
 
 
 def _oom_count(device: torch.device) -> int:
-    """How many times the caching allocator ran out of memory on ``device`` so far."""
-    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+    """How many times the caching allocator ran out of memory on ``device`` so far (0 off CUDA)."""
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0)) if device.type == "cuda" else 0

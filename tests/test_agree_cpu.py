@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))  # spaw
 from spawn import free_port, run_ranks  # noqa: E402
 
 from offload.planner import agree  # noqa: E402
-from offload.planner.agree import agree_flag, agree_shape, ranks_agree_enabled  # noqa: E402
+from offload.planner.agree import agree_flag, agree_max, agree_shape, agree_step, ranks_agree_enabled  # noqa: E402
 from offload.planner.shapes import StepShape  # noqa: E402
 
 WORLD = 2
@@ -59,6 +59,27 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         result["flags"] = [agree_flag(rank == 1, cpu), agree_flag(rank == 0, cpu), agree_flag(False, cpu),
                            agree_flag(True, cpu)]
         result["flag_calls"] = counter.calls - result["shape_calls"]
+        before = counter.calls
+        # A planned step: the shape and any rank's out-of-memory flag, in one all-reduce; a probe
+        # step's outcome: the element-wise maximum.
+        step_shape, ran_out = agree_step(SHAPES[rank], rank == 0, cpu)
+        result["step"] = [step_shape.batch, step_shape.length, ran_out]
+        result["max"] = agree_max([rank, 3 - rank, 0], cpu)
+        result["step_calls"] = counter.calls - before
+        # Ranks at different points (rank 0 decides whether a plan fits, rank 1 a step's shape):
+        # one clear error on both, not one point's values read as the other's.
+        try:
+            if rank == 0:
+                agree_flag(True, cpu)
+            else:
+                agree_shape(SHAPES[rank], cpu)
+            result["mismatch"] = "no error"
+        except RuntimeError as exc:
+            result["mismatch"] = str(exc)
+        # False: no agreeing at all, whatever the process group.
+        before = counter.calls
+        result["off"] = [ranks_agree_enabled(False), agree_step(SHAPES[rank], rank == 1, cpu, group=False)[1],
+                         agree_max([rank], cpu, group=False), counter.calls - before]
         # A group of one rank: no collective. new_group is itself collective: every rank makes both.
         alone = [dist.new_group([r]) for r in range(world)][rank]
         before = counter.calls
@@ -100,6 +121,14 @@ def test_any_rank_true_makes_every_rank_true(ranks: list[dict[str, Any]]) -> Non
     for res in ranks:
         assert res["flags"] == [True, True, False, True]
         assert res["flag_calls"] == 4
+
+
+def test_a_step_agrees_its_shape_and_flag_in_one_all_reduce(ranks: list[dict[str, Any]]) -> None:
+    for rank, res in enumerate(ranks):
+        assert res["step"] == [2, 300, True] and res["max"] == [1, 3, 0]
+        assert res["step_calls"] == 2
+        assert "different agreement points ('planned step' and 'plan fits')" in res["mismatch"], res["mismatch"]
+        assert res["off"] == [False, rank == 1, [rank], 0]  # group=False: each rank's own, no collective
 
 
 def test_a_group_of_one_rank_communicates_nothing(ranks: list[dict[str, Any]]) -> None:

@@ -9,7 +9,8 @@
 - ``probe``: the probe step that measures a model (plainly, or with every layer checkpointed),
   with ``instrument`` (what it wraps around modules to see inside a layer), ``timeline`` (where
   it reads time and memory), ``tally`` (each slot's largest tensor and growth, attention's time)
-  and ``link`` (the host link's speed); ``agree``: ranks agree on each step's shape;
+  and ``link`` (the host link's speed); ``agree``: ranks agree on every decision that changes
+  the collectives they issue (probe steps, short probe, shape, out of memory, ``BudgetError``);
   ``sequence``: which probe each planning step runs, so that planning fits
   wherever checkpointing fits; ``make``: ``offload.plan(...)`` and the helpers
   ``OffloadActivations`` uses to plan on its first steps.

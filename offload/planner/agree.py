@@ -1,44 +1,80 @@
-"""Ranks agree on the shape they plan for, and on whether a plan fits at all.
+"""Ranks agree on every decision that changes the collectives they issue.
 
-Under DDP or FSDP2 each rank reads its own step's shape (:func:`~offload.planner.shapes.shape_of`)
-and ranks may see batches of different lengths in the same step. If each planned for its own
-shape, one rank could raise ``BudgetError`` alone while the others wait in their next collective
-until the group's timeout, and ranks would follow plans made for different shapes.
-:func:`agree_shape` makes every rank plan for the largest batch and the largest length any rank
-saw: a plan made for a larger shape holds for a smaller one (the bytes a layer saves only shrink
-with the batch and the length, so its peak does too), so the agreed shape is conservative on
-memory for every rank. :func:`agree_flag` lets the ranks raise together: any rank that finds no
-plan for the agreed shape makes all of them raise.
+Under DDP or FSDP2 each rank reads its own batch, and ranks may see batches of different lengths
+in the same step. A decision a rank took from its own batch alone could send it down another
+path than the others: one rank past its probe agrees on its plan's shape at its first layer
+while another still runs a probe step's all-gathers, or one rank raises ``BudgetError`` while
+the others wait in their next collective until the group's timeout. So each such decision is
+taken by all ranks of the plan group together, at a point every rank reaches in the same step:
+
+- **How a probe step went, so which probe step comes next** (the low-memory probe after the
+  sizing step, every rank measuring again at low memory after an out-of-memory step, the same
+  step again after an error, ``BudgetError`` when the low-memory step ran out of memory): the
+  worst outcome of any rank (:class:`~offload.planner.sequence.StepOutcome`, :func:`agree_max`),
+  at the ``with``'s entry of the step after each probe step, and after each step of a short probe.
+  So every rank leaves the probe at the same step.
+- **Whether the model form probes its first batch at a short length**: decided on the largest
+  batch and length of any rank (and not at all if any rank's call has no labels), at the model's
+  entry of each probe step; each rank then cuts its own batch, never longer than it is.
+- **The plan of each planned step**: the largest batch and length of any rank
+  (:func:`agree_step`), with any rank's "ran out of memory since the last planned step" (every
+  rank then plans again, the one that ran out at a lowered budget), at the first layer's entry
+  (or the model's entry) of every planned step; there too, where the agreed bucket has no plan
+  yet on the ranks, whether any rank found none fits (:func:`agree_flag`): then every rank
+  raises ``BudgetError``.
+
+The plans themselves may differ between ranks (each is made from its own rank's measured
+figures): a plan issues no collective (a layer recomputed in backward under FSDP2 runs without an
+all-gather of its own). :func:`agree_shape` makes every rank plan for the largest batch and the
+largest length any rank saw: a plan made for a larger shape holds for a smaller one (the bytes a
+layer saves only shrink with the batch and the length, so its peak does too), so the agreed
+shape is conservative on memory for every rank.
 
 Cost: one all-reduce of a few int64s and one host read of its result per call, and only under a
 process group of more than one rank; without one, nothing (no collective, no tensor). Under
 NCCL the host read waits for the compute stream's work queued so far, so a group that also has a
-CPU backend (``init_process_group("cpu:gloo,cuda:nccl")``) reduces on the host instead.
+CPU backend (``init_process_group("cpu:gloo,cuda:nccl")``) reduces on the host instead. Planned
+steps make one call each (two for a bucket new to the ranks); probe steps one or two; nothing
+runs per layer or per tensor.
 
 Like any collective, each call must be made by every rank of the group, at the same point and in
-the same order: the first layer's entry of each forward (every micro-batch's, if each builds its
-own graph), never inside a CUDA graph's capture. Under pipeline parallelism the stages enter
+the same order: the points above, in every forward (every micro-batch's, if each builds its own
+graph), never inside a CUDA graph's capture. Under pipeline parallelism the stages enter
 their first layers at different times, waiting on each other's sends, so a collective over the
 whole world there deadlocks: pass the data-parallel ``group`` (the ranks holding the same layers).
+Every call reduces as many values, led by the name of its point (and its negation): ranks that
+reach different points of this module (a rank that skipped a step, or raised where the others
+did not) all raise one clear error there instead of pairing one point's values with another's.
+A step that fails on one rank must still reach the next agreement point on every rank: a loop that
+retries out-of-memory steps goes on with the next step (with DDP or FSDP2, whose own collectives
+cannot survive a rank's failure in the middle of a forward, the ranks must agree to skip the
+backward of a step that failed on any of them).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
 from .shapes import StepShape
 
-__all__ = ["agree_flag", "agree_shape", "ranks_agree_enabled"]
+__all__ = ["Group", "agree_flag", "agree_max", "agree_shape", "agree_step", "ranks_agree_enabled"]
+
+# The ranks that agree: a process group, None for the default one, False for none (no collective).
+Group = Union[None, Literal[False], "dist.ProcessGroup"]
+
+# Where the ranks agree (the module notes), each with its number in the reduced tensor.
+POINTS = ("probe step", "short probe", "planned step", "plan fits", "values")
+_WIDTH = 3  # values per call, at most: every call reduces as many (its point's two, then these)
 
 
-def ranks_agree_enabled(group: Optional["dist.ProcessGroup"] = None) -> bool:
-    """Whether agreeing means a collective: ``torch.distributed`` is built in, a process group
-    is initialized and ``group`` (the default one if None) has more than one rank. Cheap (no
-    communication); safe to call every step."""
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+def ranks_agree_enabled(group: Group = None) -> bool:
+    """Whether agreeing means a collective: ``group`` is not False, ``torch.distributed`` is
+    built in, a process group is initialized and ``group`` (the default one if None) has more
+    than one rank. Cheap (no communication); safe to call every step."""
+    return group is not False and dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def _reduce_device(device: torch.device, group: Optional["dist.ProcessGroup"]) -> torch.device:
@@ -64,14 +100,45 @@ def _cuda(device: torch.device) -> torch.device:
     return device if device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
 
 
-def _all_max(values: list[int], device: torch.device, group: Optional["dist.ProcessGroup"]) -> list[int]:
-    """The element-wise maximum of ``values`` over the group's ranks (one all-reduce)."""
-    t = torch.tensor(values, dtype=torch.int64, device=_reduce_device(torch.device(device), group))
+def agree_max(values: Sequence[int], device: torch.device, group: Group = None, point: str = "values") -> list[int]:
+    """The element-wise maximum of ``values`` (at most three non-negative ints) over the ranks
+    of ``group`` (the default group if None), in one all-reduce: the largest size, the worst
+    outcome, any rank's flag (as 0 or 1). ``values`` itself, with no collective, where
+    :func:`ranks_agree_enabled` is false. Every rank must call it at the same ``point`` (one of
+    :data:`POINTS`; see the module notes), or all raise RuntimeError; ``device`` is this rank's
+    compute device."""
+    values = [int(v) for v in values]
+    if not ranks_agree_enabled(group):
+        return values
+    if len(values) > _WIDTH or min(values, default=0) < 0:
+        raise ValueError(f"offload: agree_max takes at most {_WIDTH} non-negative ints, got {values}")
+    tag = POINTS.index(point) + 1
+    row = [tag, -tag, *values, *[0] * (_WIDTH - len(values))]
+    t = torch.tensor(row, dtype=torch.int64, device=_reduce_device(torch.device(device), group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return t.tolist()  # the host read: the plan is chosen on the host
+    got = t.tolist()  # the host read: the plan is chosen on the host
+    if got[0] != -got[1]:  # the largest and the smallest point differ
+        raise RuntimeError(
+            f"offload: the ranks of the plan group reached different agreement points ({POINTS[-got[1] - 1]!r} and "
+            f"{POINTS[got[0] - 1]!r}): a rank skipped a step, or went on past an error the others did not have. "
+            "Every rank must run the same steps; a step that fails on one rank must still be entered by all "
+            "(see offload.planner.agree)"
+        )
+    return got[2:2 + len(values)]
 
 
-def agree_shape(shape: StepShape, device: torch.device, group: Optional["dist.ProcessGroup"] = None) -> StepShape:
+def agree_step(shape: StepShape, flag: bool, device: torch.device,
+               group: Group = None) -> tuple[StepShape, bool]:
+    """:func:`agree_shape` and :func:`agree_flag` in one all-reduce: the shape every rank plans
+    for this step, and whether ``flag`` is true on any rank (a planned step: whether any rank ran
+    out of memory since its last one)."""
+    if not ranks_agree_enabled(group):
+        return shape, bool(flag)
+    batch, length, any_flag = agree_max([shape.batch, shape.length, int(bool(flag))], device, group, "planned step")
+    return StepShape(int(batch), int(length)), bool(any_flag)
+
+
+def agree_shape(shape: StepShape, device: torch.device, group: Group = None) -> StepShape:
     """The shape every rank of ``group`` (the default group if None) plans for this step: the
     largest batch and the largest length among the ranks' shapes, each taken separately, so it
     is at least this rank's shape in both. ``shape`` itself, with no collective, where
@@ -79,15 +146,13 @@ def agree_shape(shape: StepShape, device: torch.device, group: Optional["dist.Pr
     module notes); ``device`` is this rank's compute device."""
     if not ranks_agree_enabled(group):
         return shape
-    batch, length = _all_max([shape.batch, shape.length], device, group)
+    batch, length = agree_max([shape.batch, shape.length], device, group, "planned step")
     return StepShape(int(batch), int(length))
 
 
-def agree_flag(flag: bool, device: torch.device, group: Optional["dist.ProcessGroup"] = None) -> bool:
+def agree_flag(flag: bool, device: torch.device, group: Group = None) -> bool:
     """True on every rank if ``flag`` is true on any rank (a logical OR, one all-reduce):
     a rank that found no plan fitting the agreed shape makes every rank raise ``BudgetError``
     at the same point, so none waits for it in a later collective. ``flag`` itself, with no
     collective, where :func:`ranks_agree_enabled` is false."""
-    if not ranks_agree_enabled(group):
-        return bool(flag)
-    return bool(_all_max([int(bool(flag))], device, group)[0])
+    return bool(agree_max([int(bool(flag))], device, group, "plan fits")[0])

@@ -19,11 +19,26 @@ A plan is made from one measured probe step (:mod:`offload.planner.probe`) after
 An out-of-memory error in a plain probe step switches to the low-memory probe (the next step is
 measured at low memory). One in a low-memory step is a :class:`BudgetError`: the model does not
 fit even with every layer recomputed.
+
+**Ranks move together.** Which probe step comes next changes the collectives a rank issues (a rank
+past its probe agrees on its plan's shape at its first layer, one still probing runs its step's
+all-gathers), so under a process group every transition is the ranks' one decision. The
+sequence is pure about it: :meth:`ProbeSequence.judge` gives this rank's :class:`StepOutcome`
+of a step, the caller agrees on the worst outcome of all ranks
+(:func:`offload.planner.agree.agree_max` of :meth:`StepOutcome.values`), and
+:meth:`ProbeSequence.advance` moves on by the agreed one: the same next step on every rank. So
+every rank takes the low-memory probe if any rank's sizing step predicts that the plain step
+would not fit its device; every rank measures again at low memory if any rank's plain step ran
+out of memory (a rank whose step completed drops its figures); every rank runs the same step
+again if any rank's raised (or did not finish its backward); every rank raises the
+:class:`BudgetError` if any rank's low-memory step ran out of memory. Without a process group
+the agreed outcome is this rank's own.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+import enum
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -60,13 +75,58 @@ def is_out_of_memory(exc: BaseException) -> bool:
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
 
 
+class Verdict(enum.IntEnum):
+    """How a probe step went on one rank, worst last: ranks agree on the largest."""
+
+    DONE = 0        # it ran to its end: the sequence moves on
+    AGAIN = 1       # it raised (not out of memory), or did not finish without a sign of memory: run it again
+    LOW_MEMORY = 2  # a plain step ran out of memory (or did not finish its backward): measure at low memory
+    NO_FIT = 3      # a low-memory step ran out of memory: BudgetError
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """One probe step's outcome on this rank, or the one the ranks agreed on.
+
+    ``low_memory``: after the sizing step, the plain step's predicted peak is over this rank's
+    device. ``raised``: the step raised something other than out of memory (fatal to
+    :meth:`ProbeSequence.run`, the caller's own error in a ``with``). ``why`` and ``sizing`` stay
+    on this rank (the reason for the report, the sizing step's figures)."""
+
+    verdict: Verdict = Verdict.DONE
+    low_memory: bool = False
+    raised: bool = False
+    why: str = field(default="", compare=False)
+    sizing: Optional[StepProfile] = field(default=None, compare=False, repr=False)
+
+    def values(self) -> list[int]:
+        """What the ranks reduce (element-wise maximum: the worst verdict, any rank's flags)."""
+        return [int(self.verdict), int(self.low_memory), int(self.raised)]
+
+    @classmethod
+    def from_values(cls, values: Sequence[int]) -> "StepOutcome":
+        """The outcome of :meth:`values` reduced over the ranks."""
+        return cls(Verdict(int(values[0])), bool(values[1]), bool(values[2]))
+
+
+def _alone(outcome: StepOutcome) -> StepOutcome:
+    return outcome
+
+
+_NO_FIT = ("offload: the planner's probe ran out of device memory even with every layer recomputed (the "
+           "lowest-memory probe: what checkpointing needs)")
+_NO_FIT_HINT = "No plan can fit: use a shorter sequence, a smaller batch, or more GPUs (a smaller shard on each)"
+
+
 class ProbeSequence:
     """Hands out the probe step of each planning step and takes back how it went.
 
     Use: ``probe = seq.next_step()`` (None: run the step plainly, unmeasured), run the step
-    between ``probe.begin()`` / ``probe.end_forward()`` and its backward, ``probe.end_step()``,
-    then ``seq.step_done(probe)``, which returns the :class:`StepProfile` once the measured step
-    is done (or ``seq.step_failed(...)`` when the step raised).
+    between ``probe.begin()`` / ``probe.end_forward()`` and its backward, ``probe.end_step()``;
+    then ``own = seq.judge(probe, exc)`` (``exc``: what the step raised, if it did), the outcome
+    the ranks agree on (``own`` itself alone), and ``seq.advance(own, agreed, exc)``, which
+    returns the :class:`StepProfile` once the measured step is done. :meth:`step_done` and
+    :meth:`step_failed` do both for one process.
     """
 
     def __init__(
@@ -114,74 +174,111 @@ class ProbeSequence:
         return ProbeStep(self.layers, self.policy, self.device, calibrate_recompute=kind == "calibrate",
                          mode=mode, candidates=self.candidates)
 
-    def step_done(self, probe: Optional[ProbeStep]) -> Optional[StepProfile]:
-        """Take a step that ran to its end; return the profile when it was the measured one."""
-        if probe is not None and not probe.records:
+    def judge(self, probe: Optional[ProbeStep], exc: Optional[BaseException] = None) -> StepOutcome:
+        """This rank's outcome of the step ``probe`` ran (None: a plain warm-up), ``exc`` what it
+        raised if it did; changes nothing. A plain warm-up that raised out of memory counts (as in
+        :meth:`run`); one whose error ended inside a ``with`` is never seen here. Out of memory in
+        a plain step (or, on CUDA, a plain step whose backward did not finish) calls for the
+        low-memory probe; in a low-memory step it is :attr:`Verdict.NO_FIT`. An unfinished step
+        on the CPU, which has no device memory to run out of, is run again."""
+        low_memory = probe is not None and probe.mode == RECOMPUTE_PROBE
+        if exc is not None:
+            if not is_out_of_memory(exc):
+                return StepOutcome(Verdict.AGAIN, raised=True)
+            if low_memory:
+                return StepOutcome(Verdict.NO_FIT)
+            return StepOutcome(Verdict.LOW_MEMORY, why="low-memory probe: the plain probe step ran out of device memory")
+        if probe is None:
+            return StepOutcome()
+        if not probe.records:
+            # The same on every rank (the same model): raised here, before any agreement.
             raise ValueError(
                 "offload: the probe step ran none of the given layers; pass the modules the "
                 "forward really calls (e.g. model.model.layers)"
             )
-        if probe is not None and not probe.complete():
+        if not probe.complete():
             # Its backward never ran, or raised (out of memory, most likely, outside the with).
-            self.step_failed(probe, None)
+            if low_memory or self.device_limit is None:
+                return StepOutcome(Verdict.AGAIN)
+            return StepOutcome(Verdict.LOW_MEMORY, why="low-memory probe: the plain probe step did not finish its "
+                                                        "backward (out of memory there, or it raised)")
+        if self.todo[0] == "size":
+            return self._size(probe)
+        return StepOutcome()
+
+    def _size(self, probe: ProbeStep) -> StepOutcome:
+        # The sizing step's prediction of the plain step's peak, against this rank's device.
+        sizing = predict_plain(probe.profile(_NO_LINK))
+        predicted = sizing.plain_peak_bytes
+        need = int(predicted * (1 + PEAK_MODEL_ERROR))
+        limit = self.device_limit() if self.device_limit is not None else 0
+        fits = need <= limit
+        why = (f"the plain step's predicted peak {format_bytes(predicted)} (+{PEAK_MODEL_ERROR:.0%}) "
+               f"{'fits' if fits else 'is more than'} the device's {format_bytes(limit)}")
+        return StepOutcome(low_memory=not fits, why=why, sizing=sizing)
+
+    def advance(self, own: StepOutcome, agreed: StepOutcome, exc: Optional[BaseException] = None,
+                probe: Optional[ProbeStep] = None) -> Optional[StepProfile]:
+        """Move on by the ``agreed`` outcome of the step (``own``: this rank's, from :meth:`judge`;
+        ``exc``: what the step raised here; ``probe``: the step's probe); the profile when it was
+        the measured step. Raises :class:`BudgetError` on :attr:`Verdict.NO_FIT`. A rank whose own
+        step completed drops its figures when the agreed outcome is worse."""
+        verdict = agreed.verdict
+        if verdict == Verdict.NO_FIT:
+            if own.verdict == Verdict.NO_FIT:
+                raise BudgetError(f"{_NO_FIT}. {_NO_FIT_HINT}") from exc
+            raise BudgetError(f"{_NO_FIT} on another rank of the plan group (see its error). {_NO_FIT_HINT}")
+        if verdict == Verdict.LOW_MEMORY:
+            self.mode = RECOMPUTE_PROBE
+            self.todo = ["measure"]
+            self.reason = own.why if own.verdict == Verdict.LOW_MEMORY else (
+                "low-memory probe: another rank's plain probe step ran out of device memory (or did not finish "
+                "its backward)")
             return None
+        if verdict == Verdict.AGAIN:
+            return None  # the same step again
         kind = self.todo.pop(0)
         if kind == "calibrate" and probe is not None:
             self.recompute_peak = probe.recompute_peak()
-        elif kind == "size" and probe is not None:
-            self._choose_after_sizing(probe)
+        elif kind == "size":
+            self.sizing = own.sizing
+            if agreed.low_memory:
+                self.mode, self.todo = RECOMPUTE_PROBE, ["measure"]
+                self.reason = f"low-memory probe: {own.why}" if own.low_memory else (
+                    f"low-memory probe: on another rank of the plan group the plain step would not fit its "
+                    f"device (here {own.why})")
+            else:
+                self.mode, self.todo = PLAIN_PROBE, ["calibrate", "measure"]
+                self.reason = f"plain probe: {own.why}"
         elif kind == "measure" and probe is not None:
             return replace(probe.profile(self.link(), recompute_peak=self.recompute_peak), probe_reason=self.reason)
         return None
 
-    def _choose_after_sizing(self, probe: ProbeStep) -> None:
-        self.sizing = predict_plain(probe.profile(_NO_LINK))
-        predicted = self.sizing.plain_peak_bytes
-        need = int(predicted * (1 + PEAK_MODEL_ERROR))
-        limit = self.device_limit() if self.device_limit is not None else 0
-        if need <= limit:
-            self.mode = PLAIN_PROBE
-            self.todo = ["calibrate", "measure"]
-            self.reason = (f"plain probe: the plain step's predicted peak {format_bytes(predicted)} "
-                           f"(+{PEAK_MODEL_ERROR:.0%}) fits the device's {format_bytes(limit)}")
-        else:
-            self.mode = RECOMPUTE_PROBE
-            self.todo = ["measure"]
-            self.reason = (f"low-memory probe: the plain step's predicted peak {format_bytes(predicted)} "
-                           f"(+{PEAK_MODEL_ERROR:.0%}) is more than the device's {format_bytes(limit)}")
+    def step_done(self, probe: Optional[ProbeStep]) -> Optional[StepProfile]:
+        """One process: take a step that ran to its end (its backward may have failed); the
+        profile when it was the measured one."""
+        own = self.judge(probe)
+        return self.advance(own, own, probe=probe)
 
-    def step_failed(self, probe: Optional[ProbeStep], exc: Optional[BaseException]) -> bool:
-        """A probe step raised ``exc`` (None: it did not finish its backward). Returns whether the
-        sequence goes on: out of memory in a plain step (or, on CUDA, an unfinished step) moves on
-        to the low-memory probe; an unfinished step on the CPU, which has no device memory to run
-        out of, is measured again; out of memory in a low-memory step is a :class:`BudgetError`;
-        other errors are the caller's (False)."""
-        low_memory = probe is not None and probe.mode == RECOMPUTE_PROBE
-        if exc is not None and not is_out_of_memory(exc):
+    def step_failed(self, probe: Optional[ProbeStep], exc: BaseException) -> bool:
+        """One process: a probe step raised ``exc``. Returns whether the sequence goes on (the
+        step is run again, or at low memory); False for errors other than out of memory, which
+        are the caller's. Raises :class:`BudgetError` for out of memory at low memory."""
+        own = self.judge(probe, exc)
+        if own.raised:
             return False
-        if low_memory and exc is not None:
-            raise BudgetError(
-                "offload: the planner's probe ran out of device memory even with every layer "
-                "recomputed (the lowest-memory probe: what checkpointing needs). No plan can fit: "
-                "use a shorter sequence, a smaller batch, or more GPUs (a smaller shard on each)"
-            ) from exc
-        if exc is None and self.device_limit is None:
-            # No device memory to run out of (CPU): the step raised in its backward, or its
-            # backward never ran. Measure the next step the same way.
-            return True
-        if not low_memory:
-            self.mode = RECOMPUTE_PROBE
-            self.todo = ["measure"]
-            self.reason = ("low-memory probe: the plain probe step ran out of device memory" if exc is not None
-                           else "low-memory probe: the plain probe step did not finish its backward (out of "
-                                "memory there, or it raised)")
+        self.advance(own, own, exc, probe)
         return True
 
-    def run(self, step_fn: Callable[[], object], where: str) -> StepProfile:
+    def run(self, step_fn: Callable[[], object], where: str,
+            agree: Callable[[StepOutcome], StepOutcome] = _alone) -> StepProfile:
         """Run ``step_fn()`` (one whole training step) as the sequence's steps until the measured
-        one is done; its profile. ``where`` names the caller in errors."""
+        one is done; its profile. ``where`` names the caller in errors. ``agree``: the outcome the
+        ranks agree on, from this rank's (called once after every step, on every rank)."""
         while True:
             current = self.next_step()
+            failure: Optional[Exception] = None  # what the step raised
+            misuse: Optional[RuntimeError] = None  # a step that is not one whole training step
             try:
                 if current is not None:
                     current.begin()
@@ -189,19 +286,26 @@ class ProbeSequence:
             except Exception as exc:
                 if current is not None:
                     current.end_forward()
-                if not self.step_failed(current, exc):  # out of memory: a lower-memory probe next
+                failure = exc
+            else:
+                if current is not None:
+                    current.end_step()
+                    if current.records and not current.complete():
+                        misuse = RuntimeError(
+                            f"{where}: the step ran the forward but not the whole backward; it must be "
+                            "one whole training step (loss.backward() included)"
+                        )
+            own = StepOutcome(Verdict.AGAIN, raised=True) if misuse is not None else self.judge(current, failure)
+            agreed = agree(own)
+            if agreed.raised:
+                if misuse is not None:
+                    raise misuse
+                if own.raised:
                     raise RuntimeError(
-                        f"{where}: the probe step raised {type(exc).__name__}: {exc}. The probe runs "
+                        f"{where}: the probe step raised {type(failure).__name__}: {failure}. The probe runs "
                         "the step as it is (no offload); fix the step so that it runs on its own first"
-                    ) from exc
-                continue
-            if current is not None:
-                current.end_step()
-                if current.records and not current.complete():
-                    raise RuntimeError(
-                        f"{where}: the step ran the forward but not the whole backward; it must be "
-                        "one whole training step (loss.backward() included)"
-                    )
-            profile = self.step_done(current)
+                    ) from failure
+                raise RuntimeError(f"{where}: the probe step raised on another rank of the plan group; see its error")
+            profile = self.advance(own, agreed, failure, current)
             if profile is not None:
                 return profile

@@ -10,6 +10,9 @@ bitwise comparison proves nothing) and then with offload twice, and returns plai
 - ``fsdp_te`` / ``fsdp_oa``: FSDP2, ``fully_shard`` on every layer and at the root.
 - ``pipeline_te`` / ``pipeline_oa``: ``torch.distributed.pipelining``, one stage per rank,
   ``Schedule1F1B`` over 4 micro-batches (stage 0 holds two in flight).
+- ``diverge_<fsdp|ddp>_<lengths|low_memory|bucket|oom>`` (torchrun only; the CPU runs its own
+  cases in ``test_ranks_diverge_cpu.py``): ranks that differ on purpose decide together (issue
+  48, ``diverge``).
 
 Gradients are compared with ``torch.equal`` (FSDP2: each rank's shards). No parameter is ever
 copied: every tensor the policy sends to the host is checked against the storages of the
@@ -36,10 +39,12 @@ for _path in (HERE, HERE.parent):  # _util (tests/) for spawned processes and to
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import diverge  # noqa: E402
 import offload  # noqa: E402
 from offload.models import MLPBlock  # noqa: E402
 
 SCENARIOS = ("ddp_te", "ddp_oa", "fsdp_te", "fsdp_oa", "pipeline_te", "pipeline_oa")
+DIVERGE = {case.name: case for case in diverge.GPU_CASES}
 LAYERS = 4
 
 
@@ -263,6 +268,8 @@ def _pipeline(s: Setup, form: str) -> dict[str, Any]:
 
 def run_scenario(s: Setup, name: str) -> dict[str, Any]:
     """One scenario on this rank; an exception becomes ``{"error": traceback}``."""
+    if name in DIVERGE:
+        return diverge.run_cases(diverge.sizes_for(s.rank, s.world, s.device), (DIVERGE[name],))[name]
     try:
         kind, form = name.split("_")
         if kind == "pipeline":
@@ -274,6 +281,9 @@ def run_scenario(s: Setup, name: str) -> dict[str, Any]:
 
 def problems(name: str, ranks: list[dict[str, Any]], *, local_world: int) -> list[str]:
     """What is wrong with a scenario's results (one dict per rank), in words; [] when all good."""
+    if name in DIVERGE:
+        sizes = diverge.sizes_for(0, len(ranks), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        return diverge.problems(DIVERGE[name], ranks, sizes.base, sizes.batch)
     out: list[str] = []
     for rank, r in enumerate(ranks):
         where = f"{name} rank {rank}"
@@ -325,6 +335,7 @@ def gloo_worker(rank: int, world: int, port: int, out_dir: str, names: list[str]
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_WORLD_SIZE=str(world),
                       GLOO_SOCKET_IFNAME="lo")
     init("gloo", rank, world, timeout_s=60.0)
+    torch.set_num_threads(1)  # the ranks share the host's cores: oversubscribed threads slow gloo's steps
     try:
         s = setup_for(rank, world, torch.device("cpu"))
         results = {name: run_scenario(s, name) for name in names}
@@ -342,7 +353,7 @@ def gloo_worker(rank: int, world: int, port: int, out_dir: str, names: list[str]
 def torchrun_main(argv: Optional[list[str]] = None, out: Callable[[str], None] = print) -> int:
     """``torchrun --nproc-per-node N run.py [scenario ...]``: NCCL on the GPUs (gloo without
     CUDA); rank 0 prints one line per scenario and every problem. Exit status 1 on a problem."""
-    names = [a for a in (argv if argv is not None else sys.argv[1:])] or list(SCENARIOS)
+    names = [a for a in (argv if argv is not None else sys.argv[1:])] or [*SCENARIOS, *DIVERGE]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if torch.cuda.is_available():
@@ -368,7 +379,7 @@ def torchrun_main(argv: Optional[list[str]] = None, out: Callable[[str], None] =
             found = problems(name, per_rank, local_world=local_world)
             failed += bool(found)
             head = per_rank[0]
-            figures = "" if "error" in head else (
+            figures = "" if "error" in head or name in DIVERGE else (
                 f"offloaded {head['offloaded']} tensors ({head['offloaded_bytes'] / 2**20:.1f} MiB), "
                 f"parameters kept {head['parameters_kept']}, NUMA {head['host_numa'][0]} ({head['host_numa'][1]})")
             out(f"  {name:<12} {'ok  ' if not found else 'FAIL'} {figures}")

@@ -189,6 +189,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str, name: str) -> None:
                       GLOO_SOCKET_IFNAME="lo")  # loopback: the host name may resolve to an unreachable interface
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)  # the ranks share the host's cores: oversubscribed threads made steps 30x slower
     try:
         result = _scenario(rank, name)
     except Exception:  # noqa: BLE001 - reported to the test
