@@ -283,7 +283,10 @@ def run_case(s: Sizes, case: Case) -> dict[str, Any]:
     gradients are bitwise the plain run's; the plain run's repeatability."""
     model, layers, batch = (_llama if case.model == "llama" else _mlp)(s, case)
     faults = Faults(s, case)
-    layers[LAYERS // 2].register_forward_hook(faults.layer_hook)
+    if case.faults:
+        # Only where faults are injected: a forward hook on a layer makes the model form probe
+        # at full length (it may compute, and would see the short probe's calls).
+        layers[LAYERS // 2].register_forward_hook(faults.layer_hook)
     wrapped = _wrap(s, case, model, layers)
     skip_together = case.faults and case.wrap != "none"
 
