@@ -306,11 +306,13 @@ def problems(name: str, ranks: list[dict[str, Any]], *, local_world: int) -> lis
             out.append(f"{where}: FSDP2 offloaded {r['offloaded_bytes']} bytes, the same layers unwrapped "
                        f"{r['unwrapped_offloaded_bytes']}: something besides activations was copied")
         if name.startswith("ddp"):
-            import psutil
+            from offload.host.ledger import default_host_budget
 
-            share = int(psutil.virtual_memory().total * 0.75) // local_world
+            # The node's total less the floor left for others, shared by this job's ranks.
+            share, source = default_host_budget()
             if r["host_budget_bytes"] != share:
-                out.append(f"{where}: host budget {r['host_budget_bytes']} is not 75% of RAM / {local_world} ranks ({share})")
+                out.append(f"{where}: host budget {r['host_budget_bytes']} is not the node's share for "
+                           f"{local_world} ranks ({share}: {source})")
         if name.startswith("pipeline"):
             if rank == 0 and r["max_in_flight"] < 1:
                 out.append(f"{where}: stage 0 never had two micro-batches in flight (1F1B holds two)")
