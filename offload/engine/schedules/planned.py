@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..group import Group, GroupState
+from ..step_peak import StepPeak
 from ...host.layout import ALIGNMENT
 from ...planner.model import (
     PREFETCH_DEPTH, copied_slots, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
@@ -99,6 +100,9 @@ class PlannedSchedule(Schedule):
         # Set to a list to record (event, layer, model's bytes, allocated bytes) at every
         # decision point: where a measured peak departs from the prediction, this shows where.
         self.trace: Optional[list[tuple[str, int, int, int]]] = None
+        # The step's peak, read at the forward's and the backward's end (the plan report's
+        # measured peak, offload.engine.step_peak); None: not measured.
+        self.peak: Optional[StepPeak] = None
 
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
@@ -230,6 +234,10 @@ class PlannedSchedule(Schedule):
             self._force(engine, step, self.profile.head_bytes)
             self._record(engine, step, "head", layer)
 
+    def on_forward_end(self, engine: EngineView) -> None:
+        if self.peak is not None:
+            self.peak.read()
+
     def _check_bytes(self, engine: EngineView, layer: int, group: Group) -> None:
         # A plan made for another model (or another batch or sequence length) saves other
         # bytes than the probe saw: the plan still runs and gradients stay exact, but its
@@ -250,6 +258,8 @@ class PlannedSchedule(Schedule):
     def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step``: reload its group, release by force
         while over the budget, prefetch below it while the budget allows (the module's rules)."""
+        if self.peak is not None:
+            self.peak.read_after_backward()
         holding = self._holding(step)
         held = holding.held
         for done in range(layer + 1, len(held)):
