@@ -253,6 +253,7 @@ class PlannedSteps:
         schedule = self.engine.schedule
         if isinstance(schedule, PlannedSchedule):
             schedule.scale = shape.tokens / bucket.tokens
+            schedule.step_shape = (shape.batch, shape.length)
 
     def end_forward(self, exc: Optional[BaseException]) -> None:
         """A probe step's forward ended (``exc``: what it raised, if it did)."""
