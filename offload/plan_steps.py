@@ -275,6 +275,7 @@ class PlannedSteps:
         probe, self.probe = self.probe, None
         if self._probing:
             self._probing = False
+            self.engine.forward.count_step_elsewhere()  # the report numbers every step of the context
             if probe is not None:
                 probe.end_step()
             self.profile = self._sequence.step_done(probe)  # type: ignore[union-attr]

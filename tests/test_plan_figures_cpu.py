@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import re
 import warnings
 
 import pytest
@@ -244,3 +245,15 @@ def test_a_layer_off_its_plans_figures_warns_with_what_to_do_today() -> None:
     assert "batch 2 x length 256" in message and "memory_budget_bytes" in message, message
     # Plans are made per shape: making one by hand is no longer the remedy.
     assert "make a new plan" not in message and "offload.plan(" not in message, message
+
+
+# -- the report's step number -----------------------------------------------------------------------
+def test_the_report_numbers_every_step_of_the_context_probe_steps_included() -> None:
+    layers, x = make_gpt_layers(4), torch.randn(2, 16, 64)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes="lowest", device="cpu", min_offload_bytes=0)
+    for step in range(1, 7):
+        oa_step(layers, x, oa)
+        if oa.plan is not None:  # the probe steps (the first 3) have no engine figures
+            assert oa.stats["step"] == step, f"after {step} steps the figures say step {oa.stats['step']}"
+    assert oa.plan is not None and oa.stats["step"] == 6
+    assert re.search(r"^step\s+6 \(finished\)$", oa.report(), flags=re.M), oa.report()
