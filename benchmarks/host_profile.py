@@ -19,6 +19,7 @@ import cProfile
 import pstats
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,17 @@ def _model(name: str, device: torch.device, smoke: bool) -> tuple[torch.nn.Modul
     spec = workloads.small(1.0) if name == "small" else workloads.moe(1.0)
     layers, make_input = spec.build(device)
     return layers, make_input()
+
+
+def package_path(path: str, package: Path) -> Optional[str]:
+    """``path`` (a code object's file) relative to ``package`` (the ``offload`` package's own
+    directory), or None when it is not one of the package's files. Read against the package's
+    directory, not a "/offload/" in the path: ``git clone`` names the checkout ``offload``, so
+    the benchmarks' own files are under an "/offload/" too (and the package's under two)."""
+    try:
+        return Path(path).resolve().relative_to(package).as_posix()
+    except ValueError:
+        return None
 
 
 def main() -> None:
@@ -73,12 +85,13 @@ def main() -> None:
     groups = stats["groups_offloaded"] or 1
     rows = []
     engine_calls = 0.0
+    package = Path(offload.__file__).resolve().parent
     for (path, line, name), (_, calls, own, _, _) in pstats.Stats(profile).stats.items():  # type: ignore[attr-defined]
-        ours = "/offload/" in path
-        if ours:
+        ours = package_path(path, package) if path != "~" else None
+        if ours is not None:
             engine_calls += calls / args.steps
-        if ours or path == "~":
-            where = path.split("/offload/")[-1] + f":{line}" if ours else "builtin"
+        if ours is not None or path == "~":
+            where = f"{ours}:{line}" if ours is not None else "builtin"
             rows.append((own / args.steps * 1e6, calls / args.steps, f"{where} {name}"))
     rows.sort(reverse=True)
     print(f"{args.workload}: {n} layers, {groups} groups and {stats['offloaded_tensors']} tensors offloaded a step; "

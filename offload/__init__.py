@@ -11,6 +11,7 @@ Plan (per layer keep, offload or recompute, for a memory budget):
     BudgetError                     a budget below the lowest peak any plan reaches
     selective_recompute(modules)    keep GEMM outputs, recompute the cheap ops (e.g. every MLP)
     planner                         the planner's parts: profiles, cost model, search, tables
+    tiling                          the LM head and loss, MLPs, run over chunks of tokens (long context)
 Choose tensors:
     mark_not_offload(*tensors)      these stay on the GPU, in every mode
     mark_activation_offload(*ts)    opt these in (the v1 schedule's selection)
@@ -44,7 +45,7 @@ from .api import (
     resolve_mode,
 )
 from .activations import OffloadActivations
-from . import graphs, planner
+from . import graphs, planner, tiling
 from .planner import BudgetError, plan
 from .host.arena import CaptureError
 from .engine.marks import mark_activation_offload, mark_not_offload, start_offload
@@ -78,6 +79,7 @@ __all__ = [
     "resolve_mode",
     "selective_recompute",
     "start_offload",
+    "tiling",
 ]
 
 # Subpackages imported on first use: ``import offload`` stays cheap (no profiler, FP8 layers or

@@ -41,6 +41,14 @@ from .layers import model_form
 from .sizes import byte_count, byte_options
 
 
+# A `with` in which none of the layers ran, and no compiled code to blame (see the class notes).
+NO_LAYER_RAN = (
+    "offload: none of the {count} layers given to OffloadActivations ran inside this `with`. If it "
+    "held the backward (or the optimizer's step), put it around the forward only: `with oa: loss = "
+    "model(x)`, then `loss.backward()` (after the `with`, or inside that same one). Otherwise pass "
+    "the modules the forward really calls, in call order (e.g. model.model.layers)"
+)
+
 # Copies in flight before the oldest group is released: one group computing while the previous
 # one's copy finishes, as in v2's layer budget.
 DEFAULT_STASH_GROUPS = 2
@@ -75,6 +83,11 @@ class OffloadActivations:
     torchtune's options keep their meanings (``min_offload_size`` is ``min_offload_bytes``; ``max_fwd_stash_size``
     counts groups here); ``use_pin_memory=False`` and ``use_streams=False`` are refused. Use
     :class:`offload.keep_on_gpu` for torchtune's ``NoOpManager``.
+
+    The ``with`` goes around the forward. A ``loss.backward()`` inside it is harmless: the
+    forward ends where the backward reaches the last layer, as it would after the ``with``
+    (same gradients, same memory). A second ``with`` around the backward alone runs no layer,
+    and the warning (or, while probing, the error) says so.
 
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
     those of :func:`offload.get_cpu_offload_context`; ``device=None`` is the current CUDA device,
@@ -373,6 +386,8 @@ class OffloadActivations:
         self.engine.finish_forward()
         if counted == 0 and dynamo_compiled_code():
             self.engine.warn_once("count", COMPILED_FIRST.format(count=len(self.layers)))
+        elif counted == 0:  # most often a `with` around the backward, not the forward
+            self.engine.warn_once("count", NO_LAYER_RAN.format(count=len(self.layers)))
         elif counted != len(self.layers):
             self.engine.warn_once(
                 "count",

@@ -68,6 +68,7 @@ from .planner.types import Plan, StepProfile
 from .forwards.recompute import checkpoint_inputs
 from .engine.schedules.planned import PlannedSchedule
 from .engine.stats import format_bytes
+from .engine.step_peak import StepPeak
 
 __all__ = ["PlannedSteps", "OOM_BACKOFF"]
 
@@ -128,6 +129,8 @@ class PlannedSteps:
         self._entry_step: Optional[int] = None  # the engine step planned at the model's entry
         self.head: Optional[HeadInfo] = None    # the LM head plans may tile (the model form)
         self._last_step: Optional[tuple[Any, Any, Optional[int]]] = None  # (start, end, peak)
+        # Each planned step's peak (measure_peak, on CUDA), read by the plans' schedules too.
+        self._peak = StepPeak(self.device) if measure_peak and self.device.type == "cuda" else None
         device = self.device
         check_device_budget(budget, device, "OffloadActivations:")
         # "device" is all the GPU can give, and the caching allocator's fragmentation can take a
@@ -286,6 +289,7 @@ class PlannedSteps:
         schedule = self.engine.schedule
         if isinstance(schedule, PlannedSchedule):
             schedule.scale = shape.tokens / bucket.tokens
+            schedule.step_shape = (shape.batch, shape.length)
 
     def end_forward(self, exc: Optional[BaseException]) -> None:
         """A probe step's forward ended (``exc``: what it raised, if it did)."""
@@ -330,13 +334,16 @@ class PlannedSteps:
         if cuda:
             mark.record()
         if self._probing:
+            self.engine.forward.count_step_elsewhere()  # the report numbers every step of the context
             self._close_probe_step()
         elif self._step_mark is not None:
-            # Read lazily (report): reading the events now would make the host wait.
-            peak = torch.cuda.max_memory_allocated(self.device) if cuda and self.measure_peak else None
+            # Read lazily (report): reading the events now would make the host wait. The peak:
+            # the largest of this reading and those the schedule took at the step's forward and
+            # backward ends (a loop may reset the counter itself between steps: step_peak.py).
+            peak = self._peak.read() if self._peak is not None else None
             self._last_step = (self._step_mark, mark, peak)
-        if cuda and self.measure_peak:
-            torch.cuda.reset_peak_memory_stats(self.device)
+        if self._peak is not None:
+            self._peak.reset()
         self._step_mark = mark
 
     # -- plans -------------------------------------------------------------------------------------
@@ -390,6 +397,7 @@ class PlannedSteps:
         blocks pinned in the background."""
         self.plan = plan
         schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[arg-type]
+        schedule.peak = self._peak
         engine = self.engine
         engine.schedule = schedule
         engine.model_layers = len(plan.layers)

@@ -20,7 +20,8 @@ def _help() -> str:
 
 
 def test_all_has_every_entry_point_and_each_resolves() -> None:
-    for name in ("fp8", "plot", "plan", "BudgetError", "selective_recompute", "integrations", "StepStats", "CaptureError"):
+    for name in ("fp8", "plot", "plan", "BudgetError", "selective_recompute", "integrations", "StepStats", "CaptureError",
+                 "tiling"):
         assert name in offload.__all__, f"{name} is not in offload.__all__"
     for name in offload.__all__:
         assert getattr(offload, name) is not None

@@ -25,3 +25,18 @@ def test_host_profile_smoke_counts_the_engines_calls_per_group() -> None:
     assert (groups, tensors) == (1, 29) and calls > 0  # the 15 small layers share one group and abs(per_group - calls / groups) <= 1
     # The engine's own hooks are among the functions listed, with one pack per saved tensor.
     assert re.search(r"\s45\.0\s+engine/packing\.py:\d+ pack\b", done.stdout), done.stdout
+
+
+def test_the_engines_functions_are_told_by_the_packages_directory_in_a_clone_named_offload(tmp_path: Path) -> None:
+    # `git clone` names the checkout "offload": its package is then .../offload/offload/, and
+    # the benchmarks' own files are under an "/offload/" too (issue 48).
+    from _bench_util import bench_module
+
+    host_profile = bench_module("host_profile")
+    package = tmp_path / "offload" / "offload"
+    (package / "engine").mkdir(parents=True)
+    (tmp_path / "offload" / "benchmarks").mkdir()
+    assert host_profile.package_path(str(package / "engine" / "packing.py"), package) == "engine/packing.py"
+    assert host_profile.package_path(str(package / "__init__.py"), package) == "__init__.py"
+    assert host_profile.package_path(str(tmp_path / "offload" / "benchmarks" / "host_profile.py"), package) is None
+    assert host_profile.package_path(str(tmp_path / "offload" / "offload.py"), package) is None

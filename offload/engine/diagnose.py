@@ -75,8 +75,9 @@ def nothing_offloaded(counters: StepCounters, *, min_offload_bytes: int, largest
     if seen == 0:
         return (
             f"offload: step {counters.step} offloaded nothing: no saved tensor reached the "
-            "offloaded layers. Either they saved nothing for backward (frozen, run under no_grad, "
-            "or checkpointed as a whole), or another offload context entered inside this one "
+            "offloaded layers. Either the step ran no forward (a `with` around the backward: put "
+            "it around the forward only), or the layers saved nothing for backward (frozen, run "
+            "under no_grad, or checkpointed as a whole), or another offload context entered inside this one "
             "(nested on the same layers, or torch's save_on_cpu) took them: its saved-tensor "
             "hooks are the innermost, so only it sees the tensors. Use one context per forward"
         )

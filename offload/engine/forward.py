@@ -68,7 +68,8 @@ class ForwardState:
     def __init__(self) -> None:
         self.phase = _IDLE
         self.step: Optional[StepState] = None  # the step started last (kept after its forward)
-        self.step_index = 0                    # the index of that step; 0 before the first
+        self.step_index = 0                    # the index of that step (or of the last one
+                                               # counted elsewhere); 0 before the first
         self.layer = -1                        # the layer open, or the last one that was
         self.open_group: Optional[Group] = None
         # The next layer's group, opened early by a tensor saved between two layers. Strong
@@ -106,6 +107,13 @@ class ForwardState:
         self.step = None
         self.phase = _IDLE
         self.pending_group = None
+
+    def count_step_elsewhere(self) -> None:
+        """A step of the context ran without the engine (a probe step, ``offload.plan_steps``):
+        the next step's index counts it, so that the figures number every step of the context."""
+        if self.phase is _IN_LAYER or self.forward_open():
+            self._refuse("count a step run elsewhere", "between steps")
+        self.step_index += 1
 
     def start_step(self, step: StepState, thread: int) -> None:
         """A new step's forward begins (from IDLE, or BETWEEN the layers of an abandoned step)."""

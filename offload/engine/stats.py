@@ -50,7 +50,8 @@ class StepStats(TypedDict):
     transport, a host-to-host copy into the arena on the ``cpu`` transport), "H2D" the copy back.
     A step is one forward and its backward.
 
-    - ``step`` (int): the step's number, counted from 1 by the context.
+    - ``step`` (int): the step's number, counted from 1 by the context (every step of an
+      ``OffloadActivations`` with a budget, its probe steps included).
     - ``mode`` (str): the schedule: ``"v1"``, ``"v2"``, ``"planned"``, with ``" (manual)"`` for
       ``manual_synchronization=True``; ``"auto"`` for ``OffloadActivations()`` without layers
       (groups found by bytes); ``"disabled"`` for a context made with ``enabled=False`` (every

@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import Optional, Protocol
 
 from .actions import Action, slot_keys
+from .shapes import Slot, StepShape, grown
+
+_LINEAR = (1, 1)
 
 
 class Slots(Protocol):
@@ -22,6 +25,10 @@ class Slots(Protocol):
     def slot_keys(self) -> tuple[int, ...]: ...
     @property
     def cached_bytes(self) -> int: ...
+    @property
+    def slot_growth(self) -> tuple[tuple[int, int], ...]: ...
+    @property
+    def small_slots(self) -> tuple[tuple[int, int, int, int], ...]: ...
 
 
 class SlotsLike(Slots, Protocol):
@@ -85,6 +92,24 @@ def copied_slots(layer: LayerLike, lp: ChoiceLike) -> list[int]:
     sel = _selective(layer, lp)
     source = layer if sel is None else sel
     return [s for s, k in zip(source.slot_bytes, slot_keys(source)) if k >= lp.min_offload_bytes]
+
+
+def all_slots(source: Slots) -> list[Slot]:
+    """Every slot ``source`` (a layer profile, or its selective one) saves, above the engine's
+    size floor or under it (``small_slots``), as ``(bytes, largest tensor's bytes, (a, b))``."""
+    growth = source.slot_growth or (_LINEAR,) * len(source.slot_bytes)
+    return [*zip(source.slot_bytes, slot_keys(source), growth),
+            *((n, k, (a, b)) for n, k, a, b in source.small_slots)]
+
+
+def copied_at(layer: LayerLike, lp: ChoiceLike, shape: tuple[int, int], at: tuple[int, int], floor: int) -> int:
+    """Bytes an OFFLOAD layer of a plan made at shape ``at`` copies in a step of ``shape`` (both
+    ``(batch, length)``): its slots (selective ones when the plan says) grown to ``shape`` each
+    by its own exponents, those whose largest tensor reaches ``floor`` (the size floor the
+    engine applies in that step: the plan's scaled to it, or the policy's)."""
+    sel = _selective(layer, lp)
+    slots = grown(all_slots(layer if sel is None else sel), StepShape(*shape), StepShape(*at))
+    return sum(n for n, k, _ in slots if k >= floor)
 
 
 def cached_bytes(layer: LayerLike, lp: ChoiceLike) -> int:

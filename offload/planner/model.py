@@ -68,7 +68,7 @@ from collections import deque
 from typing import Optional, Sequence
 
 from .layer_costs import (  # noqa: F401 - re-exported: the cost model's per-layer figures
-    backward_cost_ms, cached_bytes, copied_slots, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes,
+    backward_cost_ms, cached_bytes, copied_at, copied_slots, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes,
     resident_bytes, transient_bytes,
 )
 from .types import LayerPlan, Prediction, StepProfile

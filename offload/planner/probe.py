@@ -48,7 +48,7 @@ from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .scaling import predict_plain
 from .shapes import StepShape, shape_of, size_exponents
-from .tally import AttentionTimer, SlotTally, spans_ms
+from .tally import AttentionTimer, SlotTally, spans_ms, under_floor
 from .types import PLAIN_PROBE, PROBES, RECOMPUTE_PROBE, LayerProfile, LinkProfile, SelectiveProfile, \
     StepProfile
 
@@ -315,14 +315,15 @@ class ProbeStep:
         """File a tensor the layer (``record``, default the one running) saves for backward: in
         its plain slots unless a module made selective by the user saved it (its inputs stand for
         it), and in its selective slots unless any candidate saved it."""
-        if not self.recording or self.policy.decide(t) is not None:
+        small = under_floor(self.policy, t) if self.recording else None
+        if small is None:
             return
         if record is None:
             record = self._record_now()
         if self.inside != "fixed":
-            record.tally.add(t)
+            record.tally.add(t, small)
         if self.inside is None:
-            record.selective_tally.add(t)
+            record.selective_tally.add(t, small)
 
     def _pack(self, t: torch.Tensor) -> Any:
         # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
@@ -350,10 +351,11 @@ class ProbeStep:
         record.has_candidates |= not fixed
         # What a selective checkpoint saves through the hooks: its tensor inputs.
         for a in checkpoint_inputs(args, kwargs):
-            if self.policy.decide(a) is None:
+            small = under_floor(self.policy, a)
+            if small is not None:
                 if fixed:
-                    record.tally.add(a)
-                record.selective_tally.add(a)
+                    record.tally.add(a, small)
+                record.selective_tally.add(a, small)
         self.inside = "fixed" if fixed else "candidate"
         counter = ExpensiveOutputs(self.clock.mark)
         start = self.clock.mark()
@@ -434,10 +436,8 @@ class ProbeStep:
         extra = sum(max(0.0, ms(start, end) - sum(ms(a, b) for a, b in gemms))
                     for start, end, gemms in r.candidate_spans)
         tally = r.selective_tally
-        return SelectiveProfile(slot_bytes=tally.sizes, cached_bytes=r.selective_cached,
-                                extra_backward_ms=extra, slot_keys=tuple(tally.keys),
-                                slot_growth=tally.growth(self.shape, self.hidden_size),
-                                forward_ms=sum(ms(start, end) for start, end, _ in r.candidate_spans))
+        return SelectiveProfile(**tally.fields(self.shape, self.hidden_size), cached_bytes=r.selective_cached,
+                                extra_backward_ms=extra, forward_ms=sum(ms(start, end) for start, end, _ in r.candidate_spans))
 
     def profile(
         self,
@@ -474,7 +474,7 @@ class ProbeStep:
                 backward_ms = max(0.0, backward_ms - ms(r.rec_start, r.rec_end))
                 backward_peak = max(0, backward_peak - sum(slots) - r.cached)
             layers.append(LayerProfile(
-                slot_bytes=slots,
+                **r.tally.fields(shape, self.hidden_size),
                 input_bytes=input_bytes,
                 forward_ms=ms(r.fwd_start, r.fwd_end),
                 backward_ms=backward_ms,
@@ -484,8 +484,6 @@ class ProbeStep:
                 grad_bytes=grads[len(layers)],
                 cached_bytes=r.cached,
                 selective=self._selective_profile(r),
-                slot_keys=tuple(r.tally.keys),
-                slot_growth=r.tally.growth(shape, self.hidden_size),
                 input_terms=tuple((n, *size_exponents(size, shape, self.hidden_size)) for n, size in r.input_sizes)
                 if shape is not None else (),
                 attention_forward_ms=spans_ms(r.attention[0], ms),
@@ -537,6 +535,7 @@ class ProbeStep:
             device="cuda" if self.clock.cuda else "cpu",
             probe=self.mode,
             shape=(shape.batch, shape.length) if shape is not None else None,
+            offload_floor_bytes=self.policy.min_offload_bytes,
         )
         if self.mode == RECOMPUTE_PROBE:
             profile = predict_plain(profile)

@@ -7,7 +7,13 @@ tokens (batch x length) and ``q`` the ratio of lengths:
   read off their shapes by the probe (``LayerProfile.slot_growth``,
   :func:`offload.planner.shapes.size_exponents`): activations linear in tokens, rotary tables in
   length alone, eager attention's scores in batch x length squared, FP8 weight copies not at
-  all. A checkpoint's inputs (``input_terms``) likewise;
+  all. Each slot is then above or under the engine's size floor (``offload_floor_bytes``, the
+  policy's ``min_offload_bytes``) by its largest tensor at that shape, as the engine's policy
+  puts it: the probe keeps the slots under it apart (``small_slots``), so a slot the engine
+  kept at the probe's length is offloaded at a longer one, and one it offloaded is kept at a
+  shorter one (issue 48: a hidden-64 Llama whose (2, T, 64) float32 tensors cross the 64 KiB
+  floor between lengths 96 and 200 warned "layer 0 saved 1572864 bytes ... the plan was made
+  for 1048576"). A checkpoint's inputs (``input_terms``) grow likewise;
 - a layer's **transient peaks** (forward and backward) grow as its saved bytes do, and the
   selective caches (GEMM outputs) as tokens;
 - **time**: attention's measured share (``attention_forward_ms`` / ``attention_backward_ms``,
@@ -33,7 +39,8 @@ from dataclasses import replace
 from typing import Optional
 
 from .model import simulate
-from .shapes import StepShape
+from .layer_costs import all_slots
+from .shapes import StepShape, grown
 from .types import Action, LayerPlan, LayerProfile, SelectiveProfile, StepProfile
 
 _LINEAR = (1, 1)
@@ -52,10 +59,23 @@ def profile_shape(profile: StepProfile) -> Optional[StepShape]:
     return StepShape(*profile.shape) if profile.shape is not None else None
 
 
-def _scaled(values: tuple[int, ...], growth: tuple[tuple[int, int], ...], shape: StepShape,
-            probe: StepShape) -> tuple[int, ...]:
-    growth = growth or (_LINEAR,) * len(values)
-    return tuple(int(round(v * shape.scale(g, probe))) for v, g in zip(values, growth))
+def _slots_at(source: LayerProfile | SelectiveProfile, shape: StepShape, probe: StepShape,
+              floor: int) -> tuple[dict[str, tuple], float]:
+    """``source``'s slot fields at ``shape``: each slot grown by its own exponents and put above
+    or under the engine's size ``floor`` by its largest tensor there, as the engine's policy
+    will put it; and how much all its slots grew together."""
+    slots = all_slots(source)
+    now = grown(slots, shape, probe)
+    above = [s for s in now if s[1] >= floor]
+    under = [s for s in now if s[1] < floor]
+    fields = {
+        "slot_bytes": tuple(n for n, _, _ in above),
+        "slot_keys": tuple(k for _, k, _ in above),
+        "slot_growth": tuple(g for _, _, g in above),
+        "small_slots": tuple((n, k, *g) for n, k, g in under),
+    }
+    before = sum(n for n, _, _ in slots)
+    return fields, (sum(n for n, _, _ in now) / before if before else shape.tokens / probe.tokens)
 
 
 def _input_bytes(layer: LayerProfile, shape: StepShape, probe: StepShape) -> int:
@@ -64,31 +84,25 @@ def _input_bytes(layer: LayerProfile, shape: StepShape, probe: StepShape) -> int
     return sum(int(round(n * shape.scale((a, b), probe))) for n, a, b in layer.input_terms)
 
 
-def _layer_at(layer: LayerProfile, shape: StepShape, probe: StepShape) -> LayerProfile:
+def _layer_at(layer: LayerProfile, shape: StepShape, probe: StepShape, floor: int) -> LayerProfile:
     r = shape.tokens / probe.tokens
     rq = r * shape.length / probe.length
-    slots = _scaled(layer.slot_bytes, layer.slot_growth, shape, probe)
-    keys = _scaled(layer.slot_keys, layer.slot_growth, shape, probe) if layer.slot_keys else ()
-    saved = sum(layer.slot_bytes)
-    grow = sum(slots) / saved if saved else r
+    fields, grow = _slots_at(layer, shape, probe, floor)
+    slots = fields["slot_bytes"]
     inputs = _input_bytes(layer, shape, probe)
     terms = tuple((int(round(n * shape.scale((a, b), probe))), a, b) for n, a, b in layer.input_terms)
     selective = layer.selective
     if selective is not None:
         selective = SelectiveProfile(
-            slot_bytes=_scaled(selective.slot_bytes, selective.slot_growth, shape, probe),
+            **_slots_at(selective, shape, probe, floor)[0],
             cached_bytes=int(round(selective.cached_bytes * r)),
             extra_backward_ms=selective.extra_backward_ms * r,
-            slot_keys=(_scaled(selective.slot_keys, selective.slot_growth, shape, probe)
-                       if selective.slot_keys else ()),
-            slot_growth=selective.slot_growth,
             forward_ms=selective.forward_ms * r,
         )
     fwd_attn, bwd_attn = layer.attention_forward_ms, layer.attention_backward_ms
     return replace(
         layer,
-        slot_bytes=slots,
-        slot_keys=keys,
+        **fields,
         input_bytes=inputs,
         input_terms=terms,
         forward_ms=max(0.0, layer.forward_ms - fwd_attn) * r + fwd_attn * rq,
@@ -119,7 +133,7 @@ def profile_at(profile: StepProfile, shape: StepShape) -> StepProfile:
     if shape == probe:
         return profile
     r = shape.tokens / probe.tokens
-    layers = tuple(_layer_at(layer, shape, probe) for layer in profile.layers)
+    layers = tuple(_layer_at(layer, shape, probe, profile.offload_floor_bytes) for layer in profile.layers)
     first, first_at = profile.layers[0], layers[0]
     # The first layer's inputs (the embedding's output, masks, rotary tables) are alive at its
     # entry, where base_bytes was read: they are the part of the base that grows.

@@ -193,8 +193,10 @@ class ProbeSequence:
         if not probe.records:
             # The same on every rank (the same model): raised here, before any agreement.
             raise ValueError(
-                "offload: the probe step ran none of the given layers; pass the modules the "
-                "forward really calls (e.g. model.model.layers)"
+                "offload: the probe step ran none of the given layers. If its `with` held the "
+                "backward (or the optimizer's step), put it around the forward only: `with oa: loss "
+                "= model(x)`, then `loss.backward()` (after the `with`, or inside that same one). "
+                "Otherwise pass the modules the forward really calls (e.g. model.model.layers)"
             )
         if not probe.complete():
             # Its backward never ran, or raised (out of memory, most likely, outside the with).

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 # Plans are cached per bucket of the length, this many buckets per doubling, and made for the
 # bucket's top: a plan for a length 9% longer than the batch's at most (its bytes over-counted
@@ -68,6 +68,8 @@ class StepShape:
         if self.length <= 8:
             return self
         k = math.ceil(math.log2(self.length) * BUCKETS_PER_OCTAVE - 1e-9)
+        if math.ceil(2 ** ((k - 1) / BUCKETS_PER_OCTAVE)) >= self.length:
+            k -= 1  # a top itself (rounded up to a whole length): its own bucket
         top = max(self.length, math.ceil(2 ** (k / BUCKETS_PER_OCTAVE)))
         return StepShape(self.batch, top)
 
@@ -112,6 +114,20 @@ def size_exponents(sizes: Sequence[int], probe: StepShape, hidden: Optional[int]
         return 0, b  # a leading 1: broadcast over the batch (rotary tables)
     # The batch merged with another dim ((batch x heads, ...), eager attention's bmm).
     return (1 if any(d % b0 == 0 for d in rest) else 0), b
+
+
+Slot = tuple[int, int, tuple[int, int]]  # a saved slot: (bytes, its largest tensor's bytes, (a, b))
+
+
+def grown(slots: Iterable[Slot], shape: StepShape, probe: StepShape) -> list[Slot]:
+    """``slots`` measured at ``probe``, each grown to ``shape`` by its own exponents. The engine
+    offloads a slot there when its largest tensor reaches the size floor in force, so a slot
+    is compared with a floor by its grown largest tensor, never by the layer's total."""
+    out = []
+    for n, k, g in slots:
+        f = shape.scale(g, probe)
+        out.append((int(round(n * f)), int(round(k * f)), g))
+    return out
 
 
 def widest(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:

@@ -23,22 +23,43 @@ import torch.nn.functional as F
 
 from ..engine.eager import run_eagerly
 from ..engine.group import Group
+from ..engine.policy import KEEP_SMALL, SelectionPolicy
 from .shapes import StepShape, size_exponents, widest
 
 
+def under_floor(policy: SelectionPolicy, t: torch.Tensor) -> Optional[bool]:
+    """How the engine's ``policy`` takes a saved tensor: False, it offloads ``t``; True, it keeps
+    ``t`` for its size alone (under the floor here, perhaps not at a longer length); None, it
+    keeps ``t`` whatever its size (a parameter, a marked tensor, ...)."""
+    reason = policy.decide(t)
+    if reason is None:
+        return False
+    return True if reason == KEEP_SMALL and t.nbytes > 0 else None
+
+
 class SlotTally:
-    """One layer's saved tensors, laid out into slots (``retain``: see ``Group``)."""
+    """One layer's saved tensors, laid out into slots (``retain``: see ``Group``).
 
-    __slots__ = ("group", "sizes", "keys", "shapes")
+    The tensors under the engine's size floor go to :attr:`small`, a tally of their own: the
+    engine keeps them at this shape, but one may pass the floor at a longer length (and the
+    slots above it stay laid out exactly as the engine lays them out)."""
 
-    def __init__(self, layer: int, retain: bool) -> None:
+    __slots__ = ("group", "sizes", "keys", "shapes", "small")
+
+    def __init__(self, layer: int, retain: bool, *, small: bool = True) -> None:
         self.group: Optional[Group] = Group(layer, step=0, retain=retain)
         self.sizes: tuple[int, ...] = ()
         self.keys: list[int] = []                  # per slot, its largest tensor's bytes
         self.shapes: list[list[tuple[int, ...]]] = []  # per slot, the shapes saved into it
+        self.small: Optional[SlotTally] = SlotTally(layer, retain, small=False) if small else None
 
-    def add(self, t: torch.Tensor) -> None:
-        """Count ``t`` (a tensor the engine would offload)."""
+    def add(self, t: torch.Tensor, small: bool = False) -> None:
+        """Count ``t`` (a tensor the engine would offload; ``small``: one it keeps for its size
+        alone)."""
+        if small:
+            if self.small is not None:
+                self.small.add(t)
+            return
         group = self.group
         if group is None:
             return
@@ -57,6 +78,8 @@ class SlotTally:
         if self.group is not None:
             self.sizes = tuple(self.group.slot_sizes())
             self.group = None
+        if self.small is not None:
+            self.small.close()
 
     def growth(self, shape: Optional[StepShape], hidden: Optional[int] = None) -> tuple[tuple[int, int], ...]:
         """Per slot, its exponents at the probe's ``shape`` and ``hidden`` size (its
@@ -70,6 +93,20 @@ class SlotTally:
                 grows = widest(grows, size_exponents(size, shape, hidden))
             out.append(grows)
         return tuple(out)
+
+    def fields(self, shape: Optional[StepShape], hidden: Optional[int] = None) -> dict[str, Any]:
+        """The profile's slot fields (``slot_bytes``, ``slot_keys``, ``slot_growth``,
+        ``small_slots``) at the probe's ``shape`` and ``hidden`` size."""
+        return {"slot_bytes": self.sizes, "slot_keys": tuple(self.keys), "slot_growth": self.growth(shape, hidden),
+                "small_slots": self.small_slots(shape, hidden)}
+
+    def small_slots(self, shape: Optional[StepShape], hidden: Optional[int] = None) -> tuple[tuple[int, int, int, int], ...]:
+        """The slots under the size floor, ``(bytes, largest tensor's bytes, a, b)`` each (see
+        ``LayerProfile.small_slots``); empty when the shape is not known."""
+        small = self.small
+        if small is None or shape is None:
+            return ()
+        return tuple((n, k, a, b) for n, k, (a, b) in zip(small.sizes, small.keys, small.growth(shape, hidden)))
 
 
 # (start, end) marks of one attention call's forward, or of its backward (end None until the

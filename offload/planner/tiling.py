@@ -87,6 +87,7 @@ def _tiled_layer(layer: LayerProfile, chunk: int, tokens: int) -> LayerProfile:
         slot_bytes=sel.slot_bytes,
         slot_keys=sel.slot_keys,
         slot_growth=sel.slot_growth,
+        small_slots=sel.small_slots,
         cached_bytes=0,
         selective=None,
         forward_peak_bytes=int(layer.forward_peak_bytes * ratio * DERIVED_MARGIN) + working,

@@ -72,6 +72,14 @@ def _check_slots(owner: str, profile: Any) -> None:
     for name in ("slot_keys", "slot_growth"):
         if len(getattr(profile, name)) not in (0, n):
             raise ValueError(f"{owner}.{name} has {len(getattr(profile, name))} entries for {n} slots")
+    small = profile.small_slots
+    if not isinstance(small, (list, tuple)) or any(not isinstance(t, (list, tuple)) or len(t) != 4 for t in small):
+        raise ValueError(f"{owner}.small_slots must be (bytes, largest tensor's bytes, a, b) quadruples, got {small!r}")
+    object.__setattr__(profile, "small_slots", tuple(tuple(t) for t in small))
+    for nbytes, key, a, b in profile.small_slots:
+        _check_int(owner, "small_slots[].bytes", nbytes)
+        _check_int(owner, "small_slots[].key", key)
+        _check_exponents(owner, "small_slots[]", (a, b))
 
 
 def _layer_hash(signature: str) -> str:
@@ -107,6 +115,7 @@ class SelectiveProfile:
     extra_backward_ms: float     # the candidates' forward time less their GEMMs' time
     slot_keys: tuple[int, ...] = ()                 # as LayerProfile's
     slot_growth: tuple[tuple[int, int], ...] = ()   # as LayerProfile's
+    small_slots: tuple[tuple[int, int, int, int], ...] = ()  # as LayerProfile's
     # The candidates' whole forward time (GEMMs included): what a tiled candidate's backward
     # recomputes (offload.tiling). 0: not measured (profiles of older versions).
     forward_ms: float = 0.0
@@ -151,6 +160,11 @@ class LayerProfile:
     # Per slot, how it grows with the batch shape: (a, b) for batch ** a * length ** b
     # (:func:`offload.planner.shapes.size_exponents`). Empty: linear in tokens, (1, 1).
     slot_growth: tuple[tuple[int, int], ...] = ()
+    # The slots the engine keeps at this shape because their largest tensor is under its size
+    # floor (StepProfile.offload_floor_bytes), outside the figures above; one may pass the floor
+    # at a longer length (offload.planner.scaling moves it in then), or a slot above fall under
+    # it at a shorter one. (bytes, largest tensor's bytes, a, b) each, a and b as slot_growth's.
+    small_slots: tuple[tuple[int, int, int, int], ...] = ()
     # The inputs a checkpoint saves, one (bytes, a, b) per storage; empty: input_bytes, (1, 1).
     input_terms: tuple[tuple[int, int, int], ...] = ()
     # Attention's share of forward_ms and backward_ms (scaled_dot_product_attention's kernels):
@@ -236,6 +250,10 @@ class StepProfile:
     # probe's, or the one offload.planner.scaling predicted them at. None: not known (a profile
     # of an older version), it then plans for its own shape only.
     shape: Optional[tuple[int, int]] = None
+    # The engine's size floor the probe applied (its policy's min_offload_bytes): a saved tensor
+    # under it stays on the device, in any plan that does not set a floor of its own. 0: none,
+    # or not known (profiles of older versions).
+    offload_floor_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not isinstance(self.layers, (list, tuple)):
@@ -253,7 +271,7 @@ class StepProfile:
                 raise ValueError(f"StepProfile.layers[{i}] must be a LayerProfile, got {type(layer).__name__}")
         if not isinstance(self.link, LinkProfile):
             raise ValueError(f"StepProfile.link must be a LinkProfile, got {type(self.link).__name__}")
-        for name in ("base_bytes", "head_bytes", "plain_peak_bytes", "head_residual_bytes"):
+        for name in ("base_bytes", "head_bytes", "plain_peak_bytes", "head_residual_bytes", "offload_floor_bytes"):
             _check_int("StepProfile", name, getattr(self, name))
         for name in ("pre_ms", "head_ms", "post_ms"):
             _check_ms("StepProfile", name, getattr(self, name))

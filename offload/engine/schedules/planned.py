@@ -39,9 +39,10 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from ..group import Group, GroupState
+from ..step_peak import StepPeak
 from ...host.layout import ALIGNMENT
 from ...planner.model import (
-    PREFETCH_DEPTH, copied_slots, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
+    PREFETCH_DEPTH, copied_at, copied_slots, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
 )
 from ...planner.types import Action, Plan, StepProfile
 from .base import Schedule
@@ -96,9 +97,14 @@ class PlannedSchedule(Schedule):
         # This step's tokens over the tokens the plan's profile is for (a plan is made for the
         # top of a bucket of shapes, offload.plan_steps): its size floors and byte checks scale.
         self.scale = 1.0
+        # This step's (batch, length), where known: the plan's byte figures are checked there.
+        self.step_shape: Optional[tuple[int, int]] = None
         # Set to a list to record (event, layer, model's bytes, allocated bytes) at every
         # decision point: where a measured peak departs from the prediction, this shows where.
         self.trace: Optional[list[tuple[str, int, int, int]]] = None
+        # The step's peak, read at the forward's and the backward's end (the plan report's
+        # measured peak, offload.engine.step_peak); None: not measured.
+        self.peak: Optional[StepPeak] = None
 
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
@@ -230,26 +236,38 @@ class PlannedSchedule(Schedule):
             self._force(engine, step, self.profile.head_bytes)
             self._record(engine, step, "head", layer)
 
+    def on_forward_end(self, engine: EngineView) -> None:
+        if self.peak is not None:
+            self.peak.read()
+
     def _check_bytes(self, engine: EngineView, layer: int, group: Group) -> None:
-        # A plan made for another model (or another batch or sequence length) saves other
-        # bytes than the probe saw: the plan still runs and gradients stay exact, but its
-        # budget accounting is off. Say so once, with the figures.
+        # The plan's figure for what the layer copies against what it did. A plan is made for
+        # the top of a bucket of shapes (across ranks, the largest): first the plan's figure
+        # scaled to this step's tokens (cheap, every step), and where that is off, the exact one
+        # at this step's shape (each slot grown by its own exponents and held against the size
+        # floor as the engine's policy holds it; offload.planner.scaling). Off by more than
+        # that, the plan's memory figures do not hold: say so once, with what to do.
         if self.actions[layer] is not Action.OFFLOAD:
             return
-        expected = offloaded_bytes(self.profile.layers[layer], self.plan.layers[layer]) * self.scale
+        lp, profile = self.plan.layers[layer], self.profile
         got = group.copy_bytes
-        if expected and abs(got - expected) > 0.1 * expected + (64 << 10):
-            engine.warn_once(
-                "plan-bytes",
-                f"offload: layer {layer} saved {got} bytes to offload, but the plan was made for "
-                f"{int(expected)}: the model, batch or sequence length differs from the probe's. The "
-                "plan's memory figures no longer hold; make a new plan (offload.plan(...)).",
-            )
+        expected = offloaded_bytes(profile.layers[layer], lp) * self.scale
+        if not expected or abs(got - expected) <= 0.1 * expected + (64 << 10):
+            return
+        shape, at = self.step_shape, profile.shape
+        if shape is not None and at is not None:
+            floor = self.min_offload_bytes(layer) or profile.offload_floor_bytes
+            expected = copied_at(profile.layers[layer], lp, shape, at, floor)
+            if abs(got - expected) <= 0.1 * expected + (64 << 10):
+                return
+        engine.warn_once("plan-bytes", bytes_off(layer, got, int(expected), shape, at))
 
     # -- backward --------------------------------------------------------------------------------
     def on_backward_reach(self, engine: EngineView, step: "StepState", layer: int) -> None:
         """Backward is about to run ``layer`` of ``step``: reload its group, release by force
         while over the budget, prefetch below it while the budget allows (the module's rules)."""
+        if self.peak is not None:
+            self.peak.read_after_backward()
         holding = self._holding(step)
         held = holding.held
         for done in range(layer + 1, len(held)):
@@ -279,3 +297,24 @@ class PlannedSchedule(Schedule):
             engine.start_reload(group)
             held[below] = self._held_full[below]
         self._record(engine, step, "backward", layer)
+
+
+def bytes_off(layer: int, got: int, expected: int, shape: Optional[tuple[int, int]],
+              at: Optional[tuple[int, int]]) -> str:
+    """The warning for a layer that copied other bytes than its plan says (plans are made per
+    batch shape, so the advice is not to make a plan: that is done at every new shape)."""
+    head = f"offload: layer {layer} saved {got} bytes to offload, but the plan was made for {expected}"
+    if at is None:
+        # A profile of an older version: it does not say its shape, so no plan is made per shape.
+        return (f"{head}: the plan's profile does not say the batch shape it was measured at (an older "
+                "version's), so it is followed at every shape and its memory figures no longer hold. "
+                "Make the plan again with this version's offload.plan(...), or drop plan= and pass "
+                "memory_budget_bytes= so that OffloadActivations probes the model itself.")
+    where = f" in a step of batch {shape[0]} x length {shape[1]}" if shape is not None else ""
+    return (f"{head}{where} (a plan made for batch {at[0]} x length {at[1]}, from the probe's figures): "
+            "this layer's saved tensors do not grow with the batch and the length as the probe's shapes "
+            "said (sizes that depend on the data, such as a mixture of experts' routing, or a model "
+            "changed since the probe). Gradients stay exact, but the plan's memory figures are off by "
+            "the difference: a step that runs out of memory lowers the budget by itself (with a "
+            "warning); to stay clear of that, pass a lower memory_budget_bytes (or \"lowest\"). If "
+            "the model changed, make a new OffloadActivations (or plan) for it.")
