@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import threading
 import warnings
-import weakref
 from typing import Any, Iterable, Optional
 
 import torch
 
-from .api import ENGINE_OPTIONS, _check_bool, _check_int, build_engine, check_option_values, check_unknown_options
+from .api import ENGINE_OPTIONS, _check_bool, build_engine, check_option_values, check_unknown_options
 from .layers.args import (
-    COMPILED_FIRST, check_offload_count, check_plan, check_torchtune_options, default_budget, default_inputs,
+    COMPILED_FIRST, check_bytes_form, check_offload_count, check_plan, check_torchtune_options, default_budget, default_inputs,
     dynamo_compiled_code, layer_list, prune_dead_hooks, second_forward_error,
 )
-from .engine.schedules import DEFAULT_GROUP_BYTES
 from .engine.schedules.auto import ScheduleAuto
 from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
 from .engine.eager import run_eagerly
@@ -84,10 +82,8 @@ class OffloadActivations:
     counts groups here); ``use_pin_memory=False`` and ``use_streams=False`` are refused. Use
     :class:`offload.keep_on_gpu` for torchtune's ``NoOpManager``.
 
-    The ``with`` goes around the forward. A ``loss.backward()`` inside it is harmless: the
-    forward ends where the backward reaches the last layer, as it would after the ``with``
-    (same gradients, same memory). A second ``with`` around the backward alone runs no layer,
-    and the warning (or, while probing, the error) says so.
+    The ``with`` goes around the forward; a ``loss.backward()`` inside it is harmless (same
+    gradients and memory), a second ``with`` around the backward alone is refused or warned of.
 
     ``enabled=False`` turns offloading off (the ``with`` does nothing). The other options are
     those of :func:`offload.get_cpu_offload_context`; ``device=None`` is the current CUDA device,
@@ -282,32 +278,15 @@ class OffloadActivations:
         self, num_offload_layers: Optional[int], planner_options: list[str], group_bytes: Optional[int],
         keep_last_groups: Optional[int], stash: Optional[int], options: dict[str, Any],
     ) -> None:
-        api = "OffloadActivations"
-        refused = ["num_offload_layers"] * (num_offload_layers is not None) + planner_options + [
-            name for name, given in (
-                ("num_layers", "num_layers" in options),
-                ("model_layers", "model_layers" in options),
-                ("manual_synchronization", bool(options.get("manual_synchronization"))),
-                ("double_buffering", bool(options.get("double_buffering"))),
-            ) if given
-        ]
-        if refused:
-            raise ValueError(
-                f"offload: OffloadActivations() without layers finds group boundaries by bytes, so "
-                f"{', '.join(refused)} cannot apply; pass the layer modules first "
-                "(OffloadActivations(model.layers, ...)) to use layer counts, plans or manual control"
-            )
-        group_bytes = DEFAULT_GROUP_BYTES if group_bytes is None else group_bytes
-        _check_int(api, "group_bytes", group_bytes, 1, "an integer number of bytes")
-        keep_last_groups = 1 if keep_last_groups is None else keep_last_groups
-        _check_int(api, "keep_last_groups", keep_last_groups, 1)
+        group_bytes, keep_last_groups = check_bytes_form(num_offload_layers, planner_options, group_bytes,
+                                                         keep_last_groups, options)
         self.group_bytes = group_bytes
         self.layers = []
         schedule = ScheduleAuto(
             tail=keep_last_groups, stash=DEFAULT_STASH_GROUPS if stash is None else stash
         )
         if not self.enabled:
-            self._weight_modules = check_option_values(api, **options)
+            self._weight_modules = check_option_values("OffloadActivations", **options)
         self.engine = (
             build_engine(num_layers=0, model_layers=1, layer_contexts=False, schedule=schedule, **options)
             if self.enabled else None

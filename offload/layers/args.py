@@ -19,6 +19,7 @@ import torch
 
 from ..api import MODE_ENV_VAR, MODES, _check_bool, _check_choice, _check_int, _got, resolve_mode
 from .find import describe_layers
+from ..engine.schedules import DEFAULT_GROUP_BYTES
 from ..sizes import byte_count
 from ..planner.budget import DEVICE
 from ..planner.make import Budget
@@ -60,6 +61,31 @@ def check_torchtune_options(
     if min_offload_size is None:
         return None
     return byte_count(api, "min_offload_size", min_offload_size, 0)
+
+
+def check_bytes_form(num_offload_layers: Optional[int], planner_options: list[str], group_bytes: Optional[int],
+                     keep_last_groups: Optional[int], options: dict[str, Any]) -> tuple[int, int]:
+    """The ``group_bytes`` and ``keep_last_groups`` of ``OffloadActivations()`` without layers
+    (defaults filled in, checked); the options that need layers refused, naming each."""
+    refused = ["num_offload_layers"] * (num_offload_layers is not None) + planner_options + [
+        name for name, given in (
+            ("num_layers", "num_layers" in options),
+            ("model_layers", "model_layers" in options),
+            ("manual_synchronization", bool(options.get("manual_synchronization"))),
+            ("double_buffering", bool(options.get("double_buffering"))),
+        ) if given
+    ]
+    if refused:
+        raise ValueError(
+            f"offload: OffloadActivations() without layers finds group boundaries by bytes, so "
+            f"{', '.join(refused)} cannot apply; pass the layer modules first "
+            "(OffloadActivations(model.layers, ...)) to use layer counts, plans or manual control"
+        )
+    group_bytes = DEFAULT_GROUP_BYTES if group_bytes is None else group_bytes
+    _check_int("OffloadActivations", "group_bytes", group_bytes, 1, "an integer number of bytes")
+    keep_last_groups = 1 if keep_last_groups is None else keep_last_groups
+    _check_int("OffloadActivations", "keep_last_groups", keep_last_groups, 1)
+    return group_bytes, keep_last_groups
 
 
 def layer_list(layers: Any) -> list[torch.nn.Module]:
