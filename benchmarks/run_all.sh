@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every figure benchmarks/README.md quotes, one script (one process) after another, from the
-# repository root. The SUITE below is the README's table, one line per question, in its order.
+# repository root. The SUITE below is the README's tables, one line per question, in their order.
 # A failing benchmark does not stop the others; the ones that failed are listed at the end and the
 # exit status is 1 if any failed. Extra arguments go to every script (e.g. --cpu-smoke).
 #
@@ -10,7 +10,7 @@
 # Left out, and why: many_small.py under --cpu-smoke (it has no CPU path); distributed.py where
 # fewer than two GPUs are visible; ab_engine.py (it compares this tree with another one you
 # name) and host_profile.py, profile_fp8_llama.py, extrapolate.py (they explain a figure, they
-# give no target's).
+# give none of their own).
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 2
@@ -33,6 +33,7 @@ SUITE=(
     "varlen"                                  # T22
     "device_everywhere"                       # T23
     "device_everywhere --recovery"            # T24
+    "shared_node"                             # issue 48 s3: two jobs on one node
     "numa_copy"                               # issue 15: the link per NUMA node
     "distributed"                             # issue 15: FSDP2, two GPUs
 )

@@ -104,7 +104,7 @@ class OffloadActivations:
     :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
     ``model=`` (a HF ``*ForCausalLM``): plans may also tile its LM head and loss and the MLPs
     where nothing untiled fits (long context), and a long first batch is probed short
-    (:mod:`offload.layers.model_form`).
+    (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length).
     """
 
     def __init__(
@@ -120,6 +120,7 @@ class OffloadActivations:
         selective: Candidates = None,
         plan_group: Any = None,
         model: Optional[torch.nn.Module] = None,
+        short_probe: bool = True,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -133,6 +134,7 @@ class OffloadActivations:
         # unnoticed until offloading is turned on.
         check_unknown_options(api, [name for name in options if name not in ENGINE_OPTIONS])
         _check_bool(api, "enabled", enabled)
+        _check_bool(api, "short_probe", short_probe)
         if measure_peak is not None:
             _check_bool(api, "measure_peak", measure_peak)
         min_offload_size = check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
@@ -163,12 +165,14 @@ class OffloadActivations:
         self._thread = 0
         self._entered = False  # inside this context's with (any step: probe, planned, fixed)
         self._model: Optional[torch.nn.Module] = None  # model=: its forward is seen (model_form)
+        self._short_probe = short_probe  # model=: a long first batch is probed cut short
         # Disabled: the modules whose FP8 weight copies stats counts (params_from's, as enabled).
         self._weight_modules: list[torch.nn.Module] = []
         if self.auto:
             planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
                        "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak,
-                       "plan_group": plan_group is not None, "model": model is not None}
+                       "plan_group": plan_group is not None, "model": model is not None,
+                       "short_probe": not short_probe}
             self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
                             keep_last_groups, max_fwd_stash_size, options)
             return
@@ -334,7 +338,8 @@ class OffloadActivations:
         shape = model_form.call_shape(fn, args, kwargs)
         head_tokens = 0
         if planned is not None and model is not None and shape is not None:
-            short = model_form.short_step(model, fn, args, kwargs, shape) if planned.profile is None else None
+            short = model_form.short_step(model, fn, args, kwargs, shape) \
+                if planned.profile is None and self._short_probe else None
             if planned.at_model_entry(shape, short, model_form.probe_tokens(planned.head, planned.device)):
                 self._probe_step = False
                 self._start_step()
@@ -506,7 +511,7 @@ class OffloadActivations:
         self._handles.clear()
         remove_plan_wrappers(self, self.layers, self._candidates)
         if self._model is not None:
-            model_form.uninstall(self._model)
+            model_form.uninstall(self, self._model)
 
     def _refuse_second_entry(self) -> None:
         # One engine runs one forward at a time: a second forward inside the first (or beside

@@ -527,8 +527,9 @@ def get_cpu_offload_context(
     ``device``: None (default) is the current CUDA device, or the CPU where CUDA is absent;
     ``"cpu"`` offloads CPU tensors through the host transport (as on CPU-only machines).
     ``min_offload_bytes``: smaller tensors stay put unless marked with ``mark_activation_offload``.
-    ``host_budget_bytes``: cap on host memory held (default: 75% of the host's total RAM divided
-    by ``LOCAL_WORLD_SIZE``, the processes of this node; ``stats["host_budget_source"]`` says which).
+    ``host_budget_bytes``: cap on host memory held (default: the node's total RAM less a floor
+    left for others, divided by ``LOCAL_WORLD_SIZE``; ``stats["host_budget_source"]`` says which).
+    Growth is also bounded by what the node has available less that floor (``offload.host.node``).
     ``selection``: "auto" (every eligible tensor) or "marked" (opt-in; v1's default).
     ``params_from``: a module (or modules) whose parameters' and buffers' memory stays on the
     GPU in every form (views, ``.data`` aliases): offloading it would free nothing. Parameters

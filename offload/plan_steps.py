@@ -42,6 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .engine.core import OffloadEngine
+from .layers.short_probe import ShortStep
 from .planner.agree import agree_flag, agree_shape, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
@@ -179,19 +180,27 @@ class PlannedSteps:
             return  # planned at the model's entry already (the model form)
         self._plan_shape(shape_of(hidden.shape))
 
-    def at_model_entry(self, shape: StepShape, short_step: Optional[Callable[[int], None]], probe_tokens: int) -> bool:
+    def at_model_entry(self, shape: StepShape, short_step: Optional[ShortStep], probe_tokens: int) -> bool:
         """The model's forward begins (``OffloadActivations(..., model=model)``). A probe step of
         more than twice ``probe_tokens`` tokens is not probed at its own length: the probe steps
         run now, as ``short_step(length)`` calls at ``probe_tokens`` (a minute-long step probed
         at full length would cost minutes), and this step becomes a planned one. Returns whether
-        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`)."""
+        it did (the context then starts the engine's step, and calls :meth:`plan_at_entry`); a
+        step the short probe would not leave unchanged (``short_step.refused``) is probed at its
+        full length, with a warning."""
         if not self._probing or self.profile is not None or short_step is None or shape.tokens <= 2 * probe_tokens:
+            return False
+        if short_step.refused:
+            warnings.warn(short_step.refusal_warning(probe_tokens), UserWarning, stacklevel=2)
             return False
         if self.probe is not None:
             self.probe.end_forward()  # nothing ran under it yet: its hooks come off unused
         self.probe, self._probing = None, False
         length = max(1, probe_tokens // shape.batch)
-        self.profile = self._sequence.run(lambda: short_step(length), "offload (probe at a short length)")  # type: ignore[union-attr]
+        try:
+            self.profile = self._sequence.run(lambda: short_step(length), "offload (probe at a short length)")  # type: ignore[union-attr]
+        except Exception as exc:
+            raise short_step.explain(exc) from exc.__cause__
         self._pin_ahead()
         self._wrappers(self.profile)
         return True
@@ -299,7 +308,8 @@ class PlannedSteps:
             torch.cuda.empty_cache()
         try:
             plan = choose(profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable,
-                          emptied=emptied, head=self.head, host_budget=self.engine.arena.budget_bytes)
+                          emptied=emptied, head=self.head, host_budget=self.engine.arena.plan_host_bytes(),
+                          host_limited=self.engine.arena.plan_limited)
         except BudgetError as exc:
             if shape is None:
                 raise
@@ -320,7 +330,7 @@ class PlannedSteps:
         budget = self._read_device().budget_bytes if self.budget == DEVICE else int(self.budget)
         if self._cap is not None:
             budget = min(budget, self._cap)
-        host_budget = self.engine.arena.budget_bytes
+        host_budget = self.engine.arena.plan_host_bytes()
         device, host = lowest_at(self.profile, shape, self.head)
         said = (f". Its lowest plan (every layer recomputed, tiled where it can be) needs {format_bytes(device)} "
                 f"of device memory and {format_bytes(host)} of host memory (host budget {format_bytes(host_budget)})")
@@ -371,22 +381,11 @@ class PlannedSteps:
             on_plan(plan.recomputes(), plan.selects() or tiles)
 
     def _pin(self, sizes: list[int]) -> None:
-        # Only the regions no idle block serves: with plans for several shapes the blocks of
-        # each stay between its steps (hold_idle), and a shorter batch's regions fit a longer
-        # one's blocks.
-        arena = self.engine.arena
-        if not arena.pinned:
-            return
-        # Plans per shape: a block another shape's plan used stays for that shape's next step
-        # (trimmed it would be pinned again, seconds a step on LLAMA-1B's shape). The host
-        # budget still bounds them, and close() gives them back.
-        arena.hold_idle = self.profile is not None and self.profile.shape is not None
-        missing = arena.unserved(sizes)
-        if missing:
-            try:
-                arena.preallocate(missing, background=True)
-            except ValueError:
-                pass  # over the host budget: the step keeps what does not fit on the GPU
+        # The plan's regions bound what the arena holds, and those no idle block serves are
+        # pinned ahead (HostArena.pin_for_plan). Plans per shape: a block another shape's plan
+        # used stays for that shape's next step (trimmed it would be pinned again, seconds a
+        # step on LLAMA-1B's shape), within that bound; close() gives them back.
+        self.engine.arena.pin_for_plan(sizes, hold_idle=self.profile is not None and self.profile.shape is not None)
 
     def _pin_ahead(self) -> None:
         # After the low-memory sizing step: a plan from its figures (the measured step's will
@@ -397,7 +396,8 @@ class PlannedSteps:
         self._pinned_ahead = True
         try:
             sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
-            plan = choose(sizing, self.budget, self.device, expandable=self._expandable)
+            plan = choose(sizing, self.budget, self.device, expandable=self._expandable,
+                          host_budget=self.engine.arena.plan_host_bytes())
         except (BudgetError, ValueError):
             return  # the measured step decides; nothing to pin ahead
         self._pin(PlannedSchedule(plan, sizing).region_bytes())

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from ..host.arena import HostArena
+from ..host.room import host_figures
 from .copies import CopyMixin
 from .eager import saved_tensors_hooks
 from .forward import ForwardState
@@ -130,6 +131,7 @@ class OffloadEngine(StepLifecycleMixin, PackingMixin, CopyMixin):
             transport=self.transport.name,
             host_budget_bytes=self.arena.budget_bytes,
             host_budget_source=self.arena.budget_source,
+            **host_figures(self.arena.needs, self.arena.counters.peak_bytes_held, self.arena.ledger),
             host_numa_node=self.arena.numa.node,
             host_numa_source=self.arena.numa.source,
             weight_cache_bytes=weight_cache_bytes(self.modules) if self.modules else None,

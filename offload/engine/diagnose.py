@@ -57,7 +57,8 @@ def _explain(reason: str, count: int, min_offload_bytes: int, largest_small: int
     if reason == KEEP_BUDGET:
         return (
             f"{count} did not fit in the host budget (host_budget_bytes, or the process's, shared "
-            "by all its offload contexts: offload.host.ledger) or pinned memory"
+            "by all its offload contexts: offload.host.ledger), the node's room (what it has "
+            "available less the floor left for others: offload.host.node) or pinned memory"
         )
     return f"{count} were kept ({reason})"
 

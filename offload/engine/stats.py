@@ -99,7 +99,19 @@ class StepStats(TypedDict):
     - ``host_budget_bytes`` (int, bytes): the cap on host memory the arena may hold; a group that
       does not fit stays where it is (``kept["budget"]``).
     - ``host_budget_source`` (str): where the cap came from: ``"host_budget_bytes"`` (given), or
-      the default's formula (75% of total RAM divided by ``LOCAL_WORLD_SIZE``, with the figures).
+      the default's formula (the node's total less the floor left for others, divided by
+      ``LOCAL_WORLD_SIZE``, with the figures).
+    - ``host_needed_bytes`` (int or None, bytes): host memory the plan in force needs (its
+      regions' blocks, as the allocator holds them); None when no plan is in force.
+    - ``host_bound_bytes`` (int or None, bytes): the most the arena holds for its plans: the
+      largest need of its recent plans plus a slack (``offload.host.room``); idle blocks beyond
+      it are dropped, least recently used first. None when no plan is in force.
+    - ``host_peak_bytes`` (int, bytes): the most host memory the arena has held at once (blocks
+      being pinned included), since the context was made.
+    - ``host_node_available_bytes`` / ``host_node_floor_bytes`` (int or None, bytes): the node's
+      available memory when it was last read (before the pool last grew, or a plan was made) and
+      the floor left for the OS and other processes (``offload.host.node``); the arena holds at
+      most available + its own bytes - floor. None before any read.
     - ``host_numa_node`` (int or None): the NUMA node the arena's host blocks are bound to (the
       GPU's own node, read from sysfs), None when they are not bound.
     - ``host_numa_source`` (str): why: the GPU and its node, or the reason for no binding (a
@@ -142,6 +154,11 @@ class StepStats(TypedDict):
     pinned_bytes_held: int
     host_budget_bytes: int
     host_budget_source: str
+    host_needed_bytes: Optional[int]
+    host_bound_bytes: Optional[int]
+    host_peak_bytes: int
+    host_node_available_bytes: Optional[int]
+    host_node_floor_bytes: Optional[int]
     host_numa_node: Optional[int]
     host_numa_source: str
     pinned_allocations: int
@@ -180,6 +197,11 @@ def snapshot(
     transport: str,
     host_budget_bytes: int,
     host_budget_source: str,
+    host_needed_bytes: Optional[int] = None,
+    host_bound_bytes: Optional[int] = None,
+    host_peak_bytes: int = 0,
+    host_node_available_bytes: Optional[int] = None,
+    host_node_floor_bytes: Optional[int] = None,
     host_numa_node: Optional[int] = None,
     host_numa_source: str = "not bound",
     weight_cache_bytes: Optional[int] = None,
@@ -222,6 +244,11 @@ def snapshot(
         pinned_bytes_held=pinned_bytes_held,
         host_budget_bytes=host_budget_bytes,
         host_budget_source=host_budget_source,
+        host_needed_bytes=host_needed_bytes,
+        host_bound_bytes=host_bound_bytes,
+        host_peak_bytes=host_peak_bytes,
+        host_node_available_bytes=host_node_available_bytes,
+        host_node_floor_bytes=host_node_floor_bytes,
         host_numa_node=host_numa_node,
         host_numa_source=host_numa_source,
         pinned_allocations=c.pinned_allocations,
@@ -308,6 +335,20 @@ def _transport_row(transport: str, native: bool) -> str:
     return f"{transport} ({words}; {path})" if words else f"{transport} ({path})"
 
 
+def _host_needed_row(s: StepStats) -> str:
+    """What the plan needs on the host against what is held, and the node's room."""
+    held = f"{format_bytes(s['pinned_bytes_held'])} held, {format_bytes(s['host_peak_bytes'])} at peak"
+    if s["host_needed_bytes"] is None:
+        text = f"- (no plan); {held}"
+    else:
+        text = (f"{format_bytes(s['host_needed_bytes'])} by the plan, held at most "
+                f"{format_bytes(s['host_bound_bytes'] or 0)} with slack; {held}")
+    if s["host_node_available_bytes"] is not None:
+        text += (f"; node {format_bytes(s['host_node_available_bytes'])} available, "
+                 f"{format_bytes(s['host_node_floor_bytes'] or 0)} left for others")
+    return text
+
+
 def format_report(s: StepStats) -> str:
     """A readable table of one :func:`snapshot`, worded for its transport (GPU and D2H/H2D on
     ``cuda``; host copies and the host arena on ``cpu``). The FP8 weight copies' line is shown
@@ -350,6 +391,7 @@ def format_report(s: StepStats) -> str:
         ("compute waited", f"{s['wait_ms']:.2f} ms"),
         (words["held"], f"{format_bytes(s['pinned_bytes_held'])} ({s['pinned_allocations']} allocations this step)"),
         ("host budget", f"{format_bytes(s['host_budget_bytes'])} ({s['host_budget_source']})"),
+        ("host needed", _host_needed_row(s)),
         ("host NUMA node", f"{'-' if s['host_numa_node'] is None else s['host_numa_node']} ({s['host_numa_source']})"),
     ]
     # Only a figure to show: 0 B (modules without FP8 layers) or None (no modules) says nothing.

@@ -59,16 +59,40 @@ class InstalledForwards:
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
+        # The stand-ins themselves: another tool (a plan's wrappers) may wrap them later, and
+        # remove() must find them there.
+        self.installed = [module.__dict__.get("forward") for module in modules]
 
     def remove(self) -> None:
-        """Give every wrapped module its own ``forward`` back (idempotent)."""
-        for module in self.modules:
-            if isinstance(module.__dict__.get("forward"), self.wrapper):
-                del module.forward
-        self.modules = []
+        """Take every stand-in off its module (idempotent): the module gets its own ``forward``
+        back, or, where another tool wrapped the stand-in since (a plan's wrappers), that tool's
+        wrapper now calls what the stand-in called, so removing it later does not put the
+        stand-in back."""
+        for module, installed in zip(self.modules, self.installed):
+            if isinstance(installed, self.wrapper):
+                splice_out(module, installed)
+        self.modules, self.installed = [], []
 
     def __enter__(self) -> "InstalledForwards":
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def splice_out(module: nn.Module, wrapper: Any) -> bool:
+    """Take ``wrapper`` out of ``module``'s chain of forward stand-ins (each calls the next
+    through its ``fn``): whoever called it now calls its ``fn``. Whether it was found."""
+    holder, current = None, module.__dict__.get("forward")
+    while current is not None:
+        if current is wrapper:
+            inner = wrapper.fn
+            if holder is not None:
+                holder.fn = inner
+            elif getattr(inner, "__self__", None) is module:
+                del module.forward  # it wrapped the class's forward: deleting gives it back
+            else:
+                module.forward = inner
+            return True
+        holder, current = current, getattr(current, "fn", None)
+    return False

@@ -14,6 +14,10 @@ rotary embeddings) stay in the closure, as they do for positional arguments.
 Every place that checkpoints a layer or a selective module (a plan's RECOMPUTE layers, selective
 recompute, the low-memory probe) goes through :func:`checkpoint_call`, and the probe counts what
 it saves with :func:`checkpoint_input_bytes`: one definition of "a checkpoint's inputs".
+
+A checkpointed call runs twice, so arguments that carry state (a KV cache) would be changed twice:
+:func:`checkpoint_call` runs such a call through :class:`~offload.forwards.stateful.StatefulCall`,
+whose recompute runs against the state the forward saw and leaves the state the forward left.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.utils.checkpoint import checkpoint
+
+from .stateful import StatefulCall, stateful_arguments
 
 __all__ = ["checkpoint_call", "checkpoint_inputs", "checkpoint_input_bytes", "checkpoint_input_sizes"]
 
@@ -54,8 +60,12 @@ def checkpoint_input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> in
 def checkpoint_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
                     **options: Any) -> Any:
     """``fn(*args, **kwargs)`` under non-reentrant ``torch.utils.checkpoint`` (``options``:
-    its own, e.g. ``context_fn``), with the tensor keyword arguments saved like positional ones
-    (see the module notes)."""
+    its own, e.g. ``context_fn``), with the tensor keyword arguments saved like positional ones,
+    and a KV cache among the arguments left as one plain run leaves it (see the module notes);
+    :class:`~offload.forwards.stateful.StatefulArgumentError` where that cannot be done."""
+    states = stateful_arguments(args, kwargs)
+    if states:
+        fn = StatefulCall(fn, states)
     names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
     if not names:
         return checkpoint(fn, *args, use_reentrant=False, **options, **kwargs)

@@ -53,6 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from .instance import InstalledForwards, check_own_forward, module_list
 from .recompute import checkpoint_call
+from .stateful import refuse_stateful_compiled
 
 aten = torch.ops.aten
 
@@ -116,7 +117,9 @@ class SelectiveForward:
             return self.fn(*args, **kwargs)
         if torch.compiler.is_compiling():
             # Dynamo turns the checkpoint into a graph region whose policy AOTAutograd applies
-            # when it partitions the graph: it wants a plain context function.
+            # when it partitions the graph: it wants a plain context function. Its recompute is
+            # traced into the graph, where a KV cache's Python state cannot be put back.
+            refuse_stateful_compiled(self.fn, args, kwargs)
             return checkpoint(self.fn, *args, use_reentrant=False, context_fn=_policy_contexts, **kwargs)
         if not torch.is_grad_enabled() or _inside_checkpoint():
             return self.fn(*args, **kwargs)

@@ -17,16 +17,15 @@ to a block is to wait for one being pinned or to pin one now; when it says yes (
 to keep the group), ``acquire`` returns None and the group stays on the GPU this step
 (``kept["pinning"]``); a later step finds the block pinned.
 
-The budget caps the bytes the arena holds (in use + idle + being pinned), counted as the bytes
-really locked. Tensors are also counted against it at pack time (``claim``), so that a step that
-would overrun it keeps the excess tensors on the GPU instead of failing later. A block the host
-refuses (out of memory, locked-memory limit) is the same as the budget saying no: the group stays
-on the GPU, counted under ``kept["budget"]``, and nothing is lost.
-
-Every arena of the process also charges one ledger (``offload.host.ledger``) that bounds them
-all together: a block is charged before it is allocated or queued, adjusted to its real bytes,
-and refunded when freed; a refused charge is a budget refusal like the arena's own. After freeing
-blocks the arena empties torch's pinned-memory cache (the fallback allocator's blocks would stay).
+The bytes the arena holds (in use + idle + being pinned, as really locked) are bounded by its
+budget, by the process's ledger (``offload.host.ledger``: every arena's charges against the
+process's budget and the node's room, read whenever the pool grows), and by what its plans need
+plus a slack (``offload.host.room``: idle blocks beyond it go, least recently used first; nothing
+is pinned ahead beyond it). Tensors are also counted at pack time (``claim``), so that a step that
+would overrun a bound keeps the excess tensors on the GPU instead of failing later. A block the
+host refuses (out of memory, locked-memory limit) is the same as a bound saying no: the group
+stays on the GPU, counted under ``kept["budget"]``, and nothing is lost. After freeing blocks the
+arena empties torch's pinned-memory cache (the fallback allocator's blocks would stay).
 
 CUDA-graph capture: a captured copy names its host address once, and every replay copies to and
 from that address again, with no Python running. So a region acquired under capture
@@ -45,59 +44,19 @@ import concurrent.futures
 import threading
 import warnings
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 
 from . import native
-from .ledger import HostLedger, default_host_budget, process_ledger
+from .ledger import NODE_READ_MAX_AGE_S, HostLedger, default_host_budget, process_ledger
+from .room import HostRoom, PlanNeeds, ledger_refusal, least_room, fit_within, plan_data_bytes, plan_limited_message, \
+    worst_rounding
+from .blocks import BLOCK_GRANULE, REUSE_SLACK, ArenaCounters, CaptureError, Region, repeat_sizes, with_headroom
+from .idle import IdleBlocks
 from .layout import align_up
 from .numa import NumaPlacement
 from .pinning import Allocator, BackgroundPinner, allocate_host_block, expected_held_bytes, release_cached_pinned
-
-BLOCK_GRANULE = 64 * 1024  # whole 64 KiB pages: regions of nearly equal size share blocks
-# A free block is reused for a request only if it is at most this much larger than the request,
-# so one huge idle block doesn't get tied up by a small group.
-REUSE_SLACK = 2.0
-# A block pinned for a size only guessed (the growth forecast, a reserve cut into equal blocks)
-# gets this fraction of headroom: layers' groups differ a little (the first layer's input is a
-# leaf, for one), and a block serves requests of half to all of its size, never more.
-GUESS_HEADROOM = 1 / 8
-
-
-def with_headroom(nbytes: int) -> int:
-    """``nbytes`` plus the headroom of a guessed block, in whole granules."""
-    return align_up(nbytes + int(nbytes * GUESS_HEADROOM), BLOCK_GRANULE)
-
-
-class CaptureError(RuntimeError):
-    """Offloading cannot proceed under the CUDA-graph capture in progress (the message says why)."""
-
-
-@dataclass(eq=False)
-class Region:
-    """A host block lent to one group. ``ready`` is the event the next writer must wait on."""
-
-    block: torch.Tensor
-    pinned_bytes: int  # what the block really holds (page rounding included)
-    ready: Any = None
-    used_in_step: int = -1
-    graph_owned: bool = False  # acquired under CUDA-graph capture: replays keep using it
-
-
-@dataclass
-class ArenaCounters:
-    pinned_allocations: int = 0   # blocks allocated (pinned on CUDA) since creation
-    bytes_held: int = 0           # bytes really held by all blocks, in use or idle
-    bytes_in_use: int = 0
-    bytes_pending: int = 0        # bytes of blocks queued or being pinned in the background
-    waited_for_pinning: int = 0   # acquires that waited for a background block
-    kept_while_pinning: int = 0   # acquires answered None so as not to wait (keep_while_pinning)
-    failures: int = 0             # requests refused (budget or allocation failure)
-    freed_blocks: int = 0
-    graph_owned_blocks: int = 0   # blocks kept for captured CUDA graphs (never reused eagerly)
-    process_refusals: int = 0     # claims and requests refused by the process's ledger
 
 
 class HostArena:
@@ -119,8 +78,7 @@ class HostArena:
         # Keep idle blocks past a step that did not use them, as ``retain`` does, but set by the
         # planner: a stream of batch shapes' plans need other regions in turn (plan_steps).
         self.hold_idle = False
-        # Asked on a miss that would wait for pinning: may the group stay on the device instead?
-        # (None: always wait.)
+        # Asked on a miss that would wait for pinning: may the group stay on the device? (None: wait.)
         self.keep_while_pinning = keep_while_pinning
         # The NUMA node of the blocks (the GPU's, see offload.host.numa), and why.
         self.numa = numa if numa is not None else NumaPlacement(None, "not bound")
@@ -135,6 +93,7 @@ class HostArena:
             (lambda n: expected_held_bytes(n, pinned=pinned, native_live=native_live)) if allocate is None
             else (lambda n: n)
         )
+        self._rounding = worst_rounding(pinned=pinned, native_live=native_live, own_allocator=allocate is not None)
         # The pinner's thread holds the arena weakly: queued blocks must not keep a dropped
         # context's arena alive, and dropping it cancels them.
         arena_ref = weakref.ref(self)
@@ -150,26 +109,24 @@ class HostArena:
         self._step_sizes: list[int] = []  # block sizes asked for by the latest acquiring step
         # Blocks being pinned in the background: (size, future), sorted by size.
         self._pending: list[tuple[int, concurrent.futures.Future]] = []
+        # This arena's share of the process's ledger; refunded in full when the arena is
+        # collected (its blocks go with it), so a context dropped without close() leaks no budget.
+        self.ledger = ledger if ledger is not None else process_ledger()
         if budget_bytes is None:
-            self.budget_bytes, self.budget_source = default_host_budget()
+            self.budget_bytes, self.budget_source = default_host_budget(node=self.ledger.read_node())
         else:
             self.budget_bytes, self.budget_source = int(budget_bytes), "host_budget_bytes"
         if self.budget_bytes < 0:
             raise ValueError(f"host_budget_bytes must be >= 0, got {budget_bytes}")
         self.retain = retain
-        # This arena's share of the process's ledger; refunded in full when the arena is
-        # collected (its blocks go with it), so a context dropped without close() leaks no budget.
-        self.ledger = ledger if ledger is not None else process_ledger()
         self._account = self.ledger.open_account()
         weakref.finalize(self, self._account.close)
-        self._warned_process = False
+        self._warned: set[object] = set()  # the refusals (by the node or not) and limits said once
+        self.needs = PlanNeeds()  # what the plans put in force lately need, and the bound it sets
         self.counters = ArenaCounters()
         self.claimed = 0  # bytes promised at pack time to tensors of groups not yet laid out
-        # Idle blocks sorted by size: parallel lists for bisect.
-        self._free_sizes: list[int] = []
-        self._free: list[Region] = []
-        # Release happens from Group.__del__, which can run on autograd's device threads.
-        self._lock = threading.Lock()
+        self._free = IdleBlocks()
+        self._lock = threading.Lock()  # release runs in Group.__del__, maybe on autograd's threads
         self._graph_owned: list[Region] = []
         self._last_acquiring_step = -1  # the latest step that asked for a region
         # Blocks being pinned that a group of the latest acquiring step, kept on the device
@@ -185,30 +142,25 @@ class HostArena:
         wanted = counters.bytes_in_use + self.claimed + nbytes
         if wanted > self.budget_bytes:
             return False
-        # Own blocks first (a steady step stops there), then the process's free bytes (unlocked).
+        # Own blocks first (a steady step stops there), then the process's free bytes (unlocked),
+        # with the node read again (at most every few ms) before a refusal.
         held = counters.bytes_held + counters.bytes_pending
         if wanted > held and wanted > held + self.ledger.free_bytes:
-            self._refused_by_process(nbytes)
-            return False
+            self.ledger.read_node(NODE_READ_MAX_AGE_S)
+            if wanted > held + self.ledger.free_bytes:
+                self._refused_by_process(wanted - held)
+                return False
         self.claimed += nbytes
         return True
 
     def _refused_by_process(self, nbytes: int) -> None:
-        # Off the fast path (a refusal): count it, and say why once per arena.
+        # Off the fast path (a refusal): count it, and say why (the budget or the node) once.
         self.counters.process_refusals += 1
-        if self._warned_process:
-            return
-        self._warned_process = True
-        ledger = self.ledger
-        warnings.warn(
-            f"offload: {nbytes} more bytes of host memory would take this process over its host "
-            f"budget of {ledger.budget_bytes} bytes ({ledger.budget_source}), shared by every "
-            f"offload context of the process ({ledger.held_bytes} held, "
-            f"{self.counters.bytes_held} of them by this context): what does not fit stays on the "
-            "GPU (stats kept['budget']). close() the contexts you are done with (or drop them), "
-            "or raise the budget with offload.host.ledger.set_process_host_budget(nbytes).",
-            stacklevel=3,
-        )
+        by_node, message = ledger_refusal(self.ledger, nbytes, self.counters.bytes_held)
+        self.counters.node_refusals += by_node
+        if by_node not in self._warned:
+            self._warned.add(by_node)
+            warnings.warn(message, stacklevel=3)
 
     def unclaim(self, nbytes: int) -> None:
         """Return a promise made by :meth:`claim` (the group got its region, or gave up)."""
@@ -234,14 +186,7 @@ class HostArena:
                     f"{held} held already). Reserve less, or raise host_budget_bytes."
                 )
             if not self._account.try_charge(sum(charges)):
-                ledger = self.ledger
-                raise ValueError(
-                    f"offload: reserving {total} bytes of pinned host memory would take this process "
-                    f"over its host budget of {ledger.budget_bytes} bytes ({ledger.budget_source}), "
-                    f"shared by every offload context ({ledger.held_bytes} held). Reserve less, "
-                    "close() the contexts you are done with, or raise the budget with "
-                    "offload.host.ledger.set_process_host_budget(nbytes)."
-                )
+                raise ValueError(ledger_refusal(self.ledger, sum(charges), self.counters.bytes_held)[1])
         # Charged for all of them: each is queued, or allocated and adjusted to its real bytes.
         for i, (size, charge) in enumerate(zip(blocks, charges)):
             if background:
@@ -260,17 +205,7 @@ class HostArena:
     def sizes_for(self, nbytes: int, blocks_if_unknown: int) -> list[int]:
         """Block sizes that add up to at least ``nbytes``: the sizes the latest step asked for,
         repeated, or ``blocks_if_unknown`` equal blocks (with headroom) when no step has asked."""
-        if self._step_sizes:
-            pattern = list(self._step_sizes)
-        else:
-            pattern = [with_headroom(-(-nbytes // max(1, blocks_if_unknown)))]
-        sizes: list[int] = []
-        total = 0
-        while total < nbytes:
-            size = pattern[len(sizes) % len(pattern)]
-            sizes.append(size)
-            total += size
-        return sizes
+        return repeat_sizes(list(self._step_sizes), nbytes, blocks_if_unknown)
 
     def _queue(self, size: int, *, charged: bool) -> Optional[concurrent.futures.Future]:
         # ``charged``: the ledger was charged for this block already; else it is charged here,
@@ -278,8 +213,10 @@ class HostArena:
         if not charged and not self._account.try_charge(self._expect(size)):
             return None
         future = self._pinner.submit(size)
+        self._account.mark_pending(self._expect(size))  # charged, not gone from the node yet
         with self._lock:
             self.counters.bytes_pending += size
+            self._note_peak()
             i = bisect.bisect_right([s for s, _ in self._pending], size)
             self._pending.insert(i, (size, future))
         return future
@@ -289,23 +226,22 @@ class HostArena:
         self.counters.pinned_allocations += 1
         self.counters.bytes_held += pinned_bytes
         self.counters.bytes_in_use += in_use
+        self._note_peak()
+
+    def _note_peak(self) -> None:
+        # Called with the lock held.
+        self.counters.peak_bytes_held = max(self.counters.peak_bytes_held, self._committed())
 
     def _add_idle(self, region: Region) -> None:
         # Called with the lock held: a newly pinned block joins the idle list.
         self._count_pinned(region.pinned_bytes, 0)
-        i = bisect.bisect_right(self._free_sizes, region.block.numel())
-        self._free_sizes.insert(i, region.block.numel())
-        self._free.insert(i, region)
+        self._free.add(region)
 
     def _take_idle(self, size: int, step: int, captured: bool) -> Optional[Region]:
-        # Called with the lock held: the smallest idle block that fits, within the slack (under
-        # capture any that fits will do: the slack rule only keeps big blocks for big groups,
-        # and failing the capture would be worse).
-        i = bisect.bisect_left(self._free_sizes, size)
-        if i == len(self._free) or not (captured or self._free_sizes[i] <= size * REUSE_SLACK):
+        # Called with the lock held: the idle block that serves ``size`` (IdleBlocks.take).
+        region = self._free.take(size, captured)
+        if region is None:
             return None
-        self._free_sizes.pop(i)
-        region = self._free.pop(i)
         self.counters.bytes_in_use += region.block.numel()
         region.used_in_step = step
         region.graph_owned = captured
@@ -342,11 +278,13 @@ class HostArena:
         except Exception:  # noqa: BLE001 - a refused block is a miss like any other
             with self._lock:
                 self.counters.bytes_pending -= pending_size
+                self._account.mark_pending(-self._expect(pending_size))
                 self.counters.failures += 1
                 self._account.refund(self._expect(pending_size))
             return None
         with self._lock:
             self.counters.bytes_pending -= pending_size
+            self._account.mark_pending(-self._expect(pending_size))
             self._account.adjust(pinned_bytes - self._expect(pending_size))
             self._count_pinned(pinned_bytes, block.numel())
             self.counters.waited_for_pinning += 1
@@ -355,6 +293,7 @@ class HostArena:
     def _settle(self, size: int, future: concurrent.futures.Future) -> None:
         # Called with the lock held, for a finished (or cancelled) background block.
         self.counters.bytes_pending -= size
+        self._account.mark_pending(-self._expect(size))
         if future.cancelled() or future.exception() is not None:
             # (Cancelled: close() or free_idle() gave it up before it started; not a failure.)
             self.counters.failures += not future.cancelled()
@@ -394,15 +333,56 @@ class HostArena:
         """Of these region sizes, those no idle or pinning block would serve (each block once)."""
         with self._lock:
             self._settle_finished()
-            free = list(self._free_sizes) + sorted(size for size, _ in self._pending)
-        out = []
-        for size in sorted((align_up(max(int(n), 1), BLOCK_GRANULE) for n in sizes), reverse=True):
-            fits = [b for b in free if size <= b <= size * REUSE_SLACK]
-            if fits:
-                free.remove(min(fits))
-            else:
-                out.append(size)
-        return out
+            return self._serve(sizes)[1]
+
+    def _serve(self, sizes: Iterable[int]) -> tuple[frozenset, list[int]]:
+        # Called with the lock held: IdleBlocks.serve, blocks being pinned included.
+        return self._free.serve(sizes, ((size, id(future)) for size, future in self._pending))
+
+    # -- plans -----------------------------------------------------------------------------------
+    def pin_for_plan(self, sizes: Iterable[int], *, hold_idle: bool) -> None:
+        """A plan whose steps will ask for regions of these sizes is put in force: its need bounds
+        what the arena holds (:mod:`offload.host.room`); idle blocks beyond the bound go, least
+        recently used first and those the plan cannot use before those it can; the regions no
+        block serves are pinned in the background, as far as the bound and the room allow.
+        ``hold_idle``: keep idle blocks between steps (plans per shape; pinned arenas only)."""
+        sizes = list(sizes)
+        blocks = sorted(align_up(max(int(n), 1), BLOCK_GRANULE) for n in sizes)
+        self.needs.note(tuple(blocks), sum(self._expect(b) for b in blocks))
+        self.hold_idle = hold_idle and self.pinned
+        with self._lock:
+            self._settle_finished()
+            serving, missing = self._serve(sizes)
+            dropped = self._trim_to_plans(sum(self._expect(m) for m in missing), keep=serving)
+            room = self.needs.cap - self._committed()  # type: ignore[operator]
+        if dropped:
+            self._give_back_dropped()
+        if not self.pinned:
+            return
+        fitting = fit_within(missing, room, self._expect)
+        if fitting:
+            try:
+                self.preallocate(fitting, background=True)
+            except ValueError:
+                pass  # over a budget or the node's room: the step keeps what does not fit on the GPU
+
+    def host_room(self) -> HostRoom:
+        """What this arena may hold in all now: the least of its cap, the process's room and the
+        node's (read now), named (:func:`offload.host.room.least_room`)."""
+        return least_room(self.ledger, (self.budget_bytes, self.budget_source), self.counters.bytes_held,
+                          self._account)
+
+    def plan_host_bytes(self) -> int:
+        """The host bytes a plan made now may copy: :meth:`host_room` less the allocator's
+        rounding (:func:`offload.host.room.plan_data_bytes`). The one host figure plans read."""
+        return plan_data_bytes(self.host_room().held_bytes, self._rounding)
+
+    def plan_limited(self, wanted: int, planned: int) -> None:
+        """The host room made a plan copy ``planned`` bytes where it would copy ``wanted``: say
+        so, once per arena (the planner's ``host_limited``)."""
+        if "plan" not in self._warned:
+            self._warned.add("plan")
+            warnings.warn(plan_limited_message(wanted, planned, self.host_room(), self._rounding), stacklevel=3)
 
     def has_idle_blocks(self) -> bool:
         """Whether a block is waiting to be reused (what a CUDA-graph capture needs)."""
@@ -440,7 +420,7 @@ class HostArena:
         if region is not None:
             return region
         if captured:
-            idle = ", ".join(str(n) for n in self._free_sizes) or "none"
+            idle = ", ".join(str(n) for n in self._free.sizes) or "none"
             raise CaptureError(
                 f"offload: a pinned host region of {size} bytes is needed while a CUDA graph is "
                 f"being captured, and no idle block fits (idle block sizes: {idle}). Pinned "
@@ -455,9 +435,11 @@ class HostArena:
                 return region
         charge = self._expect(size)
         ledger = self.ledger
+        ledger.read_node(NODE_READ_MAX_AGE_S)  # the pool grows: what the node has now
         with self._lock:
-            # Make room from idle blocks, largest first, before giving up on the budget (this
-            # arena's, or the process's: a freed block is refunded to the ledger).
+            # Make room from idle blocks, least recently used first, before giving up on the
+            # budget (this arena's, the process's or the node's: a freed block is refunded to the
+            # ledger), and to stay within what the plans need.
             dropped = self._free_over_budget(size, charge)
             if self._committed() + size > self.budget_bytes:
                 self.counters.failures += 1
@@ -470,9 +452,12 @@ class HostArena:
                 # Host blocks that are not pinned cost no more than any allocation: no forecast.
                 more = expected_more() if self.pinned and expected_more is not None and not self._pending else 0
                 guess = with_headroom(size)
+                cap = self.needs.cap
                 room = min(
                     (self.budget_bytes - self._committed() - size) // guess,
                     ledger.free_bytes // self._expect(guess),
+                    # Nothing pinned ahead beyond what the plans need.
+                    (cap - self._committed() - size) // guess if cap is not None else more,
                 )
                 forecast = max(0, min(more, room))
         if dropped:
@@ -505,18 +490,31 @@ class HostArena:
         return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
 
     def _free_over_budget(self, size: int, charge: int) -> bool:
-        # Called with the lock held: drop idle blocks, largest first, while a new block of
-        # ``size`` (``charge`` to the ledger) would not fit this arena's budget or the
-        # process's. For the process's, only if dropping them all would make room: other
-        # contexts may hold the rest, and this arena's blocks would be lost for nothing.
-        # Whether any was dropped.
+        # Called with the lock held: drop idle blocks, least recently used first, while a new
+        # block of ``size`` (``charge`` to the ledger) would not fit this arena's budget, the
+        # plans' bound, or the process's and the node's room. For the process's, only if
+        # dropping them all would make room: other contexts may hold the rest, and this arena's
+        # blocks would be lost for nothing. Whether any was dropped.
         ledger = self.ledger
-        reachable = ledger.free_bytes + sum(region.pinned_bytes for region in self._free) >= charge
+        reachable = ledger.free_bytes + self._free.pinned_bytes() >= charge
+        cap = self.needs.cap
         dropped = False
         while self._free and (
             self._committed() + size > self.budget_bytes or (reachable and ledger.free_bytes < charge)
+            or (cap is not None and self._committed() + charge > cap)
         ):
-            self._drop_free(len(self._free) - 1)
+            self._drop_free(self._free.least_recent())
+            dropped = True
+        return dropped
+
+    def _trim_to_plans(self, adding: int = 0, keep: frozenset = frozenset()) -> bool:
+        # Called with the lock held: drop idle blocks, least recently used first (those in
+        # ``keep`` last), while what is held and ``adding`` more would pass the plans' bound.
+        cap = self.needs.cap
+        dropped = False
+        while cap is not None and self._free and self._committed() + adding > cap:
+            self._drop_free(self._free.least_recent(keep))
+            self.counters.trimmed_for_plan += 1
             dropped = True
         return dropped
 
@@ -536,9 +534,7 @@ class HostArena:
                 self._graph_owned.append(region)
                 return
             region.ready = ready
-            i = bisect.bisect_right(self._free_sizes, size)
-            self._free_sizes.insert(i, size)
-            self._free.insert(i, region)
+            self._free.add(region)
 
     def end_step(self, finished_step: int, first_step: Optional[int] = None) -> None:
         """Free idle blocks that no step from ``first_step`` (default ``finished_step``) on used,
@@ -551,6 +547,11 @@ class HostArena:
         allocate (and, on a GPU, pin) every block again.
         """
         first = finished_step if first_step is None else first_step
+        if self.hold_idle and not self.retain:
+            with self._lock:
+                dropped = self._trim_to_plans()  # idle blocks of other shapes, within the bound
+            if dropped:
+                self._give_back_dropped()
         if self.retain or self.hold_idle or self._last_acquiring_step < first:
             return
         dropped = False
@@ -592,7 +593,6 @@ class HostArena:
         # flight; the event tells when it is safe, and the copy engine's reference ends then.
         # Synchronising on that event here is acceptable: this runs only when shrinking.
         region = self._free.pop(i)
-        self._free_sizes.pop(i)
         if region.ready is not None:
             region.ready.synchronize()
         self._account.refund(region.pinned_bytes)

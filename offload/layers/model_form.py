@@ -10,17 +10,22 @@ and loss). Three things need that place:
   of more than twice :func:`probe_tokens` tokens is not probed at its own length: the probe
   steps run first on the same call cut to that many tokens (``labels`` included), the plan for
   the long shape is made from that profile (:mod:`offload.planner.scaling`), and the step itself
-  runs planned. The probe steps' gradients are thrown away (the parameters' ``.grad`` are put
-  back as they were) and the random number generators are restored, so the run goes on as if
-  they had not happened;
+  runs planned. The probe steps change nothing the user can observe (their inputs are detached
+  copies, their gradients are never accumulated, gradient hooks are hidden, the random number
+  generators and buffers are given back: :mod:`offload.layers.short_probe`), so the run goes on as
+  if they had not happened; where that cannot be promised (forward hooks on the model's modules,
+  an input it cannot cut, a cache), or with ``short_probe=False``, the batch is probed at its full
+  length, with a warning saying why;
 - **the head's figures** (:class:`~offload.planner.tiling.HeadInfo`): its vocabulary and width,
   and whether it can be tiled at all (``head_support``'s reason goes into the plan table).
 
 The forward stand-in holds its context weakly and acts only while that context is entered in
-this thread: elsewhere (evaluation, another context, a copy of the model) it calls the model's
-own forward. ``close()`` takes it off; one whose context was collected without ``close()`` is
-inert, and the tools that set a forward of their own (``tile_head``) take it off themselves, while
-a live context's is named in their refusal, with how to release it (:attr:`ModelForward.holder`).
+this thread: elsewhere (evaluation, a copy of the model) it calls the model's own forward.
+Several contexts may be given one model (a notebook cell run again makes a new one before the old
+is dropped): the stand-in serves each of them, so none loses sight of its model's calls, and it
+comes off when the last is closed or collected. The tools that set a forward of their own
+(``tile_head``) take off a stand-in whose contexts are all gone, and name a live one in their
+refusal, with how to release it (:attr:`ModelForward.holder`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from ..forwards.instance import check_own_forward
 from ..planner.shapes import StepShape
 from ..planner.tiling import LOGIT_BYTES, HeadInfo
 from ..tiling.causal_lm import TiledCausalLMForward, head_support
+from .short_probe import ShortStep
 
 # A probe of a long first batch runs at most this many tokens ...
 SHORT_PROBE_TOKENS = 32768
@@ -93,40 +99,14 @@ def call_shape(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def short_step(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               shape: StepShape) -> Optional[Callable[[int], None]]:
-    """A whole training step of this call cut to ``length`` tokens per sequence, whose gradients
-    are thrown away and whose random numbers are given back; None without ``labels`` (no loss
-    to run a backward from)."""
+               shape: StepShape) -> Optional[ShortStep]:
+    """A whole training step of this call cut to ``length`` tokens per sequence (``step(length)``),
+    invisible to the user (:mod:`offload.layers.short_probe`; ``step.refused`` says why it cannot
+    be, where it cannot); None without ``labels`` (no loss to run a backward from)."""
     arguments = _bound(fn, args, kwargs)
     if not isinstance(arguments.get("labels"), torch.Tensor):
         return None
-
-    def cut(value: Any, length: int) -> Any:
-        # Tensors laid out (batch, length, ...): ids, labels, masks, positions, embeddings.
-        if isinstance(value, torch.Tensor) and value.dim() >= 2 and tuple(value.shape[:2]) == (shape.batch, shape.length):
-            return value[:, :length]
-        return value
-
-    def run(length: int) -> None:
-        call = {name: cut(value, length) for name, value in arguments.items()}
-        params = [p for p in model.parameters() if p.requires_grad]
-        grads = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        devices = [p.device for p in params[:1] if p.device.type == "cuda"]
-        try:
-            with torch.random.fork_rng(devices=devices):
-                out = fn(**call)
-                loss = out.loss if hasattr(out, "loss") else out[0]
-                # The logits must not outlive the forward (as in a loop that keeps the loss
-                # only): held through backward, the probe would count them as the head's.
-                del out
-                loss.backward()
-        finally:
-            for p, g in zip(params, grads):
-                p.grad = g
-
-    return run
+    return ShortStep(model, fn, arguments, shape)
 
 
 def run_call(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -139,14 +119,14 @@ def run_call(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ..
 
 
 class ModelForward:
-    """Stands in for the model's ``forward`` (an instance attribute): while its context is
-    entered in this thread, the call goes through the context (:meth:`ModelCaller._model_call`);
-    otherwise the model's own forward runs."""
+    """Stands in for the model's ``forward`` (an instance attribute) for the contexts given the
+    model (held weakly): while one of them is entered in this thread, the call goes through it
+    (:meth:`ModelCaller._model_call`); otherwise the model's own forward runs."""
 
-    __slots__ = ("owner", "fn")
+    __slots__ = ("owners", "fn")
 
     def __init__(self, owner: Optional[ModelCaller], fn: Callable[..., Any]) -> None:
-        self.owner = weakref.ref(owner) if owner is not None else None
+        self.owners: list[weakref.ref] = [weakref.ref(owner)] if owner is not None else []
         self.fn = fn
 
     @property
@@ -154,25 +134,37 @@ class ModelForward:
         # The model's own: the Trainer keeps only the dataset columns its forward names.
         return inspect.signature(self.fn)
 
+    def attach(self, owner: ModelCaller) -> None:
+        """Serve ``owner`` too (once), forgetting contexts that were garbage collected."""
+        self.owners = [r for r in self.owners if r() is not None and r() is not owner] + [weakref.ref(owner)]
+
+    def detach(self, owner: ModelCaller) -> bool:
+        """Stop serving ``owner``; whether a live context is still served."""
+        self.owners = [r for r in self.owners if r() is not None and r() is not owner]
+        return bool(self.owners)
+
     @property
     def holder(self) -> Optional[str]:
         """Who holds the model through this stand-in and how to release it, for the tools that
-        refuse a model whose forward is taken (``tile_head``); None once its context is gone
-        (collected without ``close()``, or this is a copy's stand-in): the stand-in then only
-        calls the model's own forward, and those tools take it off
+        refuse a model whose forward is taken (``tile_head``); None once every context it served
+        is gone (collected without ``close()``, or this is a copy's stand-in): the stand-in then
+        only calls the model's own forward, and those tools take it off
         (:func:`offload.forwards.instance.check_own_forward`)."""
-        owner = self.owner() if self.owner is not None else None
-        if owner is None:
+        live = [owner for owner in (ref() for ref in self.owners) if owner is not None]
+        if not live:
             return None
-        return (f"the {owner!r} it was given to as model= (whose plans tile the head themselves "
-                "where they need to): call that context's close() (oa.close()) first, which gives the "
-                "model its own forward back")
+        return (f"the {' and the '.join(repr(owner) for owner in live)} it was given to as model= (whose "
+                "plans tile the head themselves where they need to): call that context's close() "
+                "(oa.close()) first, which gives the model its own forward back")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        owner = self.owner() if self.owner is not None else None
-        if owner is None or not owner._entered_here():
-            return self.fn(*args, **kwargs)
-        return owner._model_call(self.fn, args, kwargs)
+        # Every context given the model keeps seeing its calls (several may exist, e.g. a cell
+        # run again makes a new one before the old is dropped): the one entered here acts.
+        for ref in self.owners:
+            owner = ref()
+            if owner is not None and owner._entered_here():
+                return owner._model_call(self.fn, args, kwargs)
+        return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ModelForward":
         return ModelForward(None, copy.deepcopy(self.fn, memo))
@@ -182,20 +174,22 @@ class ModelForward:
 
 
 def install(owner: ModelCaller, model: torch.nn.Module) -> None:
-    """Put :class:`ModelForward` on ``model`` for ``owner`` (once; a stand-in of a dead context is
-    replaced)."""
+    """Make ``model``'s :class:`ModelForward` serve ``owner``: put one on, or attach ``owner`` to
+    the one there (other contexts' stay served)."""
     current = model.__dict__.get("forward")
     if isinstance(current, ModelForward):
-        current.owner = weakref.ref(owner)
+        current.attach(owner)
         return
     check_own_forward(model, (), f"offload: model= ({type(model).__name__})", "",
                       "(tile_head, or another tool): remove it first, or leave model= out")
     model.forward = ModelForward(owner, model.forward)
 
 
-def uninstall(model: torch.nn.Module) -> None:
-    """Take :class:`ModelForward` off ``model`` (idempotent)."""
-    if isinstance(model.__dict__.get("forward"), ModelForward):
+def uninstall(owner: ModelCaller, model: torch.nn.Module) -> None:
+    """Stop serving ``owner``; :class:`ModelForward` comes off ``model`` when no live context is
+    served (idempotent)."""
+    current = model.__dict__.get("forward")
+    if isinstance(current, ModelForward) and not current.detach(owner):
         del model.forward
 
 

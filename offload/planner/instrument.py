@@ -15,7 +15,9 @@ first out):
   layer runs under non-reentrant checkpointing, so the step fits wherever checkpointing fits;
   inside it a :class:`CountingPack` hook sees each tensor the layer saves (and hands it on to the
   checkpoint's own hook, which drops it), and in backward the recompute is timed, so the plain
-  backward can be told from it.
+  backward can be told from it. A KV cache among the layer's arguments is left as the plain step
+  leaves it (the checkpoint goes through :func:`~offload.forwards.recompute.checkpoint_call`, see
+  :mod:`offload.forwards.stateful`); the candidates run once, as in the plain step.
 
 Both hold the probe weakly: a wrapper left behind by an exception must not keep the probe alive.
 Both run eagerly (:mod:`offload.engine.eager`): in a compiled model a probed module runs eagerly, since

@@ -26,7 +26,9 @@ from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
 from .search import BudgetError, best_plan, lowest_peak
 from .tiling import HeadInfo, choose_tiled, lowest_tiled, mark_lowest
-from .types import LinkProfile, Plan, StepProfile
+from .actions import Action
+from .model import simulate
+from .types import LayerPlan, LinkProfile, Plan, StepProfile
 
 Budget = Union[int, str, None]
 
@@ -124,7 +126,8 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
 
 def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None, *,
            cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False,
-           head: Optional[HeadInfo] = None, host_budget: Optional[int] = None) -> Plan:
+           head: Optional[HeadInfo] = None, host_budget: Optional[int] = None,
+           host_limited: Optional[Callable[[int, int], None]] = None) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
     is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now, with
     ``expandable`` segments' headroom if :func:`use_expandable_segments` turned them on).
@@ -132,10 +135,40 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
     ``emptied``: the caller emptied the allocator's cache just now (see :func:`read_device_budget`).
     ``head``: the LM head plans may tile; with a shape-aware profile, plans tile the MLPs and the
     head where no untiled plan fits (:mod:`offload.planner.tiling`). ``host_budget``: bytes a
-    plan may hold on the host.
+    plan may copy to the host (a context's: ``HostArena.plan_host_bytes``, the least of its cap,
+    the process's budget and the node's room). ``host_limited(wanted, planned)`` is called when
+    that figure made the plan copy ``planned`` bytes where, unbounded, it would copy ``wanted``.
 
-    The plan's ``budget_reason`` says which budget was used and why.
+    The plan's ``budget_reason`` says which budget was used and why, and the host figure when it
+    bound the plan.
     """
+    made = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
+                   emptied=emptied, head=head, host_budget=host_budget)
+    if host_budget is None or host_budget >= _most_copied(profile):
+        return made  # the host figure cannot bind: no plan copies more
+    try:
+        free = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
+                       emptied=emptied, head=head, host_budget=None)
+    except BudgetError:
+        return made
+    wanted, planned = free.prediction.d2h_bytes, made.prediction.d2h_bytes
+    if wanted <= host_budget:
+        return made
+    if host_limited is not None:
+        host_limited(wanted, planned)
+    return dataclasses.replace(made, budget_reason=f"{made.budget_reason}; host room {format_bytes(host_budget)} "
+                                                   f"bound it (copies {format_bytes(planned)}, not {format_bytes(wanted)})")
+
+
+def _most_copied(profile: StepProfile) -> int:
+    """The most any plan of ``profile`` copies to the host: every layer offloaded whole."""
+    return simulate(profile, [LayerPlan(Action.OFFLOAD)] * len(profile.layers), None).d2h_bytes
+
+
+def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device], *,
+            cap_bytes: Optional[int], expandable: bool, emptied: bool, head: Optional[HeadInfo],
+            host_budget: Optional[int]) -> Plan:
+    # choose(), but for the host figure's note.
     if cap_bytes is not None and memory_budget_bytes != LOWEST:
         if memory_budget_bytes == DEVICE:
             measured = read_device_budget(device, expandable, emptied) if device is not None and device.type == "cuda" else None
@@ -144,7 +177,8 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
         elif memory_budget_bytes is not None and memory_budget_bytes <= cap_bytes:
             cap_bytes = None
         if cap_bytes is not None:
-            made = choose(profile, cap_bytes, device, head=head, host_budget=host_budget)
+            made = _choose(profile, cap_bytes, device, cap_bytes=None, expandable=False, emptied=False, head=head,
+                           host_budget=host_budget)
             return dataclasses.replace(made, budget_reason=f"{memory_budget_bytes!r}, capped at {format_bytes(cap_bytes)}")
 
     def best(budget: int) -> Plan:

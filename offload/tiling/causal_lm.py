@@ -9,6 +9,17 @@ model's last hidden state goes through ``self.lm_head`` (exactly an ``nn.Linear`
 scaling, no auxiliary loss). :func:`head_support` reads the class's source once and says what is
 missing otherwise.
 
+Shown exact, not read. Source text cannot prove a head plain: FalconH1 writes
+``logits = self.lm_head(hidden_states) * self.model.lm_head_multiplier`` on the template's line,
+and a subclass may scale ``self.loss_function(...)`` on it. So :func:`head_support` also runs the
+class's own forward and the tiled one once, on a few tokens, with the base model stood in by its
+last hidden state (:func:`_exactness_problem`): each token's hidden state is a power of two on one
+coordinate, so every logit is one weight times that power (plus the bias): exact in any dtype and
+any GEMM, and the two paths' logits are the same bits. The model's logits must then equal
+``lm_head(h)`` bit for bit, and its loss the tiled loss within what float32 sums in another order
+allow (:data:`_EXACT_RTOL`). A scale of the logits or of the loss moves the loss by tenths at
+least (the logits spread over a few units), 10^4 times that tolerance.
+
 What changes. On the tiled path the output's ``logits`` are None (as liger-kernel's fused loss
 does in training): the point is never to build them. The loss, the cache, the hidden states and
 the attentions are those HF returns; with ``return_dict=False`` the tuple is
@@ -29,11 +40,13 @@ import copy
 import dataclasses
 import functools
 import inspect
+import math
 import re
 import types
 from typing import Any, Callable, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..forwards.instance import check_own_forward
@@ -60,6 +73,14 @@ _BASE_CALL = re.compile(r"^\s*outputs\s*(?::[^=\n]+)?=\s*self\.(\w+)\(", re.MULT
 _ASSIGN = r"^\s*{}\s*(?:[-+*/@%]|//|\*\*)?=\s"
 # What a head that does more than the linear and the cross-entropy mentions.
 _EXTRAS = ("softcap", "logit_scale", "logits_scaling", "aux_loss")
+
+# The exactness check (module notes): tokens of its input, tokens per chunk of its tiled path (so
+# that chunks are summed), the largest logit it aims at, and the loss's tolerance: the two losses
+# are float32 sums of the same per-token terms in another order (measured: 1e-7).
+_EXACT_TOKENS = 8
+_EXACT_CHUNK = 3
+_EXACT_LOGIT = 4.0
+_EXACT_RTOL = 1e-5
 
 # Arguments of the standard forward that the base model does not take (the rest go to it).
 _HEAD_ARGS = ("labels", "logits_to_keep")
@@ -124,7 +145,10 @@ def head_support(model: nn.Module) -> tuple[bool, str]:
 
     It can for a HuggingFace ``*ForCausalLM`` whose ``lm_head`` is exactly an ``nn.Linear``, whose
     loss is transformers' ``ForCausalLMLoss``, whose config has no ``final_logit_softcapping``, and
-    whose class ``forward`` follows transformers' causal-LM template (see the module notes).
+    whose class ``forward`` follows transformers' causal-LM template (see the module notes), and
+    whose own forward, run once on a few tokens, gives the logits of ``lm_head`` bit for bit and
+    the tiled loss (the check in the module notes: a head whose logits or loss are scaled, even
+    by an attribute of the model, is refused).
     """
     try:
         from transformers import PreTrainedModel
@@ -149,7 +173,98 @@ def head_support(model: nn.Module) -> tuple[bool, str]:
     if model.lm_head.out_features != getattr(config, "vocab_size", None):
         return False, _NOT_TILEABLE + (f"model.lm_head has {model.lm_head.out_features} outputs but config.vocab_size "
                                        f"is {getattr(config, 'vocab_size', None)}")
+    problem = _exactness_problem(model, template.base)
+    if problem:
+        return False, problem
     return True, ""
+
+
+class _BaseStandIn(nn.Module):
+    """Stands in for the base model during the exactness check: returns the check's hidden
+    states, and reads every other attribute (``lm_head_multiplier``...) off the real one."""
+
+    def __init__(self, real: nn.Module, output: Any) -> None:
+        super().__init__()
+        self.__dict__["_real"], self.__dict__["_output"] = real, output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__dict__["_output"]
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["_real"], name)
+
+
+def _exact_inputs(head: nn.Linear) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    # Token t's hidden state is 2**e on coordinate k_t alone, so its logits are the exact
+    # products 2**e * W[:, k_t] (+ bias); its label (the next token's, as HF shifts them) is
+    # the word of that column's largest weight, so the logits spread over a few units around it.
+    # None where the columns are zero (nothing to tell a scale by).
+    weight = head.weight.detach()
+    n, width = _EXACT_TOKENS, weight.shape[1]
+    columns = [(t * width) // n for t in range(n)]
+    hidden = torch.zeros(1, n, width, dtype=weight.dtype, device=weight.device)
+    labels = torch.zeros(1, n, dtype=torch.long, device=weight.device)
+    for t, k in enumerate(columns):
+        column = weight[:, k].float()
+        top = float(column.abs().max())
+        if not math.isfinite(top) or top == 0.0:
+            return None
+        hidden[0, t, k] = 2.0 ** round(math.log2(_EXACT_LOGIT / top))
+        if t + 1 < n:
+            labels[0, t + 1] = int(column.argmax())
+    return hidden, labels
+
+
+def _largest(logits: Any) -> str:
+    return f"{float(logits.float().abs().max()):.4g}" if isinstance(logits, torch.Tensor) and logits.numel() else "none"
+
+
+def _exactness_problem(model: nn.Module, base: str) -> str:
+    """Why the tiled loss of ``model`` is not shown to be its own (see the module notes); empty
+    when it is. Runs the class's forward and the tiled one once, on a few tokens, without grad,
+    with the base model stood in for; hooks on the base model do not fire."""
+    from transformers.modeling_outputs import BaseModelOutputWithPast
+
+    head = model.lm_head
+    name = f"{type(model).__name__}.forward"
+    if type(head.weight.data) is not torch.Tensor or head.weight.is_meta:
+        what = "on the meta device" if head.weight.is_meta else f"a {type(head.weight.data).__name__}"
+        return (_NOT_TILEABLE + f"model.lm_head's weight is {what}, so the tiled loss cannot be checked against "
+                "the model's own; tile the head once its weights are loaded as plain tensors")
+    made = _exact_inputs(head)
+    if made is None:
+        return _NOT_TILEABLE + ("model.lm_head's weight has a column of zeros (or not finite), so the tiled loss "
+                                "cannot be checked against the model's own; tile the head once its weights are loaded")
+    hidden, labels = made
+    real = model._modules[base]
+    own = types.MethodType(type(model).forward, model)
+    ids = torch.zeros_like(labels)
+    model._modules[base] = _BaseStandIn(real, BaseModelOutputWithPast(last_hidden_state=hidden))
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []):
+            out = own(input_ids=ids, labels=labels)
+            tiled = TiledCausalLMForward(model, own, _EXACT_CHUNK)(input_ids=ids, labels=labels)
+            want = F.linear(hidden, head.weight, head.bias)
+    except Exception as exc:  # noqa: BLE001 - any failure means: not shown exact
+        return _NOT_TILEABLE + f"checking {name} on a few tokens raised {type(exc).__name__}: {exc}"
+    finally:
+        model._modules[base] = real
+    loss, logits = (out.loss, out.logits) if not isinstance(out, tuple) else (out[0], out[1])
+    tiled_loss = tiled.loss if not isinstance(tiled, tuple) else tiled[0]
+    if not isinstance(logits, torch.Tensor) or logits.shape != want.shape or not torch.equal(logits.float(), want.float()):
+        return _NOT_TILEABLE + (f"{name} returns other logits than self.lm_head's (on a few tokens, the largest is "
+                                f"{_largest(logits)} where lm_head's is {_largest(want)}): it scales or changes them "
+                                "after the head, and the tiled loss would be that of the unchanged ones")
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        return _NOT_TILEABLE + f"{name} returns no loss for labels, so the tiled loss cannot be checked against it"
+    a, b = float(loss), float(tiled_loss)
+    if not (abs(a - b) <= _EXACT_RTOL * max(1.0, abs(a))):
+        return _NOT_TILEABLE + (f"{name}'s loss is not the cross-entropy of self.lm_head's logits (on a few tokens: "
+                                f"{a:.6g}, tiled {b:.6g}): it scales or changes the loss")
+    return ""
 
 
 def _chunk_for(chunk: Chunk, batch: int, length: int) -> int:

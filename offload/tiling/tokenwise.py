@@ -48,6 +48,7 @@ import torch
 from torch import Tensor, nn
 
 from ..forwards.instance import InstalledForwards, check_own_forward, module_list
+from ..forwards.stateful import StatefulArgumentError, stateful_arguments
 
 __all__ = ["tiled_tokenwise", "tokenwise_support", "TiledForward", "TiledTokenwise", "tile_tokenwise"]
 
@@ -291,6 +292,15 @@ class TiledForward:
         if not ok:
             # Checked per call too: a module wrapped in eval mode may be trained later.
             raise RuntimeError(f"offload: a tiled {type(module).__name__} cannot run tiled now: {why}")
+        states = stateful_arguments((), kwargs)
+        if states:
+            # Backward replays each chunk with the same arguments: a cache would be updated once
+            # per chunk and again per replay (and a module reading one mixes tokens anyway).
+            raise StatefulArgumentError(
+                f"offload: a tiled {type(module).__name__} was called with a KV cache "
+                f"({', '.join(name for name, _ in states)}); a module that reads one is not token-wise: "
+                "tile only modules like the MLP, or pass use_cache=False to the model"
+            )
         fn = functools.partial(self.fn, **kwargs) if kwargs else self.fn
         params = [p for p in module.parameters() if p.requires_grad]
         return _TiledTokenwise.apply(fn, chunk, x, *params)

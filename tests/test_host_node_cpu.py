@@ -1,0 +1,263 @@
+"""Host memory is the node's, not the process's share of its total (issue 48 §3), and one host
+figure feeds the planner (issue 49 item 8).
+
+A run held 140 GB of a 252 GiB node while its plan needed 45 GiB (its budget was 75% of the
+node's total, LOCAL_WORLD_SIZE being 1), and the kernel's OOM killer ended it when a second job
+started. These tests hold offload to its promises on the ``cpu`` transport, with the node
+simulated (``offload.host.node.SimulatedNode``: only the source of the numbers is replaced):
+growth past the node's available memory less its floor is refused and said once; what the
+process holds counts as its own; the planner plans for the least of the context's cap, the
+process's budget and the node's room; what the arena holds stays within its plans' need plus a
+slack; and two processes whose plans each ask for 60% of a node both finish within it.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+
+import offload
+from offload.host import room
+from offload.host.arena import HostArena
+from offload.host.ledger import HostLedger, process_ledger, set_process_host_budget
+from offload.host.node import SimulatedNode, cgroup_limit, node_floor, node_source_from_env
+
+from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, train_step
+
+MIB = 1 << 20
+TESTS = Path(__file__).resolve().parent
+
+
+def _arena(ledger: HostLedger, budget: int = 1 << 40) -> HostArena:
+    # A pinned arena whose "pinned" blocks are plain host tensors (CPU CI), charging ``ledger``.
+    return HostArena(pinned=True, budget_bytes=budget, retain=False, ledger=ledger,
+                     allocate=lambda n: (torch.empty(n, dtype=torch.uint8), n))
+
+
+def _other_process(directory: Path, nbytes: int) -> None:
+    # Another process on the simulated node holding ``nbytes`` (what it publishes there).
+    (directory / "1").write_text(str(nbytes))
+
+
+@pytest.fixture
+def node_ledger() -> Iterator[HostLedger]:
+    """The process's ledger, its node source and budget restored after the test."""
+    gc.collect()
+    ledger = process_ledger()
+    yield ledger
+    ledger.set_node_source(None)
+    ledger.set_budget(None)
+
+
+# -- the node ----------------------------------------------------------------------------------
+def test_growth_past_the_nodes_floor_is_refused_and_said_once_with_the_figures(tmp_path: Path) -> None:
+    total = 64 * MIB
+    floor = node_floor(total)
+    _other_process(tmp_path, 30 * MIB)
+    ledger = HostLedger(node=SimulatedNode(total, str(tmp_path)))
+    arena = _arena(ledger)
+    regions = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for _ in range(32):
+            region = arena.acquire(MIB, step=1)
+            if region is None:
+                break
+            regions.append(region)
+        assert arena.acquire(MIB, step=1) is None
+    held = arena.counters.bytes_held
+    assert held <= total - 30 * MIB - floor, f"held {held} bytes, past the node's available memory less its floor"
+    assert held > total - 30 * MIB - floor - 2 * MIB, "the node's room was not used"
+    said = [str(w.message) for w in seen if "floor" in str(w.message)]
+    assert len(said) == 1, f"the refusal was not said exactly once: {said}"
+    assert f"floor of {floor} bytes" in said[0] and "available" in said[0] and "fewer jobs per node" in said[0]
+    assert ledger.node_refusals >= 2 and arena.counters.failures >= 2
+
+
+def test_the_bytes_the_process_holds_count_as_its_own(tmp_path: Path) -> None:
+    """The node's available memory is read with this process's blocks already taken: they are not
+    counted twice, and blocks it holds are reused when the node has no room left."""
+    total = 64 * MIB
+    ledger = HostLedger(node=SimulatedNode(total, str(tmp_path)))
+    arena = _arena(ledger)
+    region = arena.acquire(20 * MIB, step=1)
+    assert region is not None
+    room_then = arena.host_room().held_bytes
+    assert room_then == total - node_floor(total), "the arena's own 20 MiB were counted against it"
+    arena.release(region, None)
+    _other_process(tmp_path, total - node_floor(total) - 20 * MIB)  # the node is full now
+    assert arena.acquire(20 * MIB, step=2) is not None, "a block the process holds was not reused"
+    assert arena.host_room().held_bytes == 20 * MIB
+
+
+def test_blocks_being_pinned_are_not_counted_as_gone_from_the_node(tmp_path: Path) -> None:
+    ledger = HostLedger(node=SimulatedNode(64 * MIB, str(tmp_path)))
+    account = ledger.open_account()
+    assert account.try_charge(10 * MIB)
+    account.mark_pending(10 * MIB)  # queued on the pinner: the node has not seen it yet
+    assert int((tmp_path / str(os.getpid())).read_text()) == 0
+    room_pending = ledger.node_room()
+    account.mark_pending(-10 * MIB)  # pinned now: gone from available, held by the process
+    ledger.read_node()
+    assert ledger.node_room() == room_pending == 64 * MIB - node_floor(64 * MIB) - 10 * MIB
+
+
+def test_cgroup_limits_are_read_v2_and_v1(tmp_path: Path) -> None:
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    (v2 / "memory.max").write_text("1073741824\n")
+    (v2 / "memory.current").write_text(str(800 << 20))
+    (v2 / "memory.stat").write_text("anon 1\ninactive_file 104857600\n")
+    assert cgroup_limit(v2) == (1 << 30, (1 << 30) - (800 << 20) + (100 << 20), f"cgroup v2 {v2 / 'memory.max'}")
+    (v2 / "memory.max").write_text("max\n")
+    assert cgroup_limit(v2) is None
+    v1 = tmp_path / "v1"
+    (v1 / "memory").mkdir(parents=True)
+    (v1 / "memory" / "memory.limit_in_bytes").write_text(str(2 << 30))
+    (v1 / "memory" / "memory.usage_in_bytes").write_text(str(1 << 30))
+    assert cgroup_limit(v1)[:2] == (2 << 30, 1 << 30)  # type: ignore[index]
+    (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712")  # v1's "no limit"
+    assert cgroup_limit(v1) is None
+
+
+def test_a_limit_on_an_ancestor_cgroup_binds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Slurm job or a systemd slice sets the limit above the process's own cgroup."""
+    step = tmp_path / "job" / "step"
+    step.mkdir(parents=True)
+    (tmp_path / "cgroup.controllers").write_text("memory")
+    for d, limit, used in ((tmp_path / "job", str(4 << 30), 3 << 30), (step, "max", 1 << 30)):
+        (d / "memory.max").write_text(limit)
+        (d / "memory.current").write_text(str(used))
+    monkeypatch.setattr("offload.host.node._own_cgroup", lambda controller: "job/step")
+    assert cgroup_limit(tmp_path) == (4 << 30, 1 << 30, f"cgroup v2 {tmp_path / 'job' / 'memory.max'}")
+
+
+def test_a_simulated_node_is_named_in_the_environment(tmp_path: Path) -> None:
+    source = node_source_from_env({"OFFLOAD_SIMULATED_NODE": f"{64 * MIB}:{tmp_path}"})
+    assert isinstance(source, SimulatedNode) and source.read().total_bytes == 64 * MIB
+    with pytest.raises(ValueError, match="OFFLOAD_SIMULATED_NODE"):
+        node_source_from_env({"OFFLOAD_SIMULATED_NODE": "lots"})
+
+
+# -- the plans' bound --------------------------------------------------------------------------
+def test_idle_blocks_stay_within_the_plans_need_least_recently_used_first(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(room, "PLAN_SLACK_MIN_BYTES", 0)  # the slack is then 25% of the need
+    arena = _arena(HostLedger())
+    arena.pin_for_plan([MIB] * 4, hold_idle=True)  # a plan of four 1 MiB regions
+    assert arena.needs.latest == 4 * MIB and arena.needs.cap == 5 * MIB
+    assert arena.counters.bytes_held + arena.counters.bytes_pending <= 5 * MIB
+    arena.settle(wait=True)
+    old = [arena.acquire(MIB, step=1) for _ in range(4)]
+    for region in old:
+        arena.release(region, None)  # type: ignore[arg-type]
+    recent = [arena.acquire(MIB, step=2) for _ in range(2)]  # two of them used again later
+    for region in recent:
+        arena.release(region, None)  # type: ignore[arg-type]
+    # Another shape's plan: four 3 MiB regions, which the 1 MiB blocks cannot serve.
+    arena.pin_for_plan([3 * MIB] * 4, hold_idle=True)
+    arena.settle(wait=True)
+    bound = arena.needs.cap
+    assert bound == 12 * MIB + 3 * MIB
+    held = arena.counters.bytes_held + arena.counters.bytes_pending
+    assert held <= bound, f"held {held} bytes, over the plans' need plus slack ({bound})"
+    kept = sorted(r.used_in_step for r in arena._free if r.block.numel() == MIB)
+    assert kept.count(2) == 2 and kept.count(1) < 2, f"the least recently used blocks were not trimmed first: {kept}"
+    assert arena.counters.trimmed_for_plan >= 1
+
+
+def test_nothing_is_pinned_ahead_beyond_the_plans_need(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(room, "PLAN_SLACK_MIN_BYTES", 0)
+    arena = _arena(HostLedger())
+    arena.pin_for_plan([2 * MIB] * 2, hold_idle=True)
+    arena.settle(wait=True)
+    # A step whose groups want more blocks than its plan said: the one asked for now is pinned
+    # (the GPU may have no room for its group), the 50 forecast after it are not.
+    regions = [arena.acquire(2 * MIB, step=1) for _ in range(2)]
+    regions.append(arena.acquire(MIB, step=1, expected_more=lambda: 50))
+    assert all(region is not None for region in regions)
+    arena.settle(wait=True)
+    assert arena.counters.bytes_held + arena.counters.bytes_pending <= arena.needs.cap  # type: ignore[operator]
+
+
+# -- one host figure for the planner (issue 49 item 8) -----------------------------------------
+def _lowest_plan(**options: object) -> tuple[str, dict[str, int]]:
+    layers = make_gpt_layers(4)
+    x = torch.randn(2, 64, 64)
+    expected = plain_reference(layers, x)
+    oa = offload.OffloadActivations(layers, device="cpu", memory_budget_bytes="lowest", **options)  # type: ignore[arg-type]
+    for _ in range(4):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    assert oa.plan is not None
+    kept = dict(oa.stats["kept"])
+    oa.close()
+    return oa.plan.describe(), kept
+
+
+def test_a_process_budget_of_zero_plans_what_host_budget_bytes_zero_plans(node_ledger: HostLedger) -> None:
+    with pytest.warns(UserWarning, match="host room limits the plan"):
+        given, given_kept = _lowest_plan(host_budget_bytes=0)
+    set_process_host_budget(0)
+    with pytest.warns(UserWarning, match="host room limits the plan.*set_process_host_budget"):
+        process, process_kept = _lowest_plan()
+    assert given == process == "keep 4", f"host_budget_bytes=0 plans {given!r}, a process budget of 0 {process!r}"
+    assert "budget" not in process_kept, f"the plan counted on copies the ledger then refused: {process_kept}"
+
+
+def test_plans_are_made_for_the_nodes_room_and_nothing_is_refused(node_ledger: HostLedger, tmp_path: Path) -> None:
+    free, _ = _lowest_plan()
+    assert free != "keep 4"
+    total = 64 * MIB
+    _other_process(tmp_path, total - node_floor(total))  # nothing left above the floor
+    node_ledger.set_node_source(SimulatedNode(total, str(tmp_path)))
+    with pytest.warns(UserWarning, match=r"host room limits the plan.*the node's room.*floor"):
+        planned, kept = _lowest_plan()
+    assert planned == "keep 4" and "budget" not in kept
+
+
+# -- two processes on one node -----------------------------------------------------------------
+def test_two_processes_whose_plans_each_ask_for_60_percent_of_the_node_both_finish_within_it(tmp_path: Path) -> None:
+    """Two independent processes on one (simulated) node, each planning for a device budget that
+    needs offloading, each plan asking for 60% of the node's memory: the second sees the first's
+    bytes through the node's ``available``, plans for the room left (keeping or recomputing the
+    rest), and neither process, nor the two together, holds more than the node less its floor."""
+    sys.path.insert(0, str(TESTS))
+    from _shared_node_worker import workload
+
+    layers, x = workload()
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x), device="cpu", warmup_steps=0)
+    lowest = offload.planner.lowest_peak(profile).prediction.peak_bytes
+    budget = (lowest + profile.plain_peak_bytes) // 2  # between the lowest and the plain peak: offloads
+    procs = {role: subprocess.Popen(
+        [sys.executable, str(TESTS / "_shared_node_worker.py"), role, str(tmp_path), str(tmp_path / f"{role}.json"),
+         str(budget)],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent), os.environ.get("PYTHONPATH", "")])),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for role in ("first", "second")}
+    for role, proc in procs.items():
+        try:
+            output, _ = proc.communicate(timeout=240)
+        except subprocess.TimeoutExpired:
+            for other in procs.values():
+                other.kill()
+            pytest.fail(f"the {role} process did not finish in 240 s")
+        assert proc.returncode == 0, f"the {role} process failed:\n{output[-3000:]}"
+    first, second = (json.loads((tmp_path / f"{r}.json").read_text()) for r in ("first", "second"))
+    total = int((tmp_path / "node" / ".total").read_text())  # the first plan's need / 0.6
+    assert second["node_total_bytes"] == total and first["needed_bytes"] >= 0.59 * total
+    floor = node_floor(total)
+    assert first["ledger_peak_bytes"] <= total - floor, f"the first process held more than the node allows: {first}"
+    assert first["ledger_peak_bytes"] + second["ledger_peak_bytes"] <= total - floor, (
+        f"together they held {first['ledger_peak_bytes'] + second['ledger_peak_bytes']} bytes of a "
+        f"{total}-byte node with a {floor}-byte floor: {first} {second}")
+    assert second["node_available_bytes"] <= total - first["held_bytes"], "the second did not see the first's bytes"
+    assert second["plan_d2h_bytes"] < first["plan_d2h_bytes"], f"the second planned as if alone: {second}"
+    assert "budget" not in second["kept"], f"the second planned copies it was then refused: {second}"
+    assert any("host room limits the plan" in w for w in second["warnings"]), second["warnings"]
