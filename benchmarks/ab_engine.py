@@ -14,7 +14,7 @@ and ``OffloadActivations(layers)``, each at the counts given; on LLAMA-1B (HF's 
 transformers) plain and ``OffloadActivations(model.model.layers, num_offload_layers=8)``.
 
 ``DIRECT-SMALL`` and ``DIRECT-MOE`` time the engine's own calls instead (``engine_parts``, the
-direct loop of ``cpu_overhead.py``, SMALL's and MOE's shapes): microseconds per tensor (pack,
+direct loop of ``host_parts.py``, SMALL's and MOE's shapes): microseconds per tensor (pack,
 unpack) and per group (entry + exit + release + reach). On our VM hosts whole steps drift by tens
 of percent between rounds while this loop moves by about 2%, so it is the figure that can tell a
 host-cost change apart; it also runs without a GPU (on the CPU transport), for an A/B on any box.

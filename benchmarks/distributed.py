@@ -40,8 +40,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    Env, exit_status, free_memory, gib, make_parser, print_table, setup, time_steps, write_json,
+    Env, exit_status, free_memory, gib, make_parser, print_table, setup, write_json,
 )
+from measure import time_steps  # noqa: E402
 from workloads import hf_checkpointing, llama_2b, llama_step, scale_for  # noqa: E402
 
 import offload  # noqa: E402

@@ -22,8 +22,8 @@ host inside a rep; the GPU is drained between reps, outside the timed spans (oth
 runs ahead, the stream queue fills and submissions start to block).
 
 Figures are medians over the reps of each part's time per step, divided by the offloaded tensors
-per step (per tensor) and by the offloaded groups per step (per group). Used by ``small.py`` (T5,
-pack / boundary / unpack columns) and ``cpu_overhead.py`` (every part, T5b).
+per step (per tensor) and by the offloaded groups per step (per group). Used by ``host_parts.py``
+(every part, T5b) and ``ab_engine.py`` (its DIRECT- workloads).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import common
+import measure
 
 PARTS = ("pack", "entry", "exit", "release", "reach", "unpack")
 FORWARD_PARTS = ("pack", "entry", "exit", "release")  # the main thread in a real step
@@ -113,7 +114,7 @@ def measure_parts(
     """
     perf = time.perf_counter
     k, model_layers = shape.num_layers, shape.model_layers
-    ctx, _ = common.offload_context(env, k, model_layers, **(options or {}))
+    ctx, _ = measure.offload_context(env, k, model_layers, **(options or {}))
     engine = ctx.engine
     release = _TimedCalls(engine.release)
     try:
@@ -171,7 +172,7 @@ def measure_parts(
                 for p in PARTS:
                     samples[p].append(spent[p])
         env.sync()
-        stats = common.offload_stats(ctx)
+        stats = measure.offload_stats(ctx)
     finally:
         if wrapped:
             del engine.release  # back to the class's method
@@ -280,7 +281,7 @@ def measure_in_step(
     ``IN_STEP_INSIDE`` parts (a group's D2H submission and its release, both called inside entry
     or exit) are reported apart and never added to the totals.
     """
-    ctx, sync = common.offload_context(env, num_layers, len(layers), **(options or {}))
+    ctx, sync = measure.offload_context(env, num_layers, len(layers), **(options or {}))
     engine = ctx.engine
     timed_ctx = _TimedContext(ctx)
     timers: dict[str, Optional[_TimedCalls]] = {"entry": timed_ctx.entry, "exit": timed_ctx.exit, "sync": _TimedCalls(sync)}
@@ -293,7 +294,7 @@ def measure_in_step(
         timers[part] = None if method is None else _TimedCalls(method)
         if method is not None:
             setattr(engine, name, timers[part])  # the marker and each new group look it up here
-    step = common.make_step(layers, x, context=timed_ctx, sync=timers["sync"])
+    step = measure.make_step(layers, x, context=timed_ctx, sync=timers["sync"])
     for _ in range(warmup):
         step()
     env.sync()
@@ -305,7 +306,7 @@ def measure_in_step(
         step()
     env.sync()
     step_ms = (time.perf_counter() - start) / steps * 1e3
-    stats = common.offload_stats(ctx)
+    stats = measure.offload_stats(ctx)
     n_t, n_g = stats["offloaded_tensors"], stats.get("groups_offloaded")
     res: dict[str, Any] = {"steps": steps, "instrumented_step_ms": step_ms, "offloaded_tensors": n_t, "groups_offloaded": n_g}
     for part in IN_STEP_PARTS + IN_STEP_INSIDE:

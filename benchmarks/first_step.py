@@ -53,6 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import common
+import measure
 import workloads
 
 T14_RATIO = 1.5
@@ -236,7 +237,7 @@ class Workload:
     def plain_step(self) -> Callable[[], None]:
         if self.model is not None:
             return workloads.llama_step(self.model, self.x)
-        return common.make_step(self.layers, self.x)
+        return measure.make_step(self.layers, self.x)
 
     @contextlib.contextmanager
     def offload_step(self, **options: Any) -> Any:
@@ -253,8 +254,8 @@ class Workload:
                 oa.close()
         else:
             n = len(self.layers)
-            ctx, sync = common.offload_context(self.env, n - 1, n, **options)
-            yield ctx, common.make_step(self.layers, self.x, context=ctx, sync=sync)
+            ctx, sync = measure.offload_context(self.env, n - 1, n, **options)
+            yield ctx, measure.make_step(self.layers, self.x, context=ctx, sync=sync)
 
     def drop(self) -> None:
         self.model = self.layers = self.x = None

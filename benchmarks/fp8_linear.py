@@ -34,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 
 import common
+import measure
 
 SHAPES = [(16, 1024, 1024), (256, 2048, 2048), (4096, 4096, 4096), (16384, 4096, 16384)]
 SMOKE_SHAPES = [(16, 64, 64), (64, 128, 96)]
@@ -138,7 +139,7 @@ def run_shape(env: common.Env, shape: tuple[int, int, int], makers: dict[str, Ca
             def step(module: torch.nn.Module = module) -> None:
                 module(x).sum().backward()
 
-            common.time_steps(step, env, warmup=env.args.warmup, steps=1)
+            measure.time_steps(step, env, warmup=env.args.warmup, steps=1)
             steps[name] = step
         except Exception as exc:  # noqa: BLE001 - one contender failing must not hide the others
             fail(name, exc)
@@ -148,7 +149,7 @@ def run_shape(env: common.Env, shape: tuple[int, int, int], makers: dict[str, Ca
     for _ in range(env.args.rounds):
         for name in list(steps):
             try:
-                timing = common.time_steps(steps[name], env, warmup=1, steps=per_round)
+                timing = measure.time_steps(steps[name], env, warmup=1, steps=per_round)
             except Exception as exc:  # noqa: BLE001
                 fail(name, exc)
                 continue

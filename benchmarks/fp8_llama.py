@@ -39,7 +39,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
-from common import Env, free_memory, make_parser, print_table, setup, timed_row, verdict, write_json  # noqa: E402
+from common import Env, free_memory, make_parser, print_table, setup, verdict, write_json  # noqa: E402
+from measure import timed_row  # noqa: E402
 from pareto import plot  # noqa: E402
 from workloads import LlamaSpec, llama_2b, llama_step  # noqa: E402
 

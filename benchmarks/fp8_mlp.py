@@ -40,7 +40,7 @@ from typing import Any, Optional
 import torch
 
 import common
-import memory_probes
+import measure
 import workloads
 from offload.models import run_layers
 
@@ -94,7 +94,7 @@ def check_bitwise(env: common.Env, layers: torch.nn.ModuleList, x: torch.Tensor,
     dy = torch.randn(x.shape, generator=g, device=x.device, dtype=x.dtype)
     ref = gradients(layers, x, dy)
     control, _ = bitwise_equal(ref, gradients(layers, x, dy))
-    ctx, sync = common.offload_context(env, k, len(layers))
+    ctx, sync = measure.offload_context(env, k, len(layers))
     steps = []
     for _ in range(2):
         ok, first = bitwise_equal(ref, gradients(layers, x, dy, ctx, sync))
@@ -142,13 +142,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             continue
         x = make_input()
         try:
-            c = memory_probes.saved_tensor_census(layers[0], x.detach().clone().requires_grad_(True) * 1)
+            c = measure.saved_tensor_census(layers[0], x.detach().clone().requires_grad_(True) * 1)
             census[spec.name] = {"by_module": c.by_module, "by_dtype": c.by_dtype, "total": c.total, "tensors": c.tensors}
         except Exception as exc:  # noqa: BLE001
             census[spec.name] = {"error": f"{type(exc).__name__}: {exc}"}
         common.free_memory(env)
-        plain = common.run_variant(env, f"{spec.name} plain", layers, x)
-        off = common.run_variant(env, f"{spec.name} offload k={k}", layers, x, offload={"num_layers": k})
+        plain = measure.run_variant(env, f"{spec.name} plain", layers, x)
+        off = measure.run_variant(env, f"{spec.name} offload k={k}", layers, x, offload={"num_layers": k})
         for r in (plain, off):
             r["stack"] = spec.name
         if "error" not in plain and "error" not in off:

@@ -41,7 +41,7 @@ from typing import Any, Optional
 import torch
 
 import common
-import memory_probes
+import measure
 import workloads
 
 
@@ -73,31 +73,31 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"device: {common.device_name(env)}; torch {torch.__version__}; mode {args.mode}, selection {args.selection}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per variant")
 
-    bw = memory_probes.pinned_bandwidth(env)
+    bw = measure.pinned_bandwidth(env)
     if bw is not None:
         print(f"pinned copy bandwidth ({bw['copy_bytes'] >> 20} MiB, events): D2H {bw['d2h_gbps']:.1f} GB/s, "
               f"H2D {bw['h2d_gbps']:.1f} GB/s, both at once {bw['both_gbps']:.1f} GB/s")
 
     layers, make_input = spec.build(env.device)
     x = make_input()
-    act = memory_probes.layer_activation_bytes(layers, x, env)
+    act = measure.layer_activation_bytes(layers, x, env)
     if act is not None:
         print("activation bytes per layer (plain forward, memory_allocated): "
               + ", ".join(f"{a / common.GiB:.2f}" for a in act) + " GiB")
 
     rows: list[dict[str, Any]] = []
     print("variants:")
-    rows.append(common.run_variant(env, "plain", layers, x))
+    rows.append(measure.run_variant(env, "plain", layers, x))
     last_k = spec.layers - 1
     for k in sweep:
-        rows.append(common.run_variant(
+        rows.append(measure.run_variant(
             env, f"offload {args.mode} k={k}", layers, x,
             offload={"num_layers": k, "mode": args.mode, "selection": args.selection},
             want_report=(k == max(sweep)),
         ))
     if not args.no_save_on_cpu:
-        rows.append(common.run_variant(env, "save_on_cpu", layers, x, forward_wrapper=common.save_on_cpu_wrapper()))
-    rows.append(common.run_variant(env, "plain (again)", layers, x))
+        rows.append(measure.run_variant(env, "save_on_cpu", layers, x, forward_wrapper=measure.save_on_cpu_wrapper()))
+    rows.append(measure.run_variant(env, "plain (again)", layers, x))
 
     plains = [r for r in rows if r["variant"].startswith("plain") and "error" not in r]
     plain_ms = statistics.fmean(r["step_ms"] for r in plains) if plains else None
@@ -114,7 +114,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             r["drop_gib"] = common.gib(r["drop_bytes"])
         st = r.get("stats")
         if st:
-            floor, floor1 = memory_probes.copy_floor_ms(st["bytes_d2h"], st["bytes_h2d"], bw)
+            floor, floor1 = measure.copy_floor_ms(st["bytes_d2h"], st["bytes_h2d"], bw)
             r["floor_ms"], r["floor1_ms"] = floor, floor1
             r["step_over_floor"] = r["step_ms"] / floor if floor else None
             if r.get("drop_bytes") is not None and st["offloaded_bytes"]:

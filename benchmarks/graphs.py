@@ -29,6 +29,7 @@ from typing import Any, Optional
 import torch
 
 import common
+import measure
 import workloads
 
 OFFLOADED = {"small": 15, "gpt_a": 2}
@@ -45,8 +46,8 @@ def replay_variant(env: common.Env, label: str, layers: torch.nn.ModuleList, x: 
         if offload is not None:
             kw = dict(offload)
             row["num_layers"] = kw["num_layers"]
-            ctx, sync = common.offload_context(env, kw.pop("num_layers"), len(layers), retain_pinned_cpu_buffers=True, **kw)
-        step = common.make_step(layers, x, context=ctx, sync=sync)
+            ctx, sync = measure.offload_context(env, kw.pop("num_layers"), len(layers), retain_pinned_cpu_buffers=True, **kw)
+        step = measure.make_step(layers, x, context=ctx, sync=sync)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -67,12 +68,12 @@ def replay_variant(env: common.Env, label: str, layers: torch.nn.ModuleList, x: 
                 x.copy_(fresh)
             captured.replay()
 
-        timing = common.time_steps(replay, env)
+        timing = measure.time_steps(replay, env)
         s = timing.summary()
         row.update(step_ms=timing.median_ms, host_ms=s["host_ms"]["median"], cpu_ms=s["cpu_ms"]["median"],
                    wall_ms=s["wall_ms_per_step"], timing=s)
         if ctx is not None:
-            stats = common.offload_stats(ctx)
+            stats = measure.offload_stats(ctx)
             row.update(stats=stats, offloaded_bytes=stats["offloaded_bytes"], offloaded_tensors=stats["offloaded_tensors"],
                        captured=stats["captured"], graph_owned_blocks=ctx.engine.arena.counters.graph_owned_blocks)
     except Exception as exc:  # noqa: BLE001 - one broken variant must not hide the others
@@ -97,8 +98,8 @@ def run_workload(env: common.Env, name: str) -> dict[str, Any]:
     k = min(OFFLOADED[name], len(layers) - 1)
     offload = {"num_layers": k}
     rows = [
-        common.run_variant(env, "eager plain", layers, x),
-        common.run_variant(env, f"eager offload k={k}", layers, x, offload={**offload, "retain_pinned_cpu_buffers": True}),
+        measure.run_variant(env, "eager plain", layers, x),
+        measure.run_variant(env, f"eager offload k={k}", layers, x, offload={**offload, "retain_pinned_cpu_buffers": True}),
     ]
     if env.cuda:
         rows.append(replay_variant(env, "replay plain", layers, x, None))

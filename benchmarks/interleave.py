@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import common
+import measure
 
 
 @dataclass
@@ -113,7 +114,7 @@ def summarize(variants: list[Variant], baseline: str = "plain") -> list[dict[str
                            zip(v.host_ms, v.forward_ms, base_variant.host_ms, base_variant.forward_ms)] if split else []
         q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
         lo, hi = median_interval(ratios)
-        stats: Optional[dict[str, Any]] = None if v.context is None else common.offload_stats(v.context)
+        stats: Optional[dict[str, Any]] = None if v.context is None else measure.offload_stats(v.context)
         rows.append({
             "variant": v.label,
             "ratio_median": statistics.median(ratios),

@@ -49,8 +49,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     OUT_OF_MEMORY, RESULTS_DIR, Env, exit_status, fmt_gib, free_memory, gib, make_parser, plot_rows, print_table,
-    setup, timed_row, verdict, write_json,
+    setup, verdict, write_json,
 )
+from measure import timed_row  # noqa: E402
 from workloads import LlamaSpec, hf_checkpointing, llama_step, long_1b, scale_for  # noqa: E402
 
 import offload  # noqa: E402

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Env, exit_status, make_parser, print_table, setup, write_json  # noqa: E402
 
-from offload import native  # noqa: E402
+from offload.host import native  # noqa: E402
 from offload.host.numa import online_nodes, placement_for_gpu  # noqa: E402
 
 

@@ -35,8 +35,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
-    RESULTS_DIR, Env, free_memory, make_parser, plot_rows, print_table, setup, timed_row, verdict, write_json,
+    RESULTS_DIR, Env, free_memory, make_parser, plot_rows, print_table, setup, verdict, write_json,
 )
+from measure import timed_row  # noqa: E402
 from workloads import WORKLOADS, LlamaSpec, hf_checkpointing, llama_step, scale_for  # noqa: E402
 
 import offload  # noqa: E402

@@ -26,7 +26,7 @@ and rounded; the number of layers never changes, so a num_layers sweep stays the
 * MOE: 8 MoE layers of 64 expert MLPs (Linear 512->1024, GELU, Linear 1024->512), 2048 tokens
   routed by a fixed random top-1 assignment (32 tokens per expert), bf16: a layer saves ~4 small
   tensors per expert (hundreds per layer), the shape where per-tensor CPU cost shows. Not in
-  docs/benchmarks.md's list; ``cpu_overhead.py`` (issue 12) uses it.
+  docs/benchmarks.md's list; ``host_parts.py`` (issue 12) uses it.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ that every LLAMA contender goes through (HF checkpointing on and off, gradients 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -376,13 +377,55 @@ def test_worker_options_are_stripped_with_their_values() -> None:
     assert workers.strip_parent_options(argv, ("--contenders", "--jobs", "--out")) == ["--cpu-smoke", "--steps", "4"]
 
 
-def test_common_split_keeps_every_name_and_no_file_is_over_600_lines() -> None:
-    common = bench_module("common")
-    probes = bench_module("memory_probes")
-    for name in ("pinned_bandwidth", "copy_floor_ms", "layer_activation_bytes", "saved_tensor_census", "Census", "MB"):
-        assert getattr(common, name) is getattr(probes, name), name
-    long = {p.name: n for p in BENCH.glob("*.py") if (n := len(p.read_text().splitlines())) > 600}
+def sibling_imports(path: Path, siblings: set[str]) -> set[str]:
+    """The benchmark modules ``path`` imports, wherever in the file (a function's import counts:
+    it closes a circle as surely as a module-level one)."""
+    import ast
+
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names & siblings - {path.stem}
+
+
+def test_benchmarks_have_no_import_circle_and_no_file_over_600_lines() -> None:
+    files = {p.stem: p for p in BENCH.glob("*.py")}
+    graph = {name: sibling_imports(path, set(files)) for name, path in files.items()}
+    assert graph["common"] == set(), f"common.py is the bottom layer; it imports {graph['common']}"
+    assert graph["measure"] == {"common"} and graph["workloads"] == set(), (graph["measure"], graph["workloads"])
+    # Depth-first search for a back edge: any circle, however long.
+    state: dict[str, int] = {}
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for dep in sorted(graph[name]):
+            assert state.get(dep) != 1, f"import circle in benchmarks/: {' -> '.join(path + [name, dep])}"
+            if dep not in state:
+                visit(dep, path + [name])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [])
+    long = {p.name: n for p in files.values() if (n := len(p.read_text().splitlines())) > 600}
     assert not long, f"files over 600 lines in benchmarks/: {long}"
+
+
+def test_run_all_runs_every_script_the_readme_gives_a_target_to() -> None:
+    # The README's table names, for each question, the script that gives its target's figure;
+    # run_all.sh runs each such script (or says why not, in its header).
+    readme = (BENCH / "README.md").read_text()
+    run_all = (BENCH / "run_all.sh").read_text()
+    rows = [line for line in readme.splitlines() if line.startswith("| T")]
+    assert rows, "the README has no table of targets"
+    suite = run_all[run_all.index("SUITE=("):run_all.index(")", run_all.index("SUITE=("))]
+    for row in rows:
+        for script in re.findall(r"`(\w+)\.py", row.split("|")[3]):
+            assert (BENCH / f"{script}.py").exists(), f"the README names {script}.py, which is not in benchmarks/"
+            assert f'"{script}' in suite, f"{script}.py gives {row.split('|')[1].strip()} but run_all.sh does not run it"
 
 
 def test_measure_step_records_out_of_memory_and_raises_other_errors() -> None:

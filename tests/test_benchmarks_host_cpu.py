@@ -1,7 +1,7 @@
-"""The host-cost benchmarks of issue 35 on the CPU: ``group_bytes.py`` (its variants, rounds and
-interleaved cycles), ``interleave.py`` (rotation, per-cycle ratios, the median's interval, the fast
-step, the host's part of a step) and ``host_samples.py`` (splitting py-spy's stacks, comparing
-variants, a failed worker, no py-spy)."""
+"""The host-cost benchmarks on the CPU: ``host_cost.py`` (its variants, rounds and interleaved
+cycles), ``interleave.py`` (rotation, per-cycle ratios, the median's interval, the fast step, the
+host's part of a step), ``host_profile.py --py-spy`` (splitting py-spy's stacks, comparing
+variants, a failed worker, no py-spy) and ``engine_parts.py`` inside real steps."""
 
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ import torch
 from _bench_util import bench_module, run_smoke
 
 
-def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
-    result = run_smoke("group_bytes.py", "group_bytes_pytest", "--rounds", "2")
+def test_host_cost_cpu_smoke_times_every_variant_per_round() -> None:
+    result = run_smoke("host_cost.py", "host_cost_pytest", "--rounds", "2")
     summary = {row["variant"]: row for row in result["summary"]}
     assert list(summary) == ["plain", "offload (default)", "offload (Python hooks)", "offload group_bytes=0 (off)", "offload group_bytes=4 MiB",
                              "offload group_bytes=16 MiB", "hooks floor", "hooks floor (C)", "offload (nothing fits)", "save_on_cpu"]
@@ -34,8 +34,8 @@ def test_group_bytes_cpu_smoke_times_every_variant_per_round() -> None:
     assert result["workload"].startswith("SMALL")
 
 
-def test_group_bytes_interleaved_times_each_variant_once_per_cycle() -> None:
-    result = run_smoke("group_bytes.py", "group_bytes_interleaved_pytest", "--interleave", "--steps", "3")
+def test_host_cost_interleaved_times_each_variant_once_per_cycle() -> None:
+    result = run_smoke("host_cost.py", "host_cost_interleaved_pytest", "--interleave", "--steps", "3")
     summary = {row["variant"]: row for row in result["summary"]}
     assert len(summary) == 10 and summary["plain"]["ratio_median"] == 1.0
     assert all(row["cycles"] == 3 and row["ratio_p25"] <= row["ratio_median"] <= row["ratio_p75"] for row in summary.values()), summary
@@ -150,8 +150,8 @@ def test_the_median_interval_and_the_fast_step() -> None:
     assert interleave.fast_step([10.0] * 9 + [1000.0] * 2) == pytest.approx(10.0)
 
 
-def test_host_samples_splits_stacks_into_the_engine_and_the_rest() -> None:
-    host_samples = bench_module("host_samples")
+def test_host_profile_samples_splits_stacks_into_the_engine_and_the_rest() -> None:
+    host_profile = bench_module("host_profile")
     lines = [
         "<module> (loop.py:3);step (loop.py:9);linear (libtorch_cpu.so) 50",
         "<module> (loop.py:3);step (loop.py:9);LinearGELU.forward (offload/models.py:40);gelu (libtorch_cpu.so) 20",
@@ -161,30 +161,30 @@ def test_host_samples_splits_stacks_into_the_engine_and_the_rest() -> None:
         "<module> (loop.py:1);<module> (offload/__init__.py:1);_compile_bytecode (<frozen>:1) 10",
         "",
     ]
-    split = host_samples.split_samples(lines)
+    split = host_profile.split_samples(lines)
     assert split["samples"] == 100 and split["engine_samples"] == 30 and split["engine_share"] == 0.3
     # The model code the benchmarks import from the package is not the engine.
     assert dict(split["by_entry"]) == {"hook<pack_common>": 0.12, "import offload (start-up)": 0.1, "OffloadContext.__exit__": 0.08}
     assert dict(split["by_leaf"]) == {"HostArena.claim": 0.12, "_compile_bytecode": 0.1, "StepLifecycleMixin.end_layer": 0.08}
 
 
-def test_host_samples_compares_variants_frame_by_frame() -> None:
+def test_host_profile_samples_compares_variants_frame_by_frame() -> None:
     # Inclusive counts (a frame once a sample, however deep), bare addresses left out (another
     # one in every process), then the difference a step between two variants' splits.
-    host_samples = bench_module("host_samples")
-    engine = host_samples.split_samples([
+    host_profile = bench_module("host_profile")
+    engine = host_profile.split_samples([
         "step (loop.py:9);backward (autograd.py:1);unpack_common (saved_hooks.cpp:300);restore (entry_table.h:9) 30",
         "step (loop.py:9);backward (autograd.py:1);0x7f00aa 10",
         "step (loop.py:9);linear (libtorch_cpu.so) 60",
     ])
-    floor = host_samples.split_samples([
+    floor = host_profile.split_samples([
         "step (loop.py:9);backward (autograd.py:1);0x7f00bb 20",
         "step (loop.py:9);linear (libtorch_cpu.so) 60",
     ])
     assert engine["inclusive"] == {"step": 100, "backward": 40, "linear": 60, "unpack_common": 30, "restore": 30}
-    diff = dict(host_samples.differences(engine, floor, steps=10))
+    diff = dict(host_profile.differences(engine, floor, steps=10))
     assert diff == {"unpack_common": 3.0, "restore": 3.0, "backward": 2.0, "step": 2.0, "linear": 0.0}
-    assert host_samples.differences(engine, floor, steps=10, top=2)[0][1] == 3.0
+    assert host_profile.differences(engine, floor, steps=10, top=2)[0][1] == 3.0
 
 
 FAKE_PY_SPY = """#!{python}
@@ -203,17 +203,17 @@ open(args[args.index("-o") + 1], "w").write(
 """
 
 
-def test_host_samples_keeps_what_finished_when_a_variant_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_host_profile_samples_keeps_what_finished_when_a_variant_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A worker that fails is reported and skipped; the others are compared with the first, and
     # the JSON is written after each variant (a device call cut short keeps what it has).
-    host_samples = bench_module("host_samples")
+    host_profile = bench_module("host_profile")
     fake = tmp_path / "py-spy"
     fake.write_text(FAKE_PY_SPY.format(python=sys.executable))
     fake.chmod(0o755)
-    monkeypatch.setattr(host_samples.shutil, "which", lambda name: str(fake))
+    monkeypatch.setattr(host_profile.shutil, "which", lambda name: str(fake))
     written: list[dict[str, Any]] = []
-    monkeypatch.setattr(host_samples.common, "write_json", lambda name, env, payload, **kw: written.append(json.loads(json.dumps(payload))))
-    assert host_samples.main(["--cpu-smoke", "--variants", "plain,native,python"]) == 1
+    monkeypatch.setattr(host_profile.common, "write_json", lambda name, env, payload, **kw: written.append(json.loads(json.dumps(payload))))
+    assert host_profile.sample_main(["--cpu-smoke", "--variants", "plain,native,python"]) == 1
     assert len(written) == 2  # after plain, and after python; none after the failed one
     variants = written[-1]["variants"]
     assert "worker crashed" in variants["native"]["error"]
@@ -221,30 +221,30 @@ def test_host_samples_keeps_what_finished_when_a_variant_fails(tmp_path: Path, m
     assert dict(variants["python"]["minus_plain"])["restore"] == 30 / 3  # 3 smoke steps
 
 
-def test_host_samples_without_py_spy_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    host_samples = bench_module("host_samples")
-    monkeypatch.setattr(host_samples.shutil, "which", lambda name: None)
-    assert host_samples.main(["--cpu-smoke"]) == 2
+def test_host_profile_samples_without_py_spy_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    host_profile = bench_module("host_profile")
+    monkeypatch.setattr(host_profile.shutil, "which", lambda name: None)
+    assert host_profile.sample_main(["--cpu-smoke"]) == 2
     assert "needs py-spy on the PATH: pip install py-spy" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        host_samples.main(["--variants", "plain,fast"])
+        host_profile.sample_main(["--variants", "plain,fast"])
 
 
-def test_group_bytes_variants_keeps_the_named_ones_and_refuses_unknown_labels() -> None:
-    group_bytes = bench_module("group_bytes")
+def test_host_cost_variants_keeps_the_named_ones_and_refuses_unknown_labels() -> None:
+    host_cost = bench_module("host_cost")
     spec = SimpleNamespace(layers=4)
-    assert [label for label, _ in group_bytes.variants(spec, ["hooks floor", "offload (Python hooks)"])] == [
+    assert [label for label, _ in host_cost.variants(spec, ["hooks floor", "offload (Python hooks)"])] == [
         "plain", "offload (Python hooks)", "hooks floor"]
-    assert group_bytes.variants(spec, ["offload (Python hooks)"])[1][1]["python_hooks"] is True
-    assert len(group_bytes.variants(spec)) == 10
-    floor_c = group_bytes.variants(spec, ["hooks floor (C)"])[1][1]["layer_calls"][0]
+    assert host_cost.variants(spec, ["offload (Python hooks)"])[1][1]["python_hooks"] is True
+    assert len(host_cost.variants(spec)) == 10
+    floor_c = host_cost.variants(spec, ["hooks floor (C)"])[1][1]["layer_calls"][0]
     assert floor_c._hooks.pack_hook is floor_c._hooks.unpack_hook is torch.Tensor.detach  # no Python frame
     with pytest.raises(SystemExit, match=r"no variant \['fast'\]; the variants are"):
-        group_bytes.variants(spec, ["plain", "fast"])
+        host_cost.variants(spec, ["plain", "fast"])
 
 
-def test_group_bytes_cpu_smoke_runs_moe_on_request() -> None:
-    result = run_smoke("group_bytes.py", "group_bytes_moe_pytest", "--rounds", "1", "--workload", "moe")
+def test_host_cost_cpu_smoke_runs_moe_on_request() -> None:
+    result = run_smoke("host_cost.py", "host_cost_moe_pytest", "--rounds", "1", "--workload", "moe")
     assert result["workload"].startswith("MOE")
     summary = {row["variant"]: row for row in result["summary"]}
     assert "error" not in str(result["rounds"]), result["rounds"]

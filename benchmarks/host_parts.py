@@ -1,4 +1,6 @@
-"""The engine's CPU cost per offloaded tensor and per group (issue 12; target T5 of docs/benchmarks.md).
+"""What each of the engine's calls costs the host, per offloaded tensor and per group (issue 12;
+T5 of docs/benchmarks.md). (``cpu_overhead.py`` until issue 50; its runs are the
+``cpu_overhead*.json`` that docs/benchmarks.md quotes.)
 
 In the spirit of TransformerEngine's ``benchmark_linear_cpu_overhead``: host-bound workloads where
 every microsecond the engine spends shows in the step.
@@ -10,7 +12,7 @@ layers but the last offloaded, ``min_offload_bytes=0``):
 * MOE: 8 MoE layers of 64 expert MLPs on fixed token slices (``workloads.MoESpec``): ~257 small
   tensors per group.
 
-1. End to end, one process, the contenders side by side (``common.run_variant``): per step the
+1. End to end, one process, the contenders side by side (``measure.run_variant``): per step the
    step time (CUDA events), host wall time of the Python call, and process CPU time
    (``time.process_time``: all threads, autograd's backward device thread included); the
    deltas offload minus plain per offloaded tensor and per offloaded group (counts from
@@ -18,10 +20,10 @@ layers but the last offloaded, ``min_offload_bytes=0``):
    engine's cost to that unit. Variants: plain, offload with the default options, and, where the
    engine takes ``timing=`` (issue 12), ``timing=False`` and ``timing=True``, and where it takes
    ``group_bytes`` (issue 35), 4 and 16 MiB (small layers sharing one copy); on SMALL also
-   ``save_on_cpu(pin_memory=True)``; the *hooks floor* (``HooksFloor``: every layer's ``with``
-   pushes saved-tensor hooks that hand each tensor back, and the sync function puts a no-op
-   gradient pre-hook on its output: what Python hooks alone add, under any engine); plain again
-   last (plain figures are the mean of both).
+   ``save_on_cpu(pin_memory=True)``; the *hooks floor* (``measure.HooksFloor``: every layer's
+   ``with`` pushes saved-tensor hooks that hand each tensor back, and the sync function puts a
+   no-op gradient pre-hook on its output: what Python hooks alone add, under any engine); plain
+   again last (plain figures are the mean of both).
 2. Per part, direct (``engine_parts.measure_parts``: the engine's own methods called by hand, no
    autograd, perf_counter): forward pack (per tensor), layer entry, layer exit (group close +
    layout + D2H submission), release; backward: the marker's reload submission
@@ -46,8 +48,8 @@ offload (default options) step <= 1.05x plain.
 The script runs on the engine before issue 12 too (for before/after tables): options it lacks
 are skipped, and the JSON's ``features`` says which were there.
 
-Usage: ``python benchmarks/cpu_overhead.py [--steps N] [--moe-steps N] [--micro-reps N]``;
-``--cpu-smoke`` for a tiny CPU check. Writes ``benchmarks/results/cpu_overhead.json``.
+Usage: ``python benchmarks/host_parts.py [--steps N] [--moe-steps N] [--micro-reps N]``;
+``--cpu-smoke`` for a tiny CPU check. Writes ``benchmarks/results/host_parts.json``.
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ import torch
 
 import common
 import engine_parts
+import measure
 import workloads
 
 MOE_TENSORS_PER_GROUP = 300  # the direct MOE shape; a MOE workload layer saves 4 * 64 + 1 = 257
@@ -85,60 +88,23 @@ def option_variants() -> list[tuple[str, dict[str, Any]]]:
     return variants
 
 
-class HooksFloor:
-    """The least any engine built on saved-tensor hooks adds in TransformerEngine's call shape
-    (Python hooks, or with ``native=True`` C ones): each layer's ``with`` pushes pack and unpack
-    hooks that hand the tensor back (detached), and the sync function puts a gradient pre-hook that does nothing on the layer's
-    output. No copies, no bookkeeping: the floor under our engine and ``save_on_cpu`` alike."""
-
-    def __init__(self, *, native: bool = False) -> None:
-        # ``native``: the hooks are ``Tensor.detach`` itself, a C function, as our native hooks
-        # are: what autograd's hook machinery costs without any Python frame (the floor under
-        # the default engine, whose hooks are C functions too).
-        same = torch.Tensor.detach if native else self._same
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(same, same)
-
-    @staticmethod
-    def _same(t: torch.Tensor) -> torch.Tensor:
-        # Detached, as any engine must: a layer's output handed back as itself would hold its
-        # own grad_fn, a reference cycle that keeps every step's activations until a GC pass.
-        return t.detach()
-
-    @staticmethod
-    def _reached(grad: Any) -> None:
-        return None
-
-    def __enter__(self) -> "HooksFloor":
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self._hooks.__exit__(*exc)
-
-    def sync(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mark ``tensor`` as the engine's sync function does, with a hook that does nothing."""
-        if tensor.grad_fn is not None:
-            tensor.grad_fn.register_prehook(self._reached)
-        return tensor
-
-
 def end_to_end(env: common.Env, spec: Any, steps: int, variants: list[tuple[str, dict[str, Any]]], *, save_on_cpu: bool) -> dict[str, Any]:
     """Time plain, the offload variants (and ``save_on_cpu``) on one workload; add the deltas."""
     print(f"\n{spec.describe()}", flush=True)
     layers, make_input = spec.build(env.device)
     x = make_input()
     k = spec.layers - 1
-    rows = [common.run_variant(env, "plain", layers, x, steps=steps)]
+    rows = [measure.run_variant(env, "plain", layers, x, steps=steps)]
     for label, extra in variants:
         options = {"num_layers": k, "min_offload_bytes": MIN_OFFLOAD_BYTES, **extra}
-        row = common.run_variant(env, f"offload k={k} ({label})", layers, x, offload=options, steps=steps)
+        row = measure.run_variant(env, f"offload k={k} ({label})", layers, x, offload=options, steps=steps)
         row["options"] = label
         rows.append(row)
-    floor = HooksFloor()
-    rows.append(common.run_variant(env, "hooks floor", layers, x, layer_calls=(floor, floor.sync), steps=steps))
+    floor = measure.HooksFloor()
+    rows.append(measure.run_variant(env, "hooks floor", layers, x, layer_calls=(floor, floor.sync), steps=steps))
     if save_on_cpu:
-        rows.append(common.run_variant(env, "save_on_cpu", layers, x, forward_wrapper=common.save_on_cpu_wrapper(), steps=steps))
-    rows.append(common.run_variant(env, "plain (again)", layers, x, steps=steps))
+        rows.append(measure.run_variant(env, "save_on_cpu", layers, x, forward_wrapper=measure.save_on_cpu_wrapper(), steps=steps))
+    rows.append(measure.run_variant(env, "plain (again)", layers, x, steps=steps))
     del layers, x
     common.free_memory(env)
 
@@ -216,7 +182,7 @@ def driver_calls_in_step(env: common.Env, spec: Any, *, pairs: int, rounds: int,
         return (time_now() - start) / count * 1e6
 
     handles = [layer.register_forward_hook(hook) for layer in layers]
-    step = common.make_step(layers, make_input())
+    step = measure.make_step(layers, make_input())
     try:
         timed(0, 10), timed(pairs, 10)  # warm-up
         base, loaded = [], []
@@ -366,7 +332,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     failed = [r["variant"] for w in e2e.values() for r in w["rows"] if "error" in r] + [m["variant"] for m in micro if "error" in m]
     failed += [f"in-step {name}" for name, row in inside.items() if "error" in row]
-    common.write_json("cpu_overhead", env, {
+    common.write_json("host_parts", env, {
         "workloads": {name: w["workload"] for name, w in e2e.items()},
         "features": features,
         "min_offload_bytes": MIN_OFFLOAD_BYTES,

@@ -1,5 +1,7 @@
-"""Small layers sharing one copy (``group_bytes``, issue 35), and the saved-tensor hooks, against
-plain, the hooks' floor and ``save_on_cpu``.
+"""What offload adds to a host-bound step (T5a, T5c): SMALL, MOE or GPT-A against plain, the
+saved-tensor hooks' floor and ``save_on_cpu``, with small layers sharing one copy (``group_bytes``,
+issue 35) or not, and the native hooks or the Python ones. (``group_bytes.py`` until issue 50;
+its runs are the ``group_bytes*.json`` that docs/benchmarks.md quotes.)
 
 SMALL (16 x Linear 1024 + GELU, 256 tokens, bf16; TransformerEngine's call shape, 15 layers
 offloaded, every activation however small) is host-bound: each layer's group moves 1 MiB, and
@@ -8,7 +10,7 @@ more than the transfer. The variants, in their order: plain; offload with the de
 (``group_bytes`` 32 MiB: one group; the native saved-tensor hooks, issue 35's sixth round); the
 same with the Python hooks (``OFFLOAD_NATIVE_HOOKS=0``); ``group_bytes`` of 0 (off: every layer a
 group, the default before issue 35's fourth round), 4 and 16 MiB (4 groups and 1); the hooks'
-floor (``cpu_overhead.HooksFloor``), with Python hooks and with C ones (``Tensor.detach``);
+floor (``measure.HooksFloor``), with Python hooks and with C ones (``Tensor.detach``);
 offload with a host budget of 0 (every decision made, nothing copied); ``save_on_cpu``.
 
 Two ways to time them, both in one process:
@@ -26,9 +28,9 @@ of about 10 MiB share groups too; ``--workload gpt_a`` on GPT-A (whose layers ar
 their own anyway), for the <= 1% check of a change to the default path. ``--variants`` keeps the
 listed ones (comma-separated labels; plain always runs).
 
-Usage: ``python benchmarks/group_bytes.py [--workload small|moe|gpt_a] [--interleave]
+Usage: ``python benchmarks/host_cost.py [--workload small|moe|gpt_a] [--interleave]
 [--rounds 4] [--steps 100] [--variants LABELS]``; ``--cpu-smoke`` for a tiny CPU check. Writes
-``benchmarks/results/group_bytes[_<workload>][_interleaved].json`` (no suffix for SMALL).
+``benchmarks/results/host_cost[_<workload>][_interleaved].json`` (no suffix for SMALL).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ import statistics
 from typing import Any, Iterator, Optional
 
 import common
-import cpu_overhead
 import interleave
+import measure
 import workloads
 
 GROUP_MIB = (0, 4, 16)
@@ -65,35 +67,35 @@ def python_hooks(on: bool) -> Iterator[None]:
 
 
 def variants(spec: Any, keep: Optional[list[str]] = None) -> list[tuple[str, dict[str, Any]]]:
-    """The contenders, in their order: ``(label, keyword arguments of common.run_variant)``, where
+    """The contenders, in their order: ``(label, keyword arguments of measure.run_variant)``, where
     ``python_hooks`` (popped before the call) says whether the context pushes the Python hooks.
     ``keep``: the labels to keep (plain always is); an unknown label is an error."""
     base = {"num_layers": spec.layers - 1, "min_offload_bytes": 0}
-    floor = cpu_overhead.HooksFloor()
+    floor = measure.HooksFloor()
     out: list[tuple[str, dict[str, Any]]] = [("plain", {}), ("offload (default)", {"offload": base}),
                                              ("offload (Python hooks)", {"offload": base, "python_hooks": True})]
     for mib in GROUP_MIB:
         label = f"offload group_bytes={mib} MiB" if mib else "offload group_bytes=0 (off)"
         out.append((label, {"offload": {**base, "group_bytes": mib << 20}}))
     out.append(("hooks floor", {"layer_calls": (floor, floor.sync)}))
-    native_floor = cpu_overhead.HooksFloor(native=True)
+    native_floor = measure.HooksFloor(native=True)
     out.append(("hooks floor (C)", {"layer_calls": (native_floor, native_floor.sync)}))
     # Every tensor refused by the host budget: the hooks and every per-tensor decision, no
     # group ever copied (one "offloaded nothing" warning).
     out.append(("offload (nothing fits)", {"offload": {**base, "host_budget_bytes": 0}}))
-    out.append(("save_on_cpu", {"forward_wrapper": common.save_on_cpu_wrapper()}))
+    out.append(("save_on_cpu", {"forward_wrapper": measure.save_on_cpu_wrapper()}))
     if keep is None:
         return out
     unknown = set(keep) - {label for label, _ in out}
     if unknown:
-        raise SystemExit(f"group_bytes.py: --variants: no variant {sorted(unknown)}; the variants are "
+        raise SystemExit(f"host_cost.py: --variants: no variant {sorted(unknown)}; the variants are "
                          f"{[label for label, _ in out]}")
     return [(label, kw) for label, kw in out if label == "plain" or label in keep]
 
 
 def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int, first: int = 0,
               keep: Optional[list[str]] = None) -> list[dict[str, Any]]:
-    """Every variant once; rows of :func:`common.run_variant`, in the variants' order.
+    """Every variant once; rows of :func:`measure.run_variant`, in the variants' order.
 
     They run in that order rotated to start at variant ``first``: a variant's place in the
     round moves its time on the H100 VM by up to 10% (two contexts of the same settings, timed
@@ -106,7 +108,7 @@ def one_round(env: common.Env, spec: Any, layers: Any, x: Any, steps: int, first
         i = (first + position) % len(contenders)
         label, kw = contenders[i]
         with python_hooks(kw.pop("python_hooks", False)):
-            row = common.run_variant(env, label, layers, x, steps=steps, **kw)
+            row = measure.run_variant(env, label, layers, x, steps=steps, **kw)
         row["position"] = position
         rows[i] = row
     return rows  # type: ignore[return-value]
@@ -119,7 +121,7 @@ def interleaved(env: common.Env, spec: Any, layers: Any, x: Any, keep: Optional[
     for label, kw in variants(spec, keep):
         v = interleave.Variant(label, step=lambda: None)
         with python_hooks(kw.pop("python_hooks", False)):
-            v.step, v.context = common.variant_step(env, layers, x, on_forward=v.forward_done, **kw)
+            v.step, v.context = measure.variant_step(env, layers, x, on_forward=v.forward_done, **kw)
         contenders.append(v)
     interleave.run_cycles(env, contenders, warmup=env.args.warmup, cycles=env.args.steps)
     return interleave.summarize(contenders)
@@ -134,14 +136,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="comma-separated labels of the variants to run (plain always runs); default: all")
     parser.add_argument("--interleave", action="store_true",
                         help="time one step of each variant in turn, --steps cycles (benchmarks/interleave.py); "
-                             "writes group_bytes[_<workload>]_interleaved.json")
+                             "writes host_cost[_<workload>]_interleaved.json")
     env = common.setup(parser, argv)
     spec = workloads.WORKLOADS[env.args.workload](workloads.scale_for(env.smoke))
     keep = None if env.args.variants is None else [v.strip() for v in env.args.variants.split(",") if v.strip()]
     print(spec.describe(), flush=True)
     layers, make_input = spec.build(env.device)
     x = make_input()
-    name = "group_bytes" if env.args.workload == "small" else f"group_bytes_{env.args.workload}"
+    name = "host_cost" if env.args.workload == "small" else f"host_cost_{env.args.workload}"
     if env.args.interleave:
         summary = interleaved(env, spec, layers, x, keep)
         table = [{**row, "ci95": "{:.3f}-{:.3f}".format(*row["ratio_ci95"])} for row in summary]
