@@ -140,7 +140,10 @@ def node_refusal_message(nbytes: int, node: NodeMemory, own_held: int) -> str:
 def ledger_refusal(ledger: HostLedger, nbytes: int, own_held: int) -> tuple[bool, str]:
     """Why ``ledger`` refused ``nbytes`` more to an account holding ``own_held``: (whether the
     node's room did, not the process's budget; the message that says so and what to do)."""
-    if ledger.budget_bytes - ledger.held_bytes >= nbytes:
+    # Whichever bound is the tighter one refused: compared with each other, not with ``nbytes``
+    # (the charge may be rounded up by the allocator past what the caller asked for).
+    ledger.read_node(NODE_READ_MAX_AGE_S)
+    if ledger.node_room() < ledger.budget_bytes - ledger.held_bytes:
         return True, node_refusal_message(nbytes, ledger.read_node(NODE_READ_MAX_AGE_S), own_held)
     return False, (
         f"offload: {nbytes} more bytes of host memory would take this process over its host "
