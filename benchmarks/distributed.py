@@ -28,12 +28,11 @@ import contextlib
 import dataclasses
 import datetime
 import os
-import socket
 import sys
 import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -43,6 +42,7 @@ from common import (  # noqa: E402
     Env, exit_status, free_memory, gib, make_parser, print_table, setup, write_json,
 )
 from measure import time_steps  # noqa: E402
+from workers import spawn_ranks  # noqa: E402
 from workloads import hf_checkpointing, llama_2b, llama_step, scale_for  # noqa: E402
 
 import offload  # noqa: E402
@@ -189,34 +189,12 @@ def report(env: Env, spec: Any, world: int, rows: list[dict[str, Any]]) -> None:
     write_json("distributed", env, {"workload": spec.describe(), "world": world, "rows": rows, "total_tokens_per_s": totals})
 
 
-def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if "--cpu-smoke" in argv:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: see tests/distributed
-    code = run_rank(argv)
-    sys.stdout.flush()
-    os._exit(code)  # skip the interpreter's teardown under gloo's threads (see tests/distributed)
-
-
 def main() -> int:
     """Under torchrun: this rank. Otherwise spawn ``--nproc`` ranks on this machine."""
     argv = sys.argv[1:]
     if "RANK" in os.environ:  # under torchrun
         return run_rank(argv)
-    import torch.multiprocessing as mp
-
-    args = parser().parse_args(argv)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_spawned, args=(args.nproc, port, argv), nprocs=args.nproc, join=False, start_method="spawn")
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        return exc.exit_code or 1
-    return 0
+    return spawn_ranks(run_rank, parser().parse_args(argv).nproc, argv)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,6 @@ import dataclasses
 import datetime
 import json
 import os
-import socket
 import sys
 import time
 import traceback
@@ -39,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers import spawn_ranks  # noqa: E402
 from workloads import hf_checkpointing, llama_1b  # noqa: E402
 
 import offload  # noqa: E402
@@ -188,13 +188,9 @@ def report(args: argparse.Namespace, workload: str, world: int, gathered: list[l
         print(f"wrote {args.out}")
 
 
-def _spawned(rank: int, world: int, port: int, argv: list[str]) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
-    torch.set_num_threads(1)  # the ranks share the host's cores
-    code = run_rank(parser().parse_args(argv))
-    sys.stdout.flush()
-    os._exit(code)  # skip the interpreter's teardown under gloo's threads (see tests/distributed)
+def run_argv(argv: list[str]) -> int:
+    """This rank, from its command line (what :func:`workers.spawn_ranks` calls)."""
+    return run_rank(parser().parse_args(argv))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -204,19 +200,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.cpu_smoke and "--length" not in " ".join(argv):
         argv = [*argv, "--length", "64"]
     if "RANK" in os.environ:  # under torchrun
-        return run_rank(parser().parse_args(argv))
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    context = mp.start_processes(_spawned, args=(args.nproc, port, argv), nprocs=args.nproc, join=False, start_method="spawn")
-    try:
-        while not context.join():
-            pass
-    except mp.ProcessExitedException as exc:
-        return exc.exit_code or 1
-    return 0
+        return run_argv(argv)
+    return spawn_ranks(run_argv, args.nproc, argv)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -163,3 +163,35 @@ def strip_parent_options(argv: Sequence[str], names: Sequence[str]) -> list[str]
             continue
         out.append(arg)
     return out
+
+
+# -- ranks on this machine, without torchrun ---------------------------------------------------------
+def _rank_process(rank: int, world: int, port: int, run: Callable[[list[str]], int], argv: list[str]) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # every rank is on this machine: loopback
+    torch.set_num_threads(1)  # the ranks share the host's cores
+    code = run(argv)
+    sys.stdout.flush()
+    os._exit(code)  # skip the interpreter's teardown under gloo's threads (see tests/distributed)
+
+
+def spawn_ranks(run: Callable[[list[str]], int], nproc: int, argv: list[str]) -> int:
+    """Run ``run(argv)`` as each of ``nproc`` ranks spawned on this machine (what torchrun would
+    start, for a script run without it); the first failing rank's exit code, else 0. ``run`` must
+    be a module-level function (the spawned processes import it)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.start_processes(_rank_process, args=(nproc, port, run, argv), nprocs=nproc, join=False,
+                                 start_method="spawn")
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as exc:
+        return exc.exit_code or 1
+    return 0
