@@ -309,7 +309,7 @@ def problems(name: str, ranks: list[dict[str, Any]], *, local_world: int) -> lis
             from offload.host.ledger import default_host_budget
 
             # The node's total less the floor left for others, shared by this job's ranks.
-            share, source = default_host_budget()
+            share, source = default_host_budget({**os.environ, "LOCAL_WORLD_SIZE": str(local_world)})
             if r["host_budget_bytes"] != share:
                 out.append(f"{where}: host budget {r['host_budget_bytes']} is not the node's share for "
                            f"{local_world} ranks ({share}: {source})")
