@@ -9,6 +9,8 @@ blame the layer list, and the fix it gives must work.
 
 from __future__ import annotations
 
+import re
+
 import warnings
 from typing import Any, Iterator
 
@@ -66,7 +68,7 @@ def test_compile_first_then_offload_names_the_real_cause_and_its_fix_works(fresh
     assert told, f"no warning says why nothing was offloaded: {messages}"
     assert "torch.compile" in told[0] and "skip_nnmodule_hook_guards" in told[0]
     assert "torch.compiler.reset()" in told[0]
-    assert not any("pass the modules one forward really calls" in m for m in messages), \
+    assert not any(re.search("pass the modules (one|the) forward really calls", m) for m in messages), \
         "the warning blames the layer list, which was right"
     # The fix it gives: compile again now that the hooks exist.
     torch.compiler.reset()
@@ -80,4 +82,4 @@ def test_a_wrong_layer_list_without_compiled_code_still_blames_the_list(fresh_dy
     other, _ = _model()
     oa = offload.OffloadActivations(other.layers, device="cpu", min_offload_bytes=0, group_bytes=0)
     _, messages = _step(model, model, idx, oa)
-    assert any("pass the modules one forward really calls" in m for m in messages), messages
+    assert any("pass the modules the forward really calls" in m for m in messages), messages
