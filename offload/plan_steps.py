@@ -116,7 +116,10 @@ class PlannedSteps:
         self._cap: Optional[int] = None             # the budget's ceiling after an OOM
         self._lowered = ""                          # why, for the plan's report
         self._ooms: Optional[int] = None            # the allocator's OOM count at the last check
-        self._ran_out = False                       # this rank ran out of memory: to tell the others
+        self._ran_out = False                       # this rank plans again (out of memory, or short of
+                                                    # host room): to tell the others, which do too
+        self._host_figure: Optional[int] = None     # the host bytes the last plan was made for
+        self._host_refusals = 0                     # the arena's host refusals when plans were followed
         self._step_index: Optional[int] = None      # the engine's index of the last planned step
         self._on_plan = weakref.WeakMethod(on_plan)  # type: ignore[arg-type]
         self.probe: Optional[ProbeStep] = None  # this step's, while it runs measured
@@ -164,6 +167,7 @@ class PlannedSteps:
         self._close_previous_step()
         if self.profile is not None:
             self._check_out_of_memory()
+            self._check_host_room()
             if self.plan is None:
                 if profile_shape(self.profile) is None:
                     # Figures of one shape only: its plan now (BudgetError here, at every entry,
@@ -360,9 +364,10 @@ class PlannedSteps:
             # rather than split ones, and what stays reserved is known to be unusable (once per
             # new shape: it waits for the device).
             torch.cuda.empty_cache()
+        self._host_figure = self.engine.arena.plan_host_bytes()
         try:
             plan = choose(profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable,
-                          emptied=emptied, head=self.head, host_budget=self.engine.arena.plan_host_bytes(),
+                          emptied=emptied, head=self.head, host_budget=self._host_figure,
                           host_limited=self.engine.arena.plan_limited)
         except BudgetError as exc:
             if shape is None:
@@ -396,6 +401,7 @@ class PlannedSteps:
         one is: the first layer's entry switches plans), its wrappers on the modules, its host
         blocks pinned in the background."""
         self.plan = plan
+        self._host_refusals = self.engine.arena.counters.process_refusals
         schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[arg-type]
         schedule.peak = self._peak
         engine = self.engine
@@ -484,6 +490,31 @@ class PlannedSteps:
         self._ran_out = True  # and tells the other ranks, which plan again with it there
         warnings.warn(f"offload: the budget plans are made for is {self._lowered}; the next step is "
                       "planned again", UserWarning, stacklevel=4)
+
+    def _check_host_room(self) -> None:
+        # Another job on the node took host memory after the plans were made: the last step's
+        # copies that found no room stayed on the device, which its plan did not count on (on a
+        # GPU, the way to an out-of-memory step). Plan again, with the room there is now, as
+        # after an out-of-memory step (every rank with it). Only where the room did shrink: a
+        # refusal the plans' figure already allowed for would be planned the same way again.
+        if self.plan is None or self._host_figure is None:
+            return
+        arena = self.engine.arena
+        refusals = arena.counters.process_refusals
+        if refusals <= self._host_refusals:
+            return
+        self._host_refusals = refusals
+        room = arena.plan_host_bytes()
+        if room >= self._host_figure:
+            return
+        self._lowered = (f"host room {format_bytes(room)} after step {self._step_index} found less than the "
+                         f"{format_bytes(self._host_figure)} its plan was made for")
+        self._plans.clear()
+        self.plan, self._shape = None, None  # the next first layer plans again
+        self._ran_out = True
+        warnings.warn(f"offload: the {self._lowered} (another process took host memory): what found no room "
+                      "stayed on the device, and the next step is planned again for the room there is now",
+                      UserWarning, stacklevel=4)
 
     def set_budget(self, budget: Budget, where: str) -> None:
         """Plan for another budget, checked by the caller, from the figures measured already (see

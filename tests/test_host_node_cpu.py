@@ -223,6 +223,46 @@ def test_plans_are_made_for_the_nodes_room_and_nothing_is_refused(node_ledger: H
     assert planned == "keep 4" and "budget" not in kept
 
 
+def test_a_node_that_fills_up_after_planning_gets_a_plan_for_the_room_left(node_ledger: HostLedger, tmp_path: Path) -> None:
+    # The plan for a new length is made with the node's room as it is; then another job takes
+    # what is left (here from a forward pre-hook on the first layer, which runs after the
+    # context's own, where the plan is made), so the step's copies find no room and stay on the device, which the plan did not count
+    # on (on a GPU, the way to an out-of-memory step). The next step is planned again for the
+    # room left, and nothing is refused any more. Every step is plain's bit for bit.
+    total = 256 * MIB
+    node_ledger.set_node_source(SimulatedNode(total, str(tmp_path)))
+    layers = make_gpt_layers(4)
+    short, long = torch.randn(2, 32, 64), torch.randn(2, 128, 64)
+    expected = {x.shape[1]: plain_reference(layers, x) for x in (short, long)}
+    oa = offload.OffloadActivations(layers, device="cpu", memory_budget_bytes="lowest")
+    try:
+        for _ in range(4):
+            assert_bitwise(expected[32], oa_step(layers, short, oa))
+        assert oa.plan is not None and oa.plan.describe() != "keep 4", oa.plan.describe()
+
+        def squeeze(*_: object) -> None:
+            # Everything above the floor but what this process holds now, read at once (the
+            # ledger reads the node at most every few ms; a CPU step is shorter than that).
+            _other_process(tmp_path, total - node_floor(total) - node_ledger.held_bytes)
+            node_ledger.read_node(0.0)
+
+        hook = layers[0].register_forward_pre_hook(squeeze)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert_bitwise(expected[128], oa_step(layers, long, oa))
+            hook.remove()
+            squeezed = dict(oa.stats["kept"])
+            assert squeezed.get("budget", 0) > 0, f"the squeeze refused nothing: {squeezed}"
+            for step in range(2):
+                assert_bitwise(expected[128], oa_step(layers, long, oa))
+                kept = dict(oa.stats["kept"])
+                assert "budget" not in kept, f"step {step} after the squeeze still counts on refused copies: {kept}"
+        assert any("planned again for the room there is now" in str(w.message) for w in seen), \
+            [str(w.message)[:120] for w in seen]
+    finally:
+        oa.close()
+
+
 # -- two processes on one node -----------------------------------------------------------------
 def test_two_processes_whose_plans_each_ask_for_60_percent_of_the_node_both_finish_within_it(tmp_path: Path) -> None:
     """Two independent processes on one (simulated) node, each planning for a device budget that
