@@ -48,3 +48,15 @@ def entry_table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch)
     elif native.entries_extension() is None:
         pytest.skip(f"offload._entries not live: {native.entries_reason()}")
     return request.param
+
+
+@pytest.fixture
+def node_ledger():
+    """The process's host ledger, its node source and budget restored after the test."""
+    from offload.host.ledger import process_ledger
+
+    gc.collect()
+    ledger = process_ledger()
+    yield ledger
+    ledger.set_node_source(None)
+    ledger.set_budget(None)

@@ -30,9 +30,14 @@ def _grads(layers: torch.nn.ModuleList, xin: torch.Tensor) -> list[torch.Tensor]
     return [p.grad.clone() for p in layers.parameters()] + [xin.grad.clone()]
 
 
-def _inside(layers: torch.nn.ModuleList, x: torch.Tensor, oa: Any) -> list[torch.Tensor]:
+def _fresh(layers: torch.nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    # No gradients left from the step before; the input a leaf that takes its own.
     layers.zero_grad(set_to_none=True)
-    xin = x.detach().requires_grad_(True)
+    return x.detach().requires_grad_(True)
+
+
+def _inside(layers: torch.nn.ModuleList, x: torch.Tensor, oa: Any) -> list[torch.Tensor]:
+    xin = _fresh(layers, x)
     with oa:
         out = run_layers(layers, xin)
         (out.float() ** 2).mean().backward()
@@ -40,8 +45,7 @@ def _inside(layers: torch.nn.ModuleList, x: torch.Tensor, oa: Any) -> list[torch
 
 
 def _after(layers: torch.nn.ModuleList, x: torch.Tensor, oa: Any) -> list[torch.Tensor]:
-    layers.zero_grad(set_to_none=True)
-    xin = x.detach().requires_grad_(True)
+    xin = _fresh(layers, x)
     with oa:
         out = run_layers(layers, xin)
     (out.float() ** 2).mean().backward()
@@ -49,8 +53,7 @@ def _after(layers: torch.nn.ModuleList, x: torch.Tensor, oa: Any) -> list[torch.
 
 
 def _separate(layers: torch.nn.ModuleList, x: torch.Tensor, oa: Any) -> list[torch.Tensor]:
-    layers.zero_grad(set_to_none=True)
-    xin = x.detach().requires_grad_(True)
+    xin = _fresh(layers, x)
     with oa:
         out = run_layers(layers, xin)
     with oa:  # the mistake: a second `with`, around the backward alone

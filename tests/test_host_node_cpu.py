@@ -13,14 +13,12 @@ slack; and two processes whose plans each ask for 60% of a node both finish with
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import subprocess
 import sys
 import warnings
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -28,7 +26,7 @@ import torch
 import offload
 from offload.host import room
 from offload.host.arena import HostArena
-from offload.host.ledger import HostLedger, process_ledger, set_process_host_budget
+from offload.host.ledger import HostLedger, set_process_host_budget
 from offload.host.node import SimulatedNode, cgroup_limit, node_floor, node_source_from_env
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, train_step
@@ -47,15 +45,6 @@ def _other_process(directory: Path, nbytes: int) -> None:
     # Another process on the simulated node holding ``nbytes`` (what it publishes there).
     (directory / "1").write_text(str(nbytes))
 
-
-@pytest.fixture
-def node_ledger() -> Iterator[HostLedger]:
-    """The process's ledger, its node source and budget restored after the test."""
-    gc.collect()
-    ledger = process_ledger()
-    yield ledger
-    ledger.set_node_source(None)
-    ledger.set_budget(None)
 
 
 # -- the node ----------------------------------------------------------------------------------

@@ -9,16 +9,14 @@ gradients stay bitwise those of the plain run throughout.
 
 from __future__ import annotations
 
-import gc
 import warnings
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
 import offload
-from offload.host.ledger import HostLedger, process_ledger, set_process_host_budget
+from offload.host.ledger import HostLedger, set_process_host_budget
 from offload.host.node import SimulatedNode, node_floor
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference
@@ -27,14 +25,6 @@ pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
 MIB = 1 << 20
 
-
-@pytest.fixture
-def node_ledger() -> Iterator[HostLedger]:
-    gc.collect()
-    ledger = process_ledger()
-    yield ledger
-    ledger.set_node_source(None)
-    ledger.set_budget(None)
 
 
 def _run(steps: int = 5, **options: object) -> tuple[offload.OffloadActivations, dict]:

@@ -40,7 +40,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-__all__ = ["StatefulArgumentError", "StateSnapshot", "StatefulCall", "is_stateful", "check_unchanged", "refuse_stateful_compiled",
+__all__ = ["StatefulArgumentError", "StateSnapshot", "StatefulCall", "is_stateful", "refuse_stateful_compiled",
            "stateful_arguments"]
 
 # How deep the snapshot walks from an argument: cache -> layers list -> layer object -> its
@@ -190,25 +190,21 @@ class StatefulCall:
             self._check(now, "its recompute in backward")
 
     def _check(self, snapshot: StateSnapshot, when: str) -> None:
-        check_unchanged(snapshot, self.states,
-                        f"{_describe(self.fn)} runs twice here (recomputed in backward: a plan's recomputed "
-                        f"layer, selective recompute, or the probe steps of memory_budget_bytes), and {when}")
-
-
-def check_unchanged(snapshot: StateSnapshot, states: list[tuple[str, Any]], what: str) -> None:
-    """Raise :class:`StatefulArgumentError` (``what`` saying who ran twice) if a tensor recorded in
-    ``snapshot`` of the arguments ``states`` was written in place since."""
-    written = snapshot.written_in_place()
-    if not written:
-        return
-    kinds = ", ".join(f"{name} (a {type(value).__name__})" for name, value in states)
-    raise StatefulArgumentError(
-        f"offload: {what} wrote into the argument {kinds} in place ({', '.join(written[:3])}"
-        f"{', ...' if len(written) > 3 else ''}): a second run would change it again, and it cannot be "
-        "put back without copying it. Pass use_cache=False to the model (training needs no KV cache), "
-        "or a cache that grows by concatenation (transformers' DynamicCache), or offload a fixed number "
-        "of layers (num_offload_layers=N), which recomputes nothing."
-    )
+        # A tensor recorded in the snapshot written in place since: a second run would change it
+        # again, and putting it back would mean copying it.
+        written = snapshot.written_in_place()
+        if not written:
+            return
+        kinds = ", ".join(f"{name} (a {type(value).__name__})" for name, value in self.states)
+        raise StatefulArgumentError(
+            f"offload: {_describe(self.fn)} runs twice here (recomputed in backward: a plan's recomputed "
+            f"layer, selective recompute, or the probe steps of memory_budget_bytes), and {when} wrote into "
+            f"the argument {kinds} in place ({', '.join(written[:3])}{', ...' if len(written) > 3 else ''}): "
+            "a second run would change it again, and it cannot be put back without copying it. Pass "
+            "use_cache=False to the model (training needs no KV cache), or a cache that grows by "
+            "concatenation (transformers' DynamicCache), or offload a fixed number of layers "
+            "(num_offload_layers=N), which recomputes nothing."
+        )
 
 
 def refuse_stateful_compiled(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
