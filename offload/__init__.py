@@ -23,6 +23,7 @@ What happened:
 More:
     fp8                             FP8 layers that save FP8 activations; fp8.convert(model) swaps nn.Linear
     graphs                          CUDA graphs of a whole step or of layers; CaptureError if unready
+    parallel                        longer than one GPU: context parallelism (ring attention) + FSDP2
     CaptureError                    a capture started before the host blocks existed (one eager step)
     OffloadContext, ManualController   what get_cpu_offload_context returns
     resolve_mode(mode), MODE_ENV_VAR   the schedule: v2 (default) or v1 (NVTE_CPU_OFFLOAD_V1=1)
@@ -73,6 +74,7 @@ __all__ = [
     "mark_activation_offload",
     "mark_not_offload",
     "native_available",
+    "parallel",
     "plan",
     "planner",
     "plot",
@@ -84,7 +86,7 @@ __all__ = [
 
 # Subpackages imported on first use: ``import offload`` stays cheap (no profiler, FP8 layers or
 # integrations loaded) and needs neither matplotlib nor triton nor transformers.
-_LAZY_SUBPACKAGES = ("fp8", "plot", "integrations")
+_LAZY_SUBPACKAGES = ("fp8", "plot", "integrations", "parallel")
 # Documented by name in the docstring above; their help is mostly inherited dict or Exception
 # methods (about 200 lines for StepStats alone), which pydoc would print into help(offload).
 _HELP_BY_NAME = ("StepStats", "CaptureError", "BudgetError")

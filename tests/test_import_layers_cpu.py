@@ -23,7 +23,7 @@ MAX_LINES = 600
 # forwards -> planner -> layers -> the front (api, activations, plan_steps, graphs, scope) ->
 # integrations. (importer prefix, what it may not import, why, the one documented exception).
 FRONT = ("offload.api", "offload.activations", "offload.plan_steps", "offload.graphs", "offload.scope",
-         "offload.integrations")
+         "offload.integrations", "offload.parallel")
 CONTRACTS = [
     ("offload.host", ("offload.engine", "offload.layers", "offload.forwards", "offload.planner", "offload.tiling",
                       "offload.quantized", "offload.fp8", "offload.plot") + FRONT,
