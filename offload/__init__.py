@@ -12,6 +12,7 @@ Plan (per layer keep, offload or recompute, for a memory budget):
     selective_recompute(modules)    keep GEMM outputs, recompute the cheap ops (e.g. every MLP)
     planner                         the planner's parts: profiles, cost model, search, tables
     tiling                          the LM head and loss, MLPs, run over chunks of tokens (long context)
+    parallel                        longer than one GPU: context parallelism (ring attention), FSDP2
 Choose tensors:
     mark_not_offload(*tensors)      these stay on the GPU, in every mode
     mark_activation_offload(*ts)    opt these in (the v1 schedule's selection)
@@ -22,14 +23,11 @@ What happened:
     plot                            timeline and memory curve of one step (matplotlib optional)
 More:
     fp8                             FP8 layers that save FP8 activations; fp8.convert(model) swaps nn.Linear
-    graphs                          CUDA graphs of a whole step or of layers; CaptureError if unready
-    parallel                        longer than one GPU: context parallelism (ring attention) + FSDP2
-    CaptureError                    a capture started before the host blocks existed (one eager step)
+    graphs                          CUDA graphs of a step or of layers; CaptureError: captured before one eager step
     OffloadContext, ManualController   what get_cpu_offload_context returns
     resolve_mode(mode), MODE_ENV_VAR   the schedule: v2 (default) or v1 (NVTE_CPU_OFFLOAD_V1=1)
     native_available()              whether the native copy path (offload._C) is built
-TransformerEngine's other names: start_offload, is_cpu_offload_enabled, is_cpu_offload_layer, and
-the flags CPUOffloadEnabled / CPUOffloadedLayer (read live).
+TE's other names: start_offload, is_cpu_offload_enabled, is_cpu_offload_layer, CPUOffloadEnabled/-Layer (live).
 """
 
 from __future__ import annotations
