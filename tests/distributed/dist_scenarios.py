@@ -39,12 +39,14 @@ for _path in (HERE, HERE.parent):  # _util (tests/) for spawned processes and to
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+import cp_scenarios  # noqa: E402
 import diverge  # noqa: E402
 import offload  # noqa: E402
 from offload.models import MLPBlock  # noqa: E402
 
 SCENARIOS = ("ddp_te", "ddp_oa", "fsdp_te", "fsdp_oa", "pipeline_te", "pipeline_oa")
 DIVERGE = {case.name: case for case in diverge.GPU_CASES}
+CP = cp_scenarios.SCENARIOS  # context parallelism: CUDA only (torch's ring has no CPU kernel)
 LAYERS = 4
 
 
@@ -270,6 +272,8 @@ def run_scenario(s: Setup, name: str) -> dict[str, Any]:
     """One scenario on this rank; an exception becomes ``{"error": traceback}``."""
     if name in DIVERGE:
         return diverge.run_cases(diverge.sizes_for(s.rank, s.world, s.device), (DIVERGE[name],))[name]
+    if name in CP:
+        return cp_scenarios.run(s.device, name)
     try:
         kind, form = name.split("_")
         if kind == "pipeline":
@@ -284,6 +288,8 @@ def problems(name: str, ranks: list[dict[str, Any]], *, local_world: int) -> lis
     if name in DIVERGE:
         sizes = diverge.sizes_for(0, len(ranks), torch.device("cuda" if torch.cuda.is_available() else "cpu"))
         return diverge.problems(DIVERGE[name], ranks, sizes.base, sizes.batch)
+    if name in CP:
+        return cp_scenarios.problems(name, ranks)
     out: list[str] = []
     for rank, r in enumerate(ranks):
         where = f"{name} rank {rank}"
@@ -355,7 +361,8 @@ def gloo_worker(rank: int, world: int, port: int, out_dir: str, names: list[str]
 def torchrun_main(argv: Optional[list[str]] = None, out: Callable[[str], None] = print) -> int:
     """``torchrun --nproc-per-node N run.py [scenario ...]``: NCCL on the GPUs (gloo without
     CUDA); rank 0 prints one line per scenario and every problem. Exit status 1 on a problem."""
-    names = [a for a in (argv if argv is not None else sys.argv[1:])] or [*SCENARIOS, *DIVERGE]
+    names = [a for a in (argv if argv is not None else sys.argv[1:])] or [
+        *SCENARIOS, *DIVERGE, *(CP if torch.cuda.is_available() else ())]
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if torch.cuda.is_available():
@@ -381,7 +388,7 @@ def torchrun_main(argv: Optional[list[str]] = None, out: Callable[[str], None] =
             found = problems(name, per_rank, local_world=local_world)
             failed += bool(found)
             head = per_rank[0]
-            figures = "" if "error" in head or name in DIVERGE else (
+            figures = cp_scenarios.summary(name, head) if name in CP else "" if "error" in head or name in DIVERGE else (
                 f"offloaded {head['offloaded']} tensors ({head['offloaded_bytes'] / 2**20:.1f} MiB), "
                 f"parameters kept {head['parameters_kept']}, NUMA {head['host_numa'][0]} ({head['host_numa'][1]})")
             out(f"  {name:<12} {'ok  ' if not found else 'FAIL'} {figures}")
