@@ -7,10 +7,10 @@
 #   bash benchmarks/run_all.sh              # on one GPU (1-2 hours: the long-context searches take most)
 #   bash benchmarks/run_all.sh --cpu-smoke  # tiny CPU check of every script (numbers meaningless)
 #
-# Left out, and why: many_small.py under --cpu-smoke (it has no CPU path); distributed.py where
-# fewer than two GPUs are visible; ab_engine.py (it compares this tree with another one you
-# name) and host_profile.py, profile_fp8_llama.py, extrapolate.py (they explain a figure, they
-# give none of their own).
+# Left out, and why: many_small.py under --cpu-smoke (it has no CPU path); distributed.py and
+# context_parallel.py where fewer than two GPUs are visible; ab_engine.py (it compares this tree
+# with another one you name) and host_profile.py, profile_fp8_llama.py, extrapolate.py (they
+# explain a figure, they give none of their own).
 set -u
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.." || exit 2
@@ -36,6 +36,10 @@ SUITE=(
     "shared_node"                             # issue 48 s3: two jobs on one node
     "numa_copy"                               # issue 15: the link per NUMA node
     "distributed"                             # issue 15: FSDP2, two GPUs
+    "context_parallel --case T29"             # T29: two GPUs
+    "context_parallel --case T30"             # T30
+    "context_parallel --case T31"             # T31
+    "context_parallel --case T32"             # T32
 )
 
 smoke=0
@@ -53,8 +57,8 @@ for entry in "${SUITE[@]}"; do
         skipped+=("many_small (no CPU path)")
         continue
     fi
-    if [ "$smoke" = 0 ] && [ "$bench" = distributed ] && [ "$gpus" -lt 2 ]; then
-        skipped+=("distributed (${gpus} GPU visible, needs 2)")
+    if [ "$smoke" = 0 ] && { [ "$bench" = distributed ] || [ "$bench" = context_parallel ]; } && [ "$gpus" -lt 2 ]; then
+        skipped+=("$entry (${gpus} GPU visible, needs 2)")
         continue
     fi
     echo

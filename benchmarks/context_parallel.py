@@ -1,0 +1,290 @@
+"""Longer than one GPU (issue 51, T29-T32): context parallelism on PyTorch's engine
+(``offload.parallel``: ring attention over SDPA, FSDP2 over the dp x cp mesh), contender by
+contender, one set of processes per contender.
+
+Contenders (``--contenders``):
+
+- ``plain``: CP + FSDP2, nothing else (torchtitan's composition): the baseline that must run.
+- ``hf_ckpt``: the same with HF's activation checkpointing (non-reentrant).
+- ``ours``: the same with ``OffloadActivations(model.model.layers, model=model,
+  memory_budget_bytes="device")``: each rank plans its shard (the tiled head where nothing
+  untiled fits), the plan decisions agreed over every rank.
+- ``ours_1gpu``: ``ours`` on ONE process (a mesh of one: nothing sharded): the one-GPU step of
+  this project that T30 compares with.
+
+Cases (``--case``): ``T29`` the LLAMA-8B shape (vocab 128256, base frozen: only the RMSNorm weights
+train, as T21) at 1,048,576 tokens (``--length 1572864`` for the stretch); ``T30`` LLAMA-1B's shape
+at 131,072 tokens (2-GPU step <= 0.6x ``ours_1gpu``'s); ``T31`` LLAMA-1B at 8192 (its numerics
+are checked by ``tests/distributed/cp_scenarios.py``; here its step times); ``T32`` ``ours`` at
+T30's length, its planning cost in steps ((the steps before the first planned one - as many
+steady steps) / a steady step, as T27). ``--smoke``: a tiny Llama with eager attention (the CPU
+has no ring kernel; the figures mean nothing), 2 gloo processes.
+
+Every rank times each step (synchronised wall clock) and reads its peak
+(``torch.cuda.max_memory_allocated``); rank 0 prints one line per step (flushed) and the parent
+writes ``benchmarks/results/context_parallel_<case>.json`` and, with matplotlib, a PNG of median
+step time and peak per contender. The NCCL timeout is 300 s: a hang shows as an error.
+
+    python benchmarks/context_parallel.py --case T31                  # every contender, 2 GPUs
+    python benchmarks/context_parallel.py --case T30 --contenders ours,ours_1gpu
+    python benchmarks/context_parallel.py --case T29 --contenders ours --steps 2
+    python benchmarks/context_parallel.py --smoke                     # 2 gloo processes on the CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from workers import spawn_ranks  # noqa: E402
+from workloads import hf_checkpointing, llama_1b, llama_8b_shape, train_norms_only  # noqa: E402
+
+import offload  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+CONTENDERS = ("plain", "hf_ckpt", "ours", "ours_1gpu")
+CASES = {  # case: (spec maker, base frozen, length, steps)
+    "T29": (llama_8b_shape, True, 1048576, 2),
+    "T30": (llama_1b, False, 131072, 4),
+    "T31": (llama_1b, False, 8192, 6),
+    "T32": (llama_1b, False, 131072, 6),
+    "smoke": (llama_1b, False, 64, 4),
+}
+TIMEOUT_S = 300
+MORE_FOR_A_PLAN = 6  # steps past --steps a planned contender may take to show two planned steps
+
+
+def parser() -> argparse.ArgumentParser:
+    """This script's options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--case", choices=sorted(CASES), default="T31", help="which target (default T31)")
+    p.add_argument("--contenders", default=None, help=f"comma-separated, of {','.join(CONTENDERS)} (default: the case's)")
+    p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the case's)")
+    p.add_argument("--steps", type=int, default=None, help="steps per contender (default: the case's)")
+    p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) for the CP contenders; cp = nproc")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/context_parallel_<case>.json)")
+    p.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
+                   help="a tiny Llama on 2 gloo processes (the figures mean nothing)")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # contender,record-path: one rank's run
+    return p
+
+
+def _default_contenders(case: str) -> list[str]:
+    return {"T29": ["ours"], "T32": ["ours"], "T30": ["ours", "ours_1gpu"]}.get(case, list(CONTENDERS))
+
+
+# -- one rank --------------------------------------------------------------------------------------
+def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, int, int]:
+    make, frozen, length, _ = CASES[args.case]
+    spec = dataclasses.replace(make(), batch=1, seq=args.length or length)
+    if args.smoke:  # float32: what gloo reduces on every torch
+        spec = dataclasses.replace(spec, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, vocab=128,
+                                   dtype=torch.float32)
+    model, _ = spec.build(device, init_in_dtype=True)  # the same weights on every rank
+    if args.smoke:
+        model.config._attn_implementation = "eager"  # the CPU has no ring kernel
+    trainable = train_norms_only(model) if frozen else sum(p.numel() for p in model.parameters())
+    return model, spec.seq, trainable
+
+
+def _context(contender: str, model: Any, smoke: bool) -> Optional[Any]:
+    if not contender.startswith("ours"):
+        return None
+    budget: Any = 1 << 30 if smoke else "device"  # on the CPU a byte budget plans as "device" does on CUDA
+    kw: dict[str, Any] = {"device": "cpu", "min_offload_bytes": 0} if smoke else {}
+    return offload.OffloadActivations(model.model.layers, model=model, memory_budget_bytes=budget, **kw)
+
+
+def _phase(oa: Optional[Any]) -> str:
+    if oa is None:
+        return "-"
+    return "planned" if oa.plan is not None else "probe"
+
+
+def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int:
+    """One rank of one contender: build, shard, the steps; its records to ``record_path``."""
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    records: list[dict[str, Any]] = []
+    info: dict[str, Any] = {}
+    try:
+        from torch.distributed.fsdp import fully_shard
+
+        meshes = offload.parallel.make_mesh(cp=dist.get_world_size(), device_type=device.type)
+        model, length, info["trainable_params"] = _build(args, device)
+        for module in [*model.model.layers, model]:
+            fully_shard(module, mesh=meshes.fsdp)
+        oa = _context(contender, model, args.smoke)
+        vocab = model.config.vocab_size
+        ckpt = hf_checkpointing(model) if contender == "hf_ckpt" else contextlib.nullcontext()
+        steps = args.steps or CASES[args.case][3]
+        with ckpt:
+            for i in range(steps + (MORE_FOR_A_PLAN if oa is not None else 0)):
+                # A planned contender goes on past --steps until two steps ran under its plan.
+                if i >= steps and sum(r.get("phase") == "planned" for r in records) >= 2:
+                    break
+                records.append(_step(i, model, meshes, oa, vocab, length, device))
+                r = records[-1]
+                if rank == 0:
+                    shown = r.get("error") or f"{r['ms'] / 1e3:.2f} s, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+                    print(f"{contender} step {i}: {length} tokens on {meshes.cp.size()} ranks, {shown}, {r['phase']}",
+                          flush=True)
+                if "error" in r:
+                    break
+        info["plan"] = oa.plan.describe() if oa is not None and oa.plan is not None else None
+    except Exception as exc:  # noqa: BLE001 - a failure outside a step is this contender's result
+        traceback.print_exc()
+        info["error"] = f"{type(exc).__name__}: {exc}"[:600]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    if rank == 0:
+        record_path.write_text(json.dumps({"ranks": gathered, **info}))
+    dist.destroy_process_group()
+    return 0
+
+
+def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length: int,
+          device: torch.device) -> dict[str, Any]:
+    cuda = device.type == "cuda"
+    g = torch.Generator().manual_seed(1000 + i)  # the same batch on every CP rank
+    ids = torch.randint(0, vocab, (1, length), generator=g).to(device)
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    record: dict[str, Any] = {"step": i}
+    start = time.perf_counter()
+    try:
+        with offload.parallel.context_parallel(meshes.cp, {"input_ids": ids, "labels": ids}, model=model) as shard:
+            with oa if oa is not None else contextlib.nullcontext():
+                record["phase"] = _phase(oa)  # at the entry: the plan in force for this step
+                loss = model(**shard.inputs).loss
+            (loss * shard.loss_scale).backward()
+        record["loss"] = offload.parallel.global_loss(loss, meshes.cp, meshes.dp).item()
+        if cuda:
+            torch.cuda.synchronize(device)
+        record["ms"] = (time.perf_counter() - start) * 1e3
+    except Exception as exc:  # noqa: BLE001 - recorded; FSDP2 cannot go on past it
+        traceback.print_exc()
+        record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+    record.setdefault("phase", _phase(oa))
+    record["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else 0
+    model.zero_grad(set_to_none=True)
+    return record
+
+
+def run_argv(argv: list[str]) -> int:
+    """One rank, from its command line (what :func:`workers.spawn_ranks` calls)."""
+    args = parser().parse_args(argv)
+    contender, path = args.worker.split(",", 1)
+    return run_rank(args, contender, Path(path))
+
+
+# -- the parent ------------------------------------------------------------------------------------
+def summarize(contender: str, result: dict[str, Any]) -> dict[str, Any]:
+    """Median steady step (slowest rank, past the first step and any probe), peak, planning cost."""
+    ranks = result.get("ranks") or [[]]
+    steps = [[r[i] for r in ranks] for i in range(min(len(r) for r in ranks))]
+    ok = [s for s in steps if not any("error" in r for r in s)]
+    ms = [max(r["ms"] for r in s) for s in ok]
+    steady = [m for s, m in zip(ok, ms) if s[0]["step"] >= 1 and s[0]["phase"] in ("-", "planned")]
+    median = sorted(steady)[len(steady) // 2] if steady else None
+    before_plan = [m for s, m in zip(ok, ms) if s[0]["phase"] == "probe"]
+    planning = (sum(before_plan) - len(before_plan) * median) / median if median and before_plan else None
+    errors = [r["error"] for s in steps for r in s if "error" in r] + ([result["error"]] if "error" in result else [])
+    return {"contender": contender, "steps_finished": len(ok), "median_steady_ms": median,
+            "peak_bytes": max((r["peak_bytes"] for s in steps for r in s), default=0),
+            "planning_steps": planning, "losses": [s[0].get("loss") for s in ok], "errors": errors[:3],
+            "plan": result.get("plan"), "trainable_params": result.get("trainable_params")}
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Optional[Path]:
+    """Median step and peak per contender, if matplotlib is installed."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    names = [r["contender"] for r in rows]
+    a.bar(names, [(r["median_steady_ms"] or 0) / 1e3 for r in rows])
+    a.set_ylabel("median step (s)")
+    b.bar(names, [r["peak_bytes"] / 2**30 for r in rows])
+    b.set_ylabel("peak per GPU (GiB)")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def verdicts(case: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """The case's target, PASS or MISS with the figures."""
+    ours = rows.get("ours")
+    if case == "T29" and ours:
+        return [f"T29 one step of the LLAMA-8B shape on 2 GPUs: {'PASS' if ours['steps_finished'] else 'MISS'} "
+                f"({ours['steps_finished']} steps, peak {ours['peak_bytes'] / 2**30:.1f} GiB)"]
+    if case == "T30" and ours and rows.get("ours_1gpu") and ours["median_steady_ms"] and rows["ours_1gpu"]["median_steady_ms"]:
+        ratio = ours["median_steady_ms"] / rows["ours_1gpu"]["median_steady_ms"]
+        return [f"T30 2-GPU step / 1-GPU step <= 0.6: {'PASS' if ratio <= 0.6 else 'MISS'} ({ratio:.2f})"]
+    if case == "T32" and ours and ours["planning_steps"] is not None:
+        return [f"T32 planning <= 2 steps: {'PASS' if ours['planning_steps'] <= 2 else 'MISS'} "
+                f"({ours['planning_steps']:.2f} steps)"]
+    return []
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Spawn each contender's ranks in turn (``--nproc``, one for ``ours_1gpu``), then report."""
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(argv)
+    if args.worker:  # under torchrun, one contender: --worker ours,/tmp/ours.json
+        return run_argv(argv)
+    case = "smoke" if args.smoke else args.case
+    argv = [a for a in argv if a not in ("--smoke", "--cpu-smoke")] + (["--smoke", "--case", "smoke"] if args.smoke else [])
+    contenders = args.contenders.split(",") if args.contenders else _default_contenders(case)
+    rows: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for contender in contenders:
+            path = Path(tmp) / f"{contender}.json"
+            nproc = 1 if contender == "ours_1gpu" else args.nproc
+            code = spawn_ranks(run_argv, nproc, [*argv, "--worker", f"{contender},{path}"])
+            result = json.loads(path.read_text()) if path.exists() else {"error": f"the ranks exited with {code}"}
+            rows[contender] = summarize(contender, result)
+            print(f"{contender}: {rows[contender]}", flush=True)
+    lines = verdicts(case, rows)
+    for line in lines:
+        print(line)
+    out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"context_parallel_{case}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"case": case, "length": args.length or CASES[case][2], "nproc": args.nproc, "rows": list(rows.values()),
+               "verdicts": lines, "torch": torch.__version__,
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
+    out.write_text(json.dumps(payload, indent=1))
+    png = plot(list(rows.values()), out.with_suffix(".png"), f"context parallel {case}")
+    print(f"wrote {out}" + (f" and {png}" if png else ""))
+    return 0 if all(r["steps_finished"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
