@@ -10,7 +10,8 @@ cannot run (``test_context_parallel_cpu.py`` covers the rest). Run on 2 GPUs by
   (bf16: FSDP2 sums the two ranks' partial gradients in bf16 and the ring merges attention
   chunks in float32, so sums run in another order; 2**-6 is the bound the tiled head's bf16
   tests hold); the CP step run twice bitwise; and with ``OffloadActivations`` (3 of 4 layers
-  offloaded) bitwise the CP step without it.
+  offloaded) bitwise the CP step without it. Attention runs on the efficient SDPA kernel in
+  deterministic mode (``_repeatable``), in the reference too.
 - ``cp_lengths``: a stream of lengths that differ from step to step (2048 to 8192), with the
   default plan (``OffloadActivations(layers, model=model)``: "device" budget, probe steps, one
   plan per shape) inside CP: every step's loss within 1e-3 of one GPU's, both ranks on plans
@@ -21,7 +22,8 @@ from __future__ import annotations
 
 import os
 import traceback
-from typing import Any, Callable, Optional
+import contextlib
+from typing import Any, Callable, Iterator, Optional
 
 # cuBLAS reads this when it creates its handles: before the first GEMM of the process.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -60,19 +62,32 @@ def _ids(length: int, seed: int, device: torch.device) -> torch.Tensor:
     return torch.randint(0, 128256, (1, length), generator=g).to(device)
 
 
-def _no_math() -> Any:
-    # The ring handles the flash, efficient and cuDNN kernels; SDPA falling back to math would
-    # raise "no sharding strategy" deep inside: here it says "no available kernel" instead.
+@contextlib.contextmanager
+def _repeatable() -> Iterator[None]:
+    """Attention that repeats itself bit for bit, in a kernel the ring takes: the efficient SDPA
+    backend alone, in deterministic mode without warn_only (``offload.repeatable`` says why: the
+    flash backward is not repeatable). That kernel takes no ``enable_gqa``, so HF repeats the K/V
+    heads itself (as it does under a mask) instead of passing GQA to SDPA; the math kernel, which
+    would take it, has no ring. The one-GPU reference runs the same way."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+    from transformers.integrations import sdpa_attention
 
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION])
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    gqa = sdpa_attention.use_gqa_in_sdpa
+    sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+            yield
+    finally:
+        sdpa_attention.use_gqa_in_sdpa = gqa
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def _reference(model: torch.nn.Module, ids: torch.Tensor) -> tuple[float, list[torch.Tensor]]:
     """One GPU: the whole batch, no CP, no FSDP."""
     model.zero_grad(set_to_none=True)
-    with _no_math():
-        loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     return loss.item(), [p.grad.detach().clone() for p in model.parameters()]
 
@@ -88,8 +103,8 @@ def _sharded(device: torch.device, layers: int, meshes: Any) -> torch.nn.Module:
 
 def _cp_step(model: torch.nn.Module, meshes: Any, ids: torch.Tensor, oa: Optional[Any]) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad(set_to_none=True)
-    with _no_math(), offload.parallel.context_parallel(meshes.cp, {"input_ids": ids, "labels": ids},
-                                                      model=model) as shard:
+    with offload.parallel.context_parallel(meshes.cp, {"input_ids": ids, "labels": ids},
+                                          model=model) as shard:
         if oa is None:
             loss = model(**shard.inputs).loss
         else:
@@ -112,16 +127,12 @@ def _t31(device: torch.device, meshes: Any) -> dict[str, Any]:
     ref_loss, ref_grads = _reference(reference, ids)
     del reference
     model = _sharded(device, 4, meshes)
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        loss, grads = _cp_step(model, meshes, ids, None)
-        loss2, grads2 = _cp_step(model, meshes, ids, None)
-        oa = offload.OffloadActivations(model.model.layers, num_offload_layers=3)
-        loss3, grads3 = _cp_step(model, meshes, ids, oa)
-        offloaded = int(oa.stats["offloaded_tensors"])
-        oa.close()
-    finally:
-        torch.use_deterministic_algorithms(False)
+    loss, grads = _cp_step(model, meshes, ids, None)
+    loss2, grads2 = _cp_step(model, meshes, ids, None)
+    oa = offload.OffloadActivations(model.model.layers, num_offload_layers=3)
+    loss3, grads3 = _cp_step(model, meshes, ids, oa)
+    offloaded = int(oa.stats["offloaded_tensors"])
+    oa.close()
     return {
         "loss": loss, "ref_loss": ref_loss, "loss_rel": abs(loss - ref_loss) / abs(ref_loss),
         "grad_error": _grad_error(grads, ref_grads),
@@ -157,7 +168,8 @@ def run(device: torch.device, name: str) -> dict[str, Any]:
         if device.type != "cuda":
             raise RuntimeError("context-parallel scenarios need CUDA: torch's ring attention has no CPU kernel")
         meshes = offload.parallel.make_mesh(cp=dist.get_world_size(), device_type="cuda")
-        return RUNNERS[name](device, meshes)
+        with _repeatable():
+            return RUNNERS[name](device, meshes)
     except Exception:  # noqa: BLE001 - reported per scenario; the others still run
         return {"error": traceback.format_exc(limit=8)}
 
