@@ -173,7 +173,9 @@ def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length
     record: dict[str, Any] = {"step": i}
     start = time.perf_counter()
     try:
-        with offload.parallel.context_parallel(meshes.cp, {"input_ids": ids, "labels": ids}, model=model) as shard:
+        # The smoke's eager attention would be refused (context_parallel patches SDPA only).
+        checked = None if model.config._attn_implementation == "eager" else model
+        with offload.parallel.context_parallel(meshes.cp, {"input_ids": ids, "labels": ids}, model=checked) as shard:
             with oa if oa is not None else contextlib.nullcontext():
                 record["phase"] = _phase(oa)  # at the entry: the plan in force for this step
                 loss = model(**shard.inputs).loss

@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from .batch import local_attention_mask, prepare_batch
-from .refuse import check_composes
+from .refuse import check_attention, check_composes
 
 __all__ = ["Shard", "context_parallel"]
 
@@ -93,7 +93,8 @@ def context_parallel(cp_mesh: DeviceMesh, batch: Mapping[str, Any], *, model: Op
     (``attn_implementation="sdpa"``), the one torch patches.
 
     Raises ``ValueError`` for a length that is not a multiple of ``2 x cp`` (naming the length to
-    pad to), a padding mask, packed positions or a batch without labels, and ``RuntimeError`` for
+    pad to), a padding mask, packed positions, a batch without labels or a model whose attention is
+    not SDPA (on more than one rank), and ``RuntimeError`` for
     pipeline stages, CUDA graphs and FP8 layers (see ``offload.parallel.refuse``).
     """
     check_composes(model, tuple(cp_mesh.mesh_dim_names or ()))
@@ -103,6 +104,8 @@ def context_parallel(cp_mesh: DeviceMesh, batch: Mapping[str, Any], *, model: Op
             f"{cp_mesh.ndim} dimensions {cp_mesh.mesh_dim_names}; pass make_mesh(cp).cp (or mesh['cp'])"
         )
     cp_size = cp_mesh.size()
+    if cp_size > 1:
+        check_attention(model)
     prepared = prepare_batch(batch, cp_size, ignore_index)
     buffers = list(prepared.tensors.values())
     if cp_size == 1:

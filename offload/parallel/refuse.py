@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["check_composes"]
+__all__ = ["check_attention", "check_composes"]
 
 WHERE = "offload.parallel.context_parallel"
 _NOT_YET = "does not compose with context parallelism yet"
@@ -71,3 +71,16 @@ def check_composes(model: Optional[Any], mesh_dim_names: tuple[str, ...]) -> Non
 def _is_pipeline_stage(model: Optional[Any]) -> bool:
     # A stage object (not a Module) wraps its submodule; its class lives in torch's pipelining.
     return model is not None and (type(model).__module__ or "").startswith("torch.distributed.pipelining")
+
+
+def check_attention(model: Optional[torch.nn.Module]) -> None:
+    """Raise ``ValueError`` if ``model`` is an HF model whose attention is not SDPA: torch's
+    context parallelism patches SDPA only, so any other attention would attend within each
+    rank's shard alone, silently. (HF's Trainer refuses the same.)"""
+    config = getattr(model, "config", None)
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation is not None and implementation != "sdpa":
+        raise ValueError(
+            f"{WHERE}: the model's attention is {implementation!r}, and ring attention replaces SDPA only (other "
+            "attention would see only this rank's shard); load the model with attn_implementation=\"sdpa\""
+        )

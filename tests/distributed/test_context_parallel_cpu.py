@@ -161,7 +161,9 @@ def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
 
 
 def _plans(meshes: Any) -> dict[str, Any]:
-    model = _llama("eager")  # eager: no SDPA call, which the CPU's ring cannot run
+    # Eager attention: no SDPA call, which the CPU's ring cannot run; so the model is not given
+    # to context_parallel, which would refuse it (each rank attends within its shard: plans only).
+    model = _llama("eager")
 
     def batch(i: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, V, (1, PLAN_LENGTHS[i]), generator=torch.Generator().manual_seed(10 + i))
@@ -169,7 +171,7 @@ def _plans(meshes: Any) -> dict[str, Any]:
 
     def step(i: int, oa: Any) -> list[torch.Tensor]:
         model.zero_grad(set_to_none=True)
-        with offload.parallel.context_parallel(meshes.cp, batch(i), model=model) as shard:
+        with offload.parallel.context_parallel(meshes.cp, batch(i)) as shard:
             if oa is None:
                 loss = model(**shard.inputs).loss
             else:
@@ -329,6 +331,15 @@ def test_padding_masks_packed_positions_and_missing_labels_are_refused() -> None
         prepare_batch({"input_ids": ids, "labels": ids, "position_ids": packed}, 2)
     with pytest.raises(ValueError, match="no labels"):
         prepare_batch({"input_ids": ids}, 2)
+
+
+def test_attention_other_than_sdpa_is_refused() -> None:
+    from offload.parallel.refuse import check_attention
+
+    with pytest.raises(ValueError, match="attention is 'eager'.*SDPA only"):
+        check_attention(_llama("eager", layers=1))
+    check_attention(_llama("sdpa", layers=1))
+    check_attention(torch.nn.Linear(2, 2))  # no HF config: nothing to check
 
 
 def test_pipeline_stages_cuda_graphs_and_fp8_are_refused() -> None:
