@@ -144,6 +144,7 @@ def offload_trainer(trainer: Any, layers: Optional[Any] = None, **options: Any) 
         layers = _model_layers(model)
     args = trainer.args
     _check_setup(args, options)
+    _check_context_parallel(trainer, model)
     options.setdefault("device", _trainer_device(args))
     if _checkpointing(args) and all(options.get(name) is None for name in (
             "num_offload_layers", "num_layers", "plan", "memory_budget_bytes")):
@@ -206,6 +207,17 @@ def _check_setup(args: Any, options: dict[str, Any]) -> None:
             f"the Trainer's {checkpointing} off, or offload without a plan "
             "(num_offload_layers) on top of checkpointing"
         )
+
+
+def _check_context_parallel(trainer: Any, model: torch.nn.Module) -> None:
+    # With accelerate's ParallelismConfig(cp_size=...) the Trainer runs torch's context
+    # parallelism itself (docs/usage.md); what does not compose with it yet is refused here, as
+    # offload.parallel.context_parallel refuses it in a loop of one's own.
+    config = getattr(getattr(trainer, "accelerator", None), "parallelism_config", None)
+    if getattr(config, "cp_enabled", False):
+        from ..parallel.refuse import check_composes
+
+        check_composes(model, ())
 
 
 def _checkpointing(args: Any) -> Optional[str]:

@@ -355,3 +355,23 @@ def test_pipeline_stages_cuda_graphs_and_fp8_are_refused() -> None:
     with pytest.raises(RuntimeError, match="CUDA graphs .*not compose"):
         check_composes(torch.nn.Sequential(graphed), ("cp",))
     check_composes(torch.nn.Linear(2, 2), ("cp",))  # a plain model passes
+
+
+def test_offload_trainer_refuses_fp8_layers_under_the_trainers_context_parallelism(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import types
+
+    import transformers
+
+    model = _llama("sdpa")
+    fake_fp8 = type("Linear", (torch.nn.Linear,), {"__module__": "offload.fp8.linear"})
+    model.model.layers[0].mlp.down_proj = fake_fp8(64, 32, bias=False)
+    args = transformers.TrainingArguments(str(tmp_path), max_steps=1, report_to=[], disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=[])
+    # accelerate's ParallelismConfig(cp_size=2) needs two ranks: its one flag is stood in for.
+    config = types.SimpleNamespace(cp_enabled=True)
+    monkeypatch.setattr(type(trainer.accelerator), "parallelism_config", property(lambda self: config))
+    with pytest.raises(RuntimeError, match="FP8 .*not compose with context parallelism"):
+        offload.integrations.hf.offload_trainer(trainer)
+    config.cp_enabled = False
+    offload.integrations.hf.offload_trainer(trainer).close()  # without context parallelism: offloaded
