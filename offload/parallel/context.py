@@ -78,6 +78,18 @@ class Shard:
         return self.inputs["position_ids"]
 
 
+def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
+    """The names of ``mesh``'s dimensions and of its root mesh's (where a ``pp`` would be)."""
+    root: Optional[DeviceMesh] = None
+    try:
+        root = mesh._get_root_mesh()  # torch >= 2.9
+    except AttributeError:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        root = _mesh_resources.get_root_mesh(mesh)
+    return tuple(mesh.mesh_dim_names or ()) + tuple((root.mesh_dim_names or ()) if root is not None else ())
+
+
 @contextlib.contextmanager
 def context_parallel(cp_mesh: DeviceMesh, batch: Mapping[str, Any], *, model: Optional[torch.nn.Module] = None,
                      ignore_index: int = -100) -> Iterator[Shard]:
@@ -97,7 +109,7 @@ def context_parallel(cp_mesh: DeviceMesh, batch: Mapping[str, Any], *, model: Op
     not SDPA (on more than one rank), and ``RuntimeError`` for
     pipeline stages, CUDA graphs and FP8 layers (see ``offload.parallel.refuse``).
     """
-    check_composes(model, tuple(cp_mesh.mesh_dim_names or ()))
+    check_composes(model, _dim_names(cp_mesh))
     if cp_mesh.ndim != 1:
         raise ValueError(
             f"offload.parallel.context_parallel: cp_mesh must be the 1-D mesh of the context-parallel ranks, got "

@@ -156,6 +156,17 @@ def _alone(meshes: Any, rank: int) -> bool:
     return True
 
 
+def _pipeline_mesh_refused() -> str:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("pp", "cp"))
+    try:
+        with offload.parallel.context_parallel(mesh["cp"], _batch()):
+            return "entered"
+    except RuntimeError as exc:
+        return str(exc)
+
+
 def _grads(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
@@ -219,6 +230,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
         "sharding": lambda: _sharding(meshes), "loss": lambda: _loss(meshes),
         "mask_with_ones": lambda: _mask_built(meshes, True), "mask_without": lambda: _mask_built(meshes, False),
         "alone": lambda: _alone(meshes, rank), "plans": lambda: _plans(meshes),
+        "pipeline": _pipeline_mesh_refused,
     }
     results: dict[str, Any] = {}
     for name, check in checks.items():
@@ -295,6 +307,11 @@ def test_hf_builds_no_mask_for_the_shard(ranks: list[dict[str, Any]]) -> None:
 
 def test_the_cp_path_issues_no_collective(ranks: list[dict[str, Any]]) -> None:
     assert _get(ranks, "alone") == [True, True]
+
+
+def test_a_cp_mesh_cut_from_a_pipeline_mesh_is_refused(ranks: list[dict[str, Any]]) -> None:
+    for message in _get(ranks, "pipeline"):
+        assert "pipeline stages does not compose with context parallelism yet" in message, message
 
 
 def test_ranks_plan_their_shards_alike_and_bitwise(ranks: list[dict[str, Any]]) -> None:
