@@ -1,6 +1,6 @@
 """``benchmarks/context_parallel.py --smoke`` (issue 51's T29-T32 script) on the CPU: 2 gloo
 processes, a tiny Llama with eager attention (the CPU has no ring kernel), the planned contender
-going on until two steps ran under its plan; the JSON has its row (the figures mean nothing)."""
+going on until a step ran under its plan; the JSON has its row (the figures mean nothing)."""
 
 from __future__ import annotations
 
@@ -23,5 +23,5 @@ def test_smoke_runs_the_planned_contender_on_two_ranks(tmp_path) -> None:
     assert "ours step 0: 64 tokens on 2 ranks" in done.stdout, done.stdout[-2000:]
     (row,) = json.loads(out.read_text())["rows"]
     assert row["contender"] == "ours" and not row["errors"], row
-    assert row["steps_finished"] >= 4 and row["median_steady_ms"] > 0, row  # probe steps, then two planned
+    assert row["steps_finished"] >= 3 and row["median_steady_ms"] > 0, row  # probe steps, then a planned one
     assert row["plan"], "the plan in force is not reported"
