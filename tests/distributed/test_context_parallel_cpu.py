@@ -16,9 +16,11 @@ One spawn of 2 ranks (a CP mesh of 2) runs every check and writes what it saw; t
 * no collective in the CP path: rank 0 enters the context alone, three times;
 * plans on CP shards: a planned ``OffloadActivations`` over a stream of lengths, each rank
   planning for its local shape, the ranks' plans made for the same shape, gradients bitwise
-  those of the plain run (itself repeatable).
+  those of the plain run (itself repeatable);
+* a CP mesh cut from a mesh with a ``pp`` dimension is refused.
 
-The refusals need no second process and run in this one.
+The other refusals (lengths, masks, positions, attention, FP8, CUDA graphs, and FP8 under the HF
+Trainer's own context parallelism) need no second process and run in this one.
 """
 
 from __future__ import annotations
