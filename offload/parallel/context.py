@@ -28,6 +28,13 @@ over its ``plan_group`` (by default every rank of the world, so the whole mesh).
 tensors (the K/V it gathered, the logsumexp) are ordinary autograd saved tensors of the
 attention: offloaded, kept or recomputed by the plan like any other, their bytes in the probe's.
 
+The kernels the ring runs on. Inside the ``with``, SDPA may choose only the flash and cuDNN
+kernels (of those the caller has enabled): the ring's backward over the memory-efficient kernel
+gives NaN gradients (torch 2.11, measured on 2 H200s; the loss is right, so nothing else shows
+it), and the math kernel has no ring. In deterministic mode
+(``torch.use_deterministic_algorithms(True)``) the flash kernel's backward repeats itself bit for
+bit, and so does the CP step.
+
 A mesh of one rank shards nothing and leaves SDPA alone: the same script then runs on one GPU,
 or on the CPU. On more than one rank, the attention needs the CUDA SDPA kernels: on the CPU,
 torch's ring raises ``NotImplementedError`` (no sharding strategy for the CPU's flash kernel).
@@ -76,6 +83,25 @@ class Shard:
     def position_ids(self) -> Tensor:
         """The global positions of this rank's tokens."""
         return self.inputs["position_ids"]
+
+
+def ring_kernels(cp_size: int) -> contextlib.AbstractContextManager[Any]:
+    """SDPA restricted to the kernels the ring is sound on (flash, cuDNN; see the module notes),
+    of those enabled now; nothing changes on a mesh of one rank."""
+    if cp_size == 1:
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    enabled = [backend for backend, on in ((SDPBackend.FLASH_ATTENTION, torch.backends.cuda.flash_sdp_enabled()),
+                                           (SDPBackend.CUDNN_ATTENTION, torch.backends.cuda.cudnn_sdp_enabled()))
+               if on]
+    if not enabled:
+        raise ValueError(
+            "offload.parallel.context_parallel: ring attention needs the flash or cuDNN SDPA kernel, and both are "
+            "disabled here (the memory-efficient kernel's ring backward gives NaN gradients, the math kernel has "
+            "no ring); enable one, e.g. torch.nn.attention.sdpa_kernel([SDPBackend.FLASH_ATTENTION])"
+        )
+    return sdpa_kernel(enabled)
 
 
 def _dim_names(mesh: DeviceMesh) -> tuple[str, ...]:
@@ -128,7 +154,7 @@ def context_parallel(cp_mesh: DeviceMesh, batch: Mapping[str, Any], *, model: Op
         # no_restore_buffers: they are ours (prepare_batch copied them), nothing to give back.
         sharding = torch_context_parallel(cp_mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers),
                                           no_restore_buffers=set(buffers))
-    with sharding:
+    with ring_kernels(cp_size), sharding:
         inputs: dict[str, Any] = dict(prepared.passed)
         inputs.update(prepared.tensors)  # sharded in place by now
         inputs["attention_mask"] = local_attention_mask(prepared, cp_size)

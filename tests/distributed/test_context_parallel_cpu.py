@@ -394,3 +394,27 @@ def test_offload_trainer_refuses_fp8_layers_under_the_trainers_context_paralleli
         offload.integrations.hf.offload_trainer(trainer)
     config.cp_enabled = False
     offload.integrations.hf.offload_trainer(trainer).close()  # without context parallelism: offloaded
+
+
+def test_the_ring_runs_only_on_the_kernels_it_is_sound_on() -> None:
+    """Inside the CP ``with`` (more than one rank) SDPA may take flash or cuDNN, never the
+    memory-efficient kernel (its ring backward gives NaN gradients) or math (no ring); with both
+    sound kernels disabled the error says so; a mesh of one leaves the flags alone."""
+    from torch.backends import cuda as flags
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from offload.parallel.context import ring_kernels
+
+    with ring_kernels(2):
+        assert flags.flash_sdp_enabled() and flags.cudnn_sdp_enabled()
+        assert not flags.mem_efficient_sdp_enabled() and not flags.math_sdp_enabled()
+    assert flags.mem_efficient_sdp_enabled() and flags.math_sdp_enabled()  # given back
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        with ring_kernels(2):  # of the caller's choice, only what is sound
+            assert flags.flash_sdp_enabled() and not flags.cudnn_sdp_enabled()
+            assert not flags.mem_efficient_sdp_enabled()
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]):
+        with pytest.raises(ValueError, match="flash or cuDNN"):
+            ring_kernels(2)
+        with ring_kernels(1):
+            assert flags.mem_efficient_sdp_enabled() and not flags.flash_sdp_enabled()
