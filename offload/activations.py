@@ -113,7 +113,8 @@ class OffloadActivations:
     :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
     ``model=`` (a HF ``*ForCausalLM``): plans may also tile its LM head and loss and the MLPs
     where nothing untiled fits (long context), and a long first batch is probed short
-    (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length).
+    (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length). ``plan_ahead``
+    (default on CUDA): a new length bucket runs a stand-in plan while its own is made in the background.
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class OffloadActivations:
         plan_group: Any = None,
         model: Optional[torch.nn.Module] = None,
         short_probe: bool = True,
+        plan_ahead: Optional[bool] = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -144,8 +146,9 @@ class OffloadActivations:
         check_unknown_options(api, [name for name in options if name not in ENGINE_OPTIONS])
         _check_bool(api, "enabled", enabled)
         _check_bool(api, "short_probe", short_probe)
-        if measure_peak is not None:
-            _check_bool(api, "measure_peak", measure_peak)
+        for name, flag in (("measure_peak", measure_peak), ("plan_ahead", plan_ahead)):
+            if flag is not None:
+                _check_bool(api, name, flag)
         min_offload_size = check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
         # Byte counts as whole bytes from here on ("20GB", 20e9: offload.sizes), checked once.
         options = byte_options(api, options)
@@ -181,7 +184,7 @@ class OffloadActivations:
             planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
                        "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak,
                        "plan_group": plan_group is not None, "model": model is not None,
-                       "short_probe": not short_probe}
+                       "short_probe": not short_probe, "plan_ahead": plan_ahead is not None}
             self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
                             keep_last_groups, max_fwd_stash_size, options)
             return
@@ -266,7 +269,7 @@ class OffloadActivations:
             self._planned = PlannedSteps(
                 self.engine, self.layers, self._candidates, budget=self._budget, plan=plan, probe=probe,
                 measure_peak=self.measure_peak, on_plan=self._install_plan_wrappers, group=plan_group,
-            )
+                plan_ahead=self.engine.transport.device.type == "cuda" if plan_ahead is None else plan_ahead)
         if model is not None:
             # Given to any context: plans use it; without plans it is checked and left alone.
             self._model = model_form.check_model(model, self.layers)
@@ -478,7 +481,7 @@ class OffloadActivations:
         """The plan in force, layer by layer, with predicted and (after a step) measured figures."""
         if self.plan is None:
             return "offload: no plan yet (the first step of a memory budget is the probe)"
-        return self.plan.table(measured=self.measured)
+        return "\n".join([self.plan.table(measured=self.measured), *self._planned.ahead_log()])  # type: ignore[union-attr]
 
     @property
     def measured(self) -> Optional[dict[str, Any]]:

@@ -1,0 +1,118 @@
+"""The context's side of plans made ahead (:mod:`offload.planner.ahead`): what
+:class:`offload.plan_steps.PlannedSteps` does when a planned step meets a bucket new to the plan
+group with ``plan_ahead`` on. The stand-in is found and the bucket's own plan queued on the main
+thread, with the budget read here (the "device" budget asks CUDA, the search never does); the
+plan is put in force at the step every rank agreed it ready; a making that failed is raised at
+the bucket's next step on every rank. What each step followed is written to :attr:`last_plan`
+and, per event, to the plans' log the plan report ends with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Optional
+
+from .engine.schedules.planned import PlannedSchedule
+from .planner.ahead import Made, PlansAhead, StandIn, make_ahead, stand_in
+from .planner.budget import DEVICE
+from .planner.search import BudgetError
+from .planner.shapes import StepShape
+
+__all__ = ["AheadSteps"]
+
+
+class AheadSteps:
+    """Plans made ahead, for :class:`offload.plan_steps.PlannedSteps` (which holds the budget,
+    the plans per bucket and the engine these methods read)."""
+
+    # Set by PlannedSteps.
+    engine: Any
+    budget: Any
+    profile: Any
+    head: Any
+    _plans: dict
+    _agreed: set
+    _cap: Optional[int]
+    _lowered: str
+    _host_figure: Optional[int]
+    _step_index: Optional[int]
+    _shape: Optional[StepShape]
+    _expandable: bool
+
+    def _init_ahead(self, plan_ahead: bool) -> None:
+        arena = self.engine.arena
+        self._ahead = PlansAhead(
+            lambda made: arena.pin_for_plan(PlannedSchedule(made, made.profile).region_bytes(), hold_idle=True),
+            lambda: arena.settle() or arena.counters.bytes_pending == 0) if plan_ahead else None
+        # The last planned step's bucket, whether it was new, its plan ("own" or "stand-in") and
+        # the seconds its plan took on this thread (benchmarks/varlen.py records them).
+        self.last_plan: dict[str, Any] = {}
+
+    def ahead_log(self) -> list[str]:
+        """Which steps ran a stand-in, and when each bucket's own plan came (empty without
+        ``plan_ahead``)."""
+        return list(self._ahead.log) if self._ahead is not None else []
+
+    def _note(self, bucket: StepShape, new: bool, standing: Optional[StandIn], started: float) -> float:
+        # What this step followed, for benchmarks/varlen.py: the seconds it took here.
+        seconds = time.perf_counter() - started
+        self.last_plan = {"bucket": (bucket.batch, bucket.length), "new": new, "seconds": seconds,
+                          "plan": "stand-in" if standing is not None else "own"}
+        return seconds
+
+    # -- plans made ahead (offload.planner.ahead) --------------------------------------------------
+    def _budget_read(self) -> tuple[Optional[int], str]:
+        # The budget plans are made for now, in bytes (None: the plain step's peak), read here on
+        # the main thread (the "device" budget asks CUDA; the cache is not emptied: issue 50 s2),
+        # and how it was worked out.
+        if self.budget == DEVICE:
+            read = self._read_device()  # type: ignore[attr-defined]
+            return read.budget_bytes, read.describe() + (" (expandable segments turned on)" if self._expandable else "")
+        return (int(self.budget) if self.budget is not None else None), ""
+
+    def _stand_in(self, bucket: StepShape) -> Optional[StandIn]:
+        budget, _ = self._budget_read()
+        if self._cap is not None:
+            budget = self._cap if budget is None else min(budget, self._cap)
+        host = self.engine.arena.plan_host_bytes()
+        agreed = {s: p for s, p in self._plans.items() if s in self._agreed}
+        standing = stand_in(self.profile, bucket, agreed, budget, host)  # type: ignore[arg-type]
+        if standing is not None:
+            self._host_figure = host
+            self._ahead.log.append(f"step {self._step_index}: {bucket} (new) follows a stand-in, "  # type: ignore[union-attr]
+                                   f"{standing.kind}; its own plan is made in the background")
+        return standing
+
+    def _maker(self, bucket: StepShape) -> Callable[[], Made]:
+        budget, reason = self._budget_read()
+        return functools.partial(make_ahead, self.profile, bucket, budget, self._cap, self.head,
+                                 self.engine.arena.plan_host_bytes(), reason)
+
+    def _adopt(self, bucket: StepShape, made: Made) -> None:
+        # Every rank has the bucket's own plan made and pinned: it is put in force from this step.
+        plan = made.plan
+        if self._lowered:
+            plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
+        self._plans[bucket] = plan
+        self._host_figure = made.host_bytes
+        if made.limited is not None:
+            self.engine.arena.plan_limited(*made.limited)
+        self._ahead.log.append(f"step {self._step_index}: {bucket} follows its own plan from here "  # type: ignore[union-attr]
+                               f"(made in the background in {made.seconds:.2f} s, its blocks pinned)")
+
+    def _raise_failed_ahead(self, ahead: PlansAhead, bucket: StepShape, shape: StepShape) -> None:
+        # A making failed on some rank: every rank raises here, before any layer ran, and the
+        # bucket's next step is planned on this thread (raising again if nothing fits).
+        error = ahead.failed.pop(bucket)
+        ahead.on_main.add(bucket)
+        self._agreed.discard(bucket)
+        self._shape = None if self._shape == bucket else self._shape
+        where = " (made in the background while a stand-in ran)"
+        if isinstance(error, BudgetError):
+            raise self._no_fit(error, bucket, shape, where)  # type: ignore[attr-defined]
+        if error is not None:
+            raise RuntimeError(f"offload: making the plan for a step of {bucket}{where} failed: {error!r}") from error
+        raise BudgetError(f"offload: another rank found no plan for a step of {bucket}{where}; see its error")
+
