@@ -56,11 +56,12 @@ class AheadSteps:
         return list(self._ahead.log) if self._ahead is not None else []
 
     def _note(self, bucket: StepShape, new: bool, standing: Optional[StandIn], started: float) -> float:
-        # What this step followed, for benchmarks/varlen.py: the seconds it took here.
+        # What this step followed, for benchmarks/varlen.py, and the seconds it took here: the
+        # report's planning time when the bucket is new to the group (0 otherwise).
         seconds = time.perf_counter() - started
         self.last_plan = {"bucket": (bucket.batch, bucket.length), "new": new, "seconds": seconds,
                           "plan": "stand-in" if standing is not None else "own"}
-        return seconds
+        return seconds if new else 0.0
 
     # -- plans made ahead (offload.planner.ahead) --------------------------------------------------
     def _budget_read(self) -> tuple[Optional[int], str]:

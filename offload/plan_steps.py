@@ -299,8 +299,7 @@ class PlannedSteps(AheadSteps):
             except BudgetError as exc:
                 failed = exc
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
-        # holds: decide together, so no rank raises alone while the others wait in their next
-        # collective.
+        # holds: decide together, so no rank raises alone while the others wait in a collective.
         if together and agree_flag(failed is not None, self.device, self._group) and failed is None:
             failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
                                  "see its error")
