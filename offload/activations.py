@@ -107,14 +107,13 @@ class OffloadActivations:
     the fourth step on, or the third when the plain step does not fit. ``selective``: the
     submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
     :func:`offload.forwards.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
-    ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan;
-    ranks of ``plan_group`` (default all; False: none) agree on it. Recomputed layers run under
-    non-reentrant checkpointing: leave the model's own off. :attr:`plan` is the plan in force,
-    :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
-    ``model=`` (a HF ``*ForCausalLM``): plans may also tile its LM head and loss and the MLPs
-    where nothing untiled fits (long context), and a long first batch is probed short
-    (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length). ``plan_ahead``
-    (default on CUDA): a new length bucket runs a stand-in plan while its own is made in the background.
+    ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan, made
+    in the background (``plan_ahead``, default on CUDA); ranks of ``plan_group`` (default all; False:
+    none) agree on it. Recomputed layers run under non-reentrant checkpointing: leave the model's own
+    off. :attr:`plan` is the plan in force, :meth:`plan_report` its table with measured time and peak
+    (``measure_peak``, default on CUDA). ``model=`` (a HF ``*ForCausalLM``): plans may also tile its
+    LM head and loss and the MLPs where nothing untiled fits (long context), and a long first batch is
+    probed short (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length).
     """
 
     def __init__(

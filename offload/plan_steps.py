@@ -56,8 +56,8 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .engine.core import OffloadEngine
-from .plan_ahead import AheadSteps
 from .layers.short_probe import ShortStep
+from .planner.ahead_steps import AheadSteps
 from .planner.agree import agree_flag, agree_max, agree_planned_step, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link

@@ -14,11 +14,11 @@ import functools
 import time
 from typing import Any, Callable, Optional
 
-from .engine.schedules.planned import PlannedSchedule
-from .planner.ahead import Made, PlansAhead, StandIn, make_ahead, stand_in
-from .planner.budget import DEVICE
-from .planner.search import BudgetError
-from .planner.shapes import StepShape
+from ..engine.schedules.planned import PlannedSchedule
+from .ahead import Made, PlansAhead, StandIn, make_ahead, stand_in
+from .budget import DEVICE
+from .search import BudgetError
+from .shapes import StepShape
 
 __all__ = ["AheadSteps"]
 
