@@ -39,10 +39,8 @@ follows, and the measured step waits for them at its entry (pinning takes the dr
 kernels launched late would be timed into its layers). Pinning is then part of the probe steps,
 and the first planned step does not stall on it. With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
-
-**Plans ahead** (``plan_ahead``, default on CUDA): a bucket new to the group runs a stand-in plan
-found with no search and no new pinning, while its own plan is made on a background thread and
-its blocks pinned; every rank switches at the same later step (:mod:`offload.planner.ahead`).
+**Plans ahead** (``plan_ahead``, default on CUDA): a new bucket's steps follow a stand-in while its
+own plan is made and pinned in the background, all ranks switching together (:mod:`offload.planner.ahead`).
 """
 
 from __future__ import annotations
@@ -58,7 +56,7 @@ import torch
 from .engine.core import OffloadEngine
 from .layers.short_probe import ShortStep
 from .planner.ahead_steps import AheadSteps
-from .planner.agree import agree_flag, agree_max, agree_planned_step, ranks_agree_enabled
+from .planner.agree import agree_max, agree_planned_step, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
 from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
@@ -264,8 +262,7 @@ class PlannedSteps(AheadSteps):
         self._step_index = step.index if step is not None else None
         started = time.perf_counter()
         ahead = self._ahead if self.budget != LOWEST else None  # ("lowest" reads the device to tile)
-        # One collective: the bucket every rank plans for, whether any ran out of memory, and
-        # which plans made ahead every rank has ready (or failed).
+        # One collective: the bucket all plan for, any rank's out of memory, plans ahead ready or failed.
         behind, failed_at = ahead.values() if ahead is not None else (0, 0)
         bucket, ran_out, behind, failed_at = agree_planned_step(shape.bucket(), self._ran_out, behind, failed_at,
                                                                 self.device, self._group)
@@ -289,10 +286,11 @@ class PlannedSteps(AheadSteps):
             self._scale(shape, standing.top if standing is not None else bucket)
             self._note(bucket, False, standing, started)
             return
-        failed, ahead_now = None, together and ahead is not None and bucket not in ahead.on_main
-        if plan is None and ahead_now:
-            standing = self._stand_in(bucket)
-            plan = standing.plan if standing is not None else None
+        # Plans ahead once a first plan is in force (that one is made here: nothing to stand in).
+        ahead_now = together and ahead is not None and bool(self._agreed) and bucket not in ahead.on_main
+        failed, options = None, self._stand_ins(bucket) if plan is None and ahead_now else (None, None)
+        standing = standing or options[0] or options[1]
+        plan = plan or (standing.plan if standing is not None else None)
         if plan is None:
             try:
                 plan = self._make(profile_at(profile, bucket), bucket, shape)
@@ -300,9 +298,11 @@ class PlannedSteps(AheadSteps):
                 failed = exc
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
         # holds: decide together, so no rank raises alone while the others wait in a collective.
-        if together and agree_flag(failed is not None, self.device, self._group) and failed is None:
-            failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
-                                 "see its error")
+        if together:
+            failed_any, standing = self._agree_stand_in(failed, options, standing)
+            plan = standing.plan if standing is not None else plan
+            if failed_any and failed is None:
+                failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; see its error")
         if failed is not None:
             raise failed
         self._agreed.add(bucket)

@@ -1,5 +1,6 @@
-"""Plans made ahead (issue 50 s2), on the CPU: a new length bucket's first step follows a stand-in
-with no search on the calling thread, its own plan comes from a background thread at a later step,
+"""Plans made ahead (issue 50 s2), on the CPU: once a first plan is in force (made on the calling
+thread after the probe steps), a new length bucket's first step follows a stand-in with no search
+on the calling thread, its own plan comes from a background thread at a later step,
 gradients stay bitwise the plain run's on every step (the stand-in's and the switch's), the
 stand-in's predicted peak fits the budget, and a making that failed in the background is raised at
 the bucket's next step, after which the bucket is planned on the calling thread. The ranks' side
@@ -79,9 +80,12 @@ def _made(oa: Any) -> None:
 
 
 def _probe(layers: torch.nn.ModuleList, oa: Any) -> None:
-    for step in range(3):
+    # The probe steps, then the first planned step: its plan is made on the calling thread (no
+    # plan is in force to stand in for it yet).
+    for step in range(4):
         x = _x(step, PROBE_LENGTH)
         assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert oa._planned.last_plan == {**oa._planned.last_plan, "plan": "own", "new": True}
 
 
 def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,10 +98,10 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
     calls.main.clear()
     planned = oa._planned
     kinds = []
-    for step, length in enumerate([32, 32, 32, 24, 24], start=3):
-        if step == 5:  # the background making may finish now: the next step of bucket 32 switches
+    for step, length in enumerate([32, 32, 32, 24, 24], start=4):
+        if step == 6:  # the background making may finish now: the next step of bucket 32 switches
             calls.gate.set()
-        if step in (5, 7):
+        if step in (6, 8):
             _made(oa)
         x = _x(step, length)
         assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
@@ -108,7 +112,7 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
             # The stand-in's predicted peak at the bucket fits the budget (and so, at its own top).
             assert simulate(profile_at(planned.profile, top), plan.layers, budget).peak_bytes <= budget
             assert plan.prediction.peak_bytes <= budget
-        if step == 6:  # a new bucket under 32: the covering bucket's plan, pinned already
+        if step == 7:  # a new bucket under 32: the covering bucket's plan, pinned already
             assert plan is planned._plans[StepShape(2, 32)]
     assert kinds == ["stand-in", "stand-in", "own", "stand-in", "own"], kinds
     assert oa.plan.profile.shape == (2, StepShape(2, 24).bucket().length)
@@ -127,11 +131,11 @@ def test_a_failure_in_the_background_is_raised_at_the_buckets_next_step(monkeypa
     calls.gate.set()
     _probe(layers, oa)
     calls.main.clear()
-    x = _x(3, 32)
+    x = _x(4, 32)
     assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))  # the stand-in
     assert oa._planned.last_plan["plan"] == "stand-in" and calls.main == []
     _made(oa)
-    x = _x(4, 32)
+    x = _x(5, 32)
     with pytest.raises(BudgetError, match=r"no plan fits a step of batch 2 x length 32 \(made in the background"):
         oa_step(layers, x, oa)
     assert calls.main == []
@@ -152,7 +156,7 @@ def test_plan_ahead_off_plans_a_new_bucket_on_its_first_step(monkeypatch: pytest
     calls = _Calls(monkeypatch)
     _probe(layers, oa)
     calls.main.clear()
-    x = _x(3, 32)
+    x = _x(4, 32)
     assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
     assert oa._planned.last_plan["plan"] == "own" and oa.plan.profile.shape == (2, 32)
     assert len(calls.main) == 1 and calls.background == []

@@ -3,14 +3,17 @@ made off the critical path (issue 50 s2).
 
 A bucket's own plan costs a search (0.45 s for 16 layers, 2 s for 32 with selective variants)
 and the pinning of its new host blocks (0.5 to 1.1 s on the H200): on its first step that was 2-5x
-the bucket's steady step. Instead, a step of a bucket new to the plan group:
+the bucket's steady step. Instead, once a first plan is in force (the one after the probe steps
+is made on the calling thread: nothing can stand in for it), a step of a bucket new to the plan
+group:
 
-- follows a **stand-in** found with no search and no new pinning (:func:`stand_in`): the plan of
+- follows a **stand-in** found with no search and no new pinning (:func:`stand_ins`): the plan of
   the smallest bucket already planned that covers it (same batch, longer: its blocks are pinned,
   and a plan for a longer step holds for a shorter one), re-checked at this bucket by the cost
   model (one ``simulate``: predicted peak within the budget, host bytes within the room); else
   every layer recomputed at this bucket (one ``simulate``), where that fits; else none, and the
-  bucket is planned now, as without plans ahead;
+  bucket is planned now, as without plans ahead. The ranks agree on which (the one every rank
+  can follow) in the collective they already make at a new bucket ("plan fits");
 - has its own plan made on a background thread (:class:`PlansAhead`): the search is pure Python
   on the profile predicted at the bucket (``profile_at``, ``choose`` with the budget read on the
   main thread: nothing there calls into CUDA), then its host blocks are pinned on the arena's
@@ -39,7 +42,7 @@ from .shapes import StepShape
 from .tiling import HeadInfo
 from .types import LayerPlan, Plan, StepProfile
 
-__all__ = ["Made", "PlansAhead", "StandIn", "make_ahead", "stand_in"]
+__all__ = ["Made", "PlansAhead", "StandIn", "make_ahead", "stand_ins"]
 
 LOWEST_STAND_IN = "every layer recomputed"
 
@@ -54,29 +57,32 @@ class StandIn:
     top: StepShape
 
 
-def stand_in(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape, Plan], budget_bytes: Optional[int],
-             host_bytes: int) -> Optional[StandIn]:
-    """A plan a step of ``bucket`` may follow now, with no search and no new pinning: the plan
-    of the smallest of ``plans`` (buckets every rank has planned) of the same batch that covers
-    ``bucket``, or every layer recomputed at ``bucket``; the first whose predicted peak at
-    ``bucket`` is within ``budget_bytes`` (None: the plain step's peak there) and whose copies
-    are within ``host_bytes``. None where neither is (one ``simulate`` each, no search)."""
+def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape, Plan], budget_bytes: Optional[int],
+              host_bytes: int) -> tuple[Optional[StandIn], Optional[StandIn]]:
+    """The plans a step of ``bucket`` may follow now, with no search and no new pinning: (the plan
+    of the smallest of ``plans``, the buckets every rank has planned, of the same batch that
+    covers ``bucket``; every layer recomputed at ``bucket``), each None unless its predicted peak
+    at ``bucket`` is within ``budget_bytes`` (None: the plain step's peak there) and its copies
+    within ``host_bytes``. One ``simulate`` each, no search; the same candidates on every rank."""
     at = profile_at(profile, bucket)
     budget = at.plain_peak_bytes if budget_bytes is None else budget_bytes
-    covering = sorted((s for s in plans if s.batch == bucket.batch and s.length > bucket.length),
-                      key=lambda s: s.length)
-    for shape in covering:
-        plan = plans[shape]
-        if plan.tiles():
-            continue  # a tiled plan's figures are its variant's: not re-checked at another shape
+
+    def fits(plan: Plan) -> bool:
         predicted = simulate(at, plan.layers, budget)
-        if predicted.peak_bytes <= budget and predicted.d2h_bytes <= host_bytes:
-            return StandIn(plan, f"bucket {shape.length}'s plan", shape)
+        return predicted.peak_bytes <= budget and predicted.d2h_bytes <= host_bytes
+
+    covering = min((s for s in plans if s.batch == bucket.batch and s.length > bucket.length),
+                   key=lambda s: s.length, default=None)
+    cover = None
+    # (A tiled plan's figures are its variant's: not re-checked at another shape.)
+    if covering is not None and not plans[covering].tiles() and fits(plans[covering]):
+        cover = StandIn(plans[covering], f"bucket {covering.length}'s plan", covering)
     lowest = plan_for(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), budget)
-    if lowest.prediction.peak_bytes <= budget and lowest.prediction.d2h_bytes <= host_bytes:
+    low = None
+    if fits(lowest):
         reason = f"a stand-in while this bucket's own plan is made: {LOWEST_STAND_IN}"
-        return StandIn(replace(lowest, budget_reason=reason), LOWEST_STAND_IN, bucket)
-    return None
+        low = StandIn(replace(lowest, budget_reason=reason), LOWEST_STAND_IN, bucket)
+    return cover, low
 
 
 @dataclass
@@ -145,6 +151,9 @@ class PlansAhead:
         on every rank at the same step."""
         future = self._pool.submit(make) if make is not None else None
         self.started.append(_Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None))
+        if stand_in is not None:
+            self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is "
+                            "made in the background")
 
     def poll(self) -> None:
         """Between steps, on the main thread: ask for the blocks of the plans made since, and

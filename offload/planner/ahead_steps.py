@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable, Optional
 
 from ..engine.schedules.planned import PlannedSchedule
-from .ahead import Made, PlansAhead, StandIn, make_ahead, stand_in
+from .agree import agree_max
+from .ahead import Made, PlansAhead, StandIn, make_ahead, stand_ins
 from .budget import DEVICE
 from .search import BudgetError
 from .shapes import StepShape
@@ -73,18 +74,31 @@ class AheadSteps:
             return read.budget_bytes, read.describe() + (" (expandable segments turned on)" if self._expandable else "")
         return (int(self.budget) if self.budget is not None else None), ""
 
-    def _stand_in(self, bucket: StepShape) -> Optional[StandIn]:
+    def _stand_ins(self, bucket: StepShape) -> tuple[Optional[StandIn], Optional[StandIn]]:
+        # The stand-ins a new bucket's step may follow (offload.planner.ahead.stand_ins), at the
+        # budget and host room there are now.
         budget, _ = self._budget_read()
         if self._cap is not None:
             budget = self._cap if budget is None else min(budget, self._cap)
         host = self.engine.arena.plan_host_bytes()
         agreed = {s: p for s, p in self._plans.items() if s in self._agreed}
-        standing = stand_in(self.profile, bucket, agreed, budget, host)  # type: ignore[arg-type]
-        if standing is not None:
+        options = stand_ins(self.profile, bucket, agreed, budget, host)
+        if options != (None, None):
             self._host_figure = host
-            self._ahead.log.append(f"step {self._step_index}: {bucket} (new) follows a stand-in, "  # type: ignore[union-attr]
-                                   f"{standing.kind}; its own plan is made in the background")
-        return standing
+        return options
+
+    def _agree_stand_in(self, failed: Optional[BaseException], options: tuple[Optional[StandIn], Optional[StandIn]],
+                        standing: Optional[StandIn]) -> tuple[bool, Optional[StandIn]]:
+        # One collective where the group meets a new bucket (the "plan fits" point): whether any
+        # rank found no plan, and the stand-in every rank can follow (the covering bucket's plan,
+        # else every layer recomputed), so the ranks follow plans of one shape; where none is, a
+        # rank keeps its own (plans may differ between ranks: offload.planner.agree).
+        failed_any, cover_unfit, lowest_unfit = agree_max(
+            [failed is not None, options[0] is None, options[1] is None], self.engine.transport.device,
+            self._group, "plan fits")  # type: ignore[attr-defined]
+        if standing is not None and not (cover_unfit and lowest_unfit):
+            standing = options[1] if cover_unfit else options[0]
+        return bool(failed_any), standing
 
     def _maker(self, bucket: StepShape) -> Callable[[], Made]:
         budget, reason = self._budget_read()

@@ -88,11 +88,11 @@ def _switch_case(rank: int) -> dict[str, Any]:
     oa = _context(layers)
     _slow_rank(rank, fail=False)
     out: dict[str, Any] = {"kinds": [], "ready_here": [], "bitwise": []}
-    for step in range(3):
+    for step in range(4):  # the probe steps, then the first plan (made on the calling thread)
         out["bitwise"].append(_step(layers, oa, rank, step, 16))
     planned = oa._planned
-    for step in range(3, 3 + STEPS):
-        if step > 3:
+    for step in range(4, 4 + STEPS):
+        if step > 4:
             planned._ahead.poll()  # what the step's entry does: this rank's own readiness, before the step
             out["ready_here"].append(planned._ahead.started[-1].ready)
         out["bitwise"].append(_step(layers, oa, rank, step, 32))
@@ -107,18 +107,18 @@ def _failure_case(rank: int) -> dict[str, Any]:
     oa = _context(layers)
     _slow_rank(rank, fail=True)
     out: dict[str, Any] = {"bitwise": [], "kinds": []}
-    for step in range(3):
+    for step in range(4):  # the probe steps, then the first plan (made on the calling thread)
         out["bitwise"].append(_step(layers, oa, rank, step, 16))
-    out["bitwise"].append(_step(layers, oa, rank, 3, 32))  # the stand-in
+    out["bitwise"].append(_step(layers, oa, rank, 4, 32))  # the stand-in
     out["kinds"].append(oa._planned.last_plan["plan"])
     time.sleep(DELAY_S + 0.5)
     dist.barrier()  # both makings are over: rank 1's failed
     try:
-        _step(layers, oa, rank, 4, 32)
+        _step(layers, oa, rank, 5, 32)
         out["raised"] = None
     except BudgetError as exc:
         out["raised"] = str(exc)
-    out["bitwise"].append(_step(layers, oa, rank, 5, 32))  # planned on the calling thread now
+    out["bitwise"].append(_step(layers, oa, rank, 6, 32))  # planned on the calling thread now
     out["kinds"].append(oa._planned.last_plan["plan"])
     return out
 
