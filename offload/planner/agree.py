@@ -20,8 +20,8 @@ taken by all ranks of the plan group together, at a point every rank reaches in 
   (:func:`agree_step`), with any rank's "ran out of memory since the last planned step" (every
   rank then plans again, the one that ran out at a lowered budget), at the first layer's entry
   (or the model's entry) of every planned step; there too, where the agreed bucket has no plan
-  yet on the ranks, whether any rank found none fits (:func:`agree_flag`): then every rank
-  raises ``BudgetError``.
+  yet on the ranks, whether any rank found none fits (:func:`agree_flag`; with plans ahead, in
+  the same all-reduce, which stand-in every rank can follow): then every rank raises ``BudgetError``.
 
 The plans themselves may differ between ranks (each is made from its own rank's measured
 figures): a plan issues no collective (a layer recomputed in backward under FSDP2 runs without an
