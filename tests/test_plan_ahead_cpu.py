@@ -160,3 +160,43 @@ def test_plan_ahead_off_plans_a_new_bucket_on_its_first_step(monkeypatch: pytest
     assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
     assert oa._planned.last_plan["plan"] == "own" and oa.plan.profile.shape == (2, 32)
     assert len(calls.main) == 1 and calls.background == []
+
+
+def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:
+    # Two ranks' PlansAhead, the same buckets started in the same order; their figures reduced by
+    # max, as agree_planned_step does: a bucket switches on both once both have it ready, and the
+    # first failure on either is every rank's.
+    import concurrent.futures
+
+    from offload.planner.ahead import Made, PlansAhead, StandIn
+
+    buckets = [StepShape(2, n) for n in (32, 64, 128)]
+    pending: list[concurrent.futures.Future] = []
+
+    def rank(outcomes: list[Any]) -> PlansAhead:
+        plans = PlansAhead(lambda plan: None, lambda: True)
+        for bucket, outcome in zip(buckets, outcomes):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            elif outcome is not None:
+                future.set_result(outcome)
+            else:
+                pending.append(future)
+            plans.started.append(ahead._Entry(bucket, future, stand_in=StandIn(None, "test", bucket)))  # type: ignore[arg-type]
+        return plans
+
+    made = Made(None, 0, None, 0.0)  # type: ignore[arg-type]
+    ranks = [rank([made, made, made]), rank([made, None, BudgetError("injected")])]
+
+    def step(bucket: StepShape) -> list[Any]:
+        figures = [plans.values() for plans in ranks]
+        behind, failed = (max(f[i] for f in figures) for i in range(2))
+        return [plans.switch(bucket, behind, failed) for plans in ranks]
+
+    assert step(buckets[1]) == [None, None]  # rank 1 has bucket 64 in flight
+    assert step(buckets[0]) == [made, made]
+    pending[0].set_result(made)  # rank 1's 64 is made; its 128 failed
+    assert step(buckets[1]) == [made, made]
+    assert [plans.failed for plans in ranks] == [{buckets[2]: None}, {buckets[2]: ranks[1].failed[buckets[2]]}]
+    assert isinstance(ranks[1].failed[buckets[2]], BudgetError)

@@ -180,14 +180,15 @@ class PlansAhead:
 
     def agree(self, behind: int, failed: int) -> list[_Entry]:
         """Act on the group's figures: the first bucket whose making failed on any rank goes to
-        :attr:`failed`; returns the entries ready on every rank."""
+        :attr:`failed`; returns the entries ready on every rank (those before it, then: a later
+        one may have failed on some rank too, which the next step's figures say)."""
         ready = len(self.started) - behind
         if failed:
             # The first failed on any rank, maybe still in flight on another: every rank raises.
             index = len(self.started) - failed
             entry = self.started.pop(index)
             self.failed[entry.bucket] = entry.error  # None: it failed on another rank
-            ready -= index < ready
+            ready = min(ready, index)
         return self.started[:ready]
 
     def switch(self, bucket: StepShape, behind: int, failed: int) -> Optional[Made]:
