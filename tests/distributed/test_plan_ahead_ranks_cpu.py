@@ -1,8 +1,9 @@
 """Plans made ahead under a process group (issue 50 s2), on two gloo processes: every rank switches
 from a new bucket's stand-in to its own plan at the same step, even when one rank's background
 making is slowed on purpose (the switch changes what a rank recomputes, so its collectives under
-FSDP), and a making that failed on one rank is raised at the bucket's next step on both. Each
-rank's gradients are bitwise its plain run's at every step.
+FSDP), a making that failed on one rank is raised at the bucket's next step on both, and where
+one rank cannot follow the covering bucket's plan both follow the other stand-in. Each rank's
+gradients are bitwise its plain run's at every step.
 
 A collective one rank never joins fails within the group's short timeout, and the processes are
 killed past a deadline: the test fails, it never hangs CI.
@@ -24,7 +25,7 @@ from spawn import free_port, run_ranks
 
 import offload
 from offload.models import GPTBlock, run_layers
-from offload.planner import ahead
+from offload.planner import ahead, ahead_steps
 from offload.planner.search import BudgetError
 
 WORLD = 2
@@ -123,19 +124,39 @@ def _failure_case(rank: int) -> dict[str, Any]:
     return out
 
 
+def _stand_in_case(rank: int) -> dict[str, Any]:
+    # Rank 1 alone finds the covering bucket's plan unfit (as a "device" budget read lower there
+    # would): both must follow the same stand-in, every layer recomputed at the bucket.
+    layers = _layers()
+    oa = _context(layers)
+    if rank == 1:
+        real = ahead_steps.stand_ins
+        ahead_steps.stand_ins = lambda *args: (None, real(*args)[1])  # type: ignore[assignment]
+    out: dict[str, Any] = {"bitwise": []}
+    for step, length in enumerate([16, 16, 16, 16, 32]):  # the probe, the first plan, bucket 32's stand-in
+        out["bitwise"].append(_step(layers, oa, rank, step, length))
+    time.sleep(0.5)
+    dist.barrier()  # bucket 32's own plan is made on both ranks
+    out["bitwise"].append(_step(layers, oa, rank, 5, 32))
+    out["switched"] = oa._planned.last_plan["plan"]
+    out["bitwise"].append(_step(layers, oa, rank, 6, 24))
+    out["kind"], out["shape"] = oa._planned.last_plan["plan"], list(oa.plan.profile.shape)
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)  # two ranks share CI's two cores
     results: dict[str, Any] = {}
-    real = ahead.choose
-    for name, case in (("switch", _switch_case), ("failure", _failure_case)):
+    real, real_stand_ins = ahead.choose, ahead_steps.stand_ins
+    for name, case in (("switch", _switch_case), ("failure", _failure_case), ("stand_in", _stand_in_case)):
         try:
             results[name] = case(rank)
         except Exception as exc:  # noqa: BLE001  (recorded: the test says which rank failed how)
             results[name] = {"error": repr(exc)}
-        ahead.choose = real
+        ahead.choose, ahead_steps.stand_ins = real, real_stand_ins
     (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(results))
     os._exit(0)  # the results are on disk (see test_ranks_diverge_cpu)
 
@@ -166,4 +187,13 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(results: list[dict[str, A
     assert "another rank found no plan for a step of batch 2 x length 32" in cases[0]["raised"], cases[0]
     assert "injected on rank 1" in cases[1]["raised"] and "made in the background" in cases[1]["raised"], cases[1]
     assert [c["kinds"] for c in cases] == [["stand-in", "own"]] * 2
+    assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
+
+
+def test_ranks_follow_the_stand_in_every_rank_can_follow(results: list[dict[str, Any]]) -> None:
+    cases = [r["stand_in"] for r in results]
+    assert all("error" not in c for c in cases), cases
+    assert [c["switched"] for c in cases] == ["own", "own"], cases
+    assert [c["kind"] for c in cases] == ["stand-in", "stand-in"], cases
+    assert cases[0]["shape"] == cases[1]["shape"] == [2, 25], f"the ranks follow stand-ins of other shapes: {cases}"
     assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
