@@ -9,7 +9,6 @@ the bucket's next step, after which the bucket is planned on the calling thread.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest

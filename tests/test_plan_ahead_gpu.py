@@ -20,6 +20,7 @@ from torch import nn
 
 import offload
 from offload.planner import PEAK_MODEL_ERROR
+from offload.planner.shapes import StepShape
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, train_step
 
@@ -87,7 +88,7 @@ def test_a_stream_of_three_lengths_with_plans_ahead_bit_for_bit_within_budget(mo
                 assert peak <= budget * (1 + PEAK_MODEL_ERROR), (step, n, peak, budget, oa.plan.describe())
                 assert oa.plan.profile.shape[1] >= n
     assert emptied == [], f"steps {emptied} emptied the allocator's cache"
-    assert oa.plan is oa._planned._plans[offload.planner.shapes.StepShape(2, 2048)]
+    assert oa.plan is oa._planned._plans[StepShape(2, 2048)]
     log = "\n".join(oa._planned.ahead_log())
     assert "follows a stand-in, every layer recomputed" in log and "follows a stand-in, bucket 2048's plan" in log
 
