@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -32,6 +32,7 @@ from .planner.make import Budget, check_budget
 from .planner.sequence import AUTO, check_probe
 from .planner.types import Plan
 from .plan_steps import PlannedSteps
+from .planner.ahead_steps import check_plan_ahead
 from .forwards.plan_wrappers import install_plan_wrappers, remove_plan_wrappers
 from .forwards.selective import Candidates, describe_candidates, selective_candidates
 from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
@@ -130,7 +131,7 @@ class OffloadActivations:
         plan_group: Any = None,
         model: Optional[torch.nn.Module] = None,
         short_probe: bool = True,
-        plan_ahead: Optional[bool] = None,
+        plan_ahead: Union[None, bool, Iterable[int]] = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -145,9 +146,9 @@ class OffloadActivations:
         check_unknown_options(api, [name for name in options if name not in ENGINE_OPTIONS])
         _check_bool(api, "enabled", enabled)
         _check_bool(api, "short_probe", short_probe)
-        for name, flag in (("measure_peak", measure_peak), ("plan_ahead", plan_ahead)):
-            if flag is not None:
-                _check_bool(api, name, flag)
+        if measure_peak is not None:
+            _check_bool(api, "measure_peak", measure_peak)
+        plan_ahead = check_plan_ahead(api, plan_ahead)
         min_offload_size = check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
         # Byte counts as whole bytes from here on ("20GB", 20e9: offload.sizes), checked once.
         options = byte_options(api, options)

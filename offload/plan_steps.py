@@ -49,7 +49,7 @@ import dataclasses
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -99,7 +99,7 @@ class PlannedSteps(AheadSteps):
         measure_peak: bool,
         on_plan: Callable[[bool, bool], None],  # a bound method
         group: Any = None,
-        plan_ahead: bool = False,
+        plan_ahead: Union[bool, tuple[int, ...]] = False,
     ) -> None:
         self.engine = engine
         self.device = engine.transport.device
@@ -306,9 +306,7 @@ class PlannedSteps(AheadSteps):
         if failed is not None:
             raise failed
         self._agreed.add(bucket)
-        if ahead_now:  # on every rank: a stand-in and its own plan made behind it, or planned now
-            ahead.start(bucket, self._step_index, standing,  # type: ignore[union-attr]
-                        self._maker(bucket) if standing is not None else None)
+        self._start_ahead(ahead, bucket, standing, ahead_now)
         if standing is None and bucket not in self._plans:
             self._plans[bucket] = plan  # type: ignore[assignment]
         if plan is not self.plan:  # (a schedule holds the micro-batches in flight: keep it)

@@ -148,8 +148,9 @@ def test_plan_ahead_off_plans_a_new_bucket_on_its_first_step(monkeypatch: pytest
     layers = make_gpt_layers(4)
     budget = _budget(layers)
     assert offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu")._planned._ahead is None
-    with pytest.raises(TypeError, match="plan_ahead must be True or False"):
-        offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", plan_ahead="yes")
+    for wrong in ("yes", [32, 0], [32.0]):
+        with pytest.raises(TypeError, match="plan_ahead must be True, False or the sequence lengths"):
+            offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", plan_ahead=wrong)
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0,
                                     plan_ahead=False)
     calls = _Calls(monkeypatch)
@@ -159,6 +160,32 @@ def test_plan_ahead_off_plans_a_new_bucket_on_its_first_step(monkeypatch: pytest
     assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
     assert oa._planned.last_plan["plan"] == "own" and oa.plan.profile.shape == (2, 32)
     assert len(calls.main) == 1 and calls.background == []
+
+
+def test_known_lengths_are_planned_ahead_of_their_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # plan_ahead=[lengths]: their buckets are made in the background as soon as the first plan is
+    # in force; a bucket whose plan is ready runs it from its first step, one whose plan is not
+    # follows a stand-in meanwhile (its making is not started twice).
+    layers = make_gpt_layers(4)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=_budget(layers), device="cpu", min_offload_bytes=0,
+                                    plan_ahead=[32, 24])
+    calls = _Calls(monkeypatch)
+    _probe(layers, oa)
+    planned = oa._planned
+    assert [e.bucket.length for e in planned._ahead.started] == [32, 25]
+    calls.main.clear()
+    x = _x(4, 24)
+    assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert planned.last_plan["plan"] == "stand-in" and "every layer recomputed" in planned.ahead_log()[-1]
+    calls.gate.set()
+    for entry in planned._ahead.started:
+        entry.future.exception(timeout=30)
+    for step, length, kind in ((5, 32, "own"), (6, 24, "own")):
+        x = _x(step, length)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+        assert planned.last_plan["plan"] == kind and oa.plan.profile.shape == (2, StepShape(2, length).bucket().length)
+    assert planned.last_plan["new"] is False
+    assert calls.main == [] and len(calls.background) == 2
 
 
 def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:

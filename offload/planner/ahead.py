@@ -120,6 +120,7 @@ class _Entry:
     error: Optional[BaseException] = None
     pin_asked: bool = False
     ready: bool = False  # made (or failed) and its blocks pinned, on this rank: latched
+    adopted: bool = False  # its own plan is in force (made ahead, or on the main thread)
     step: Optional[int] = None  # the step it was started at
     stand_in: Optional[StandIn] = field(default=None, repr=False)
 
@@ -142,15 +143,21 @@ class PlansAhead:
 
     def stand_in_of(self, bucket: StepShape) -> Optional[StandIn]:
         """The stand-in ``bucket``'s steps follow until its own plan is in force."""
-        return next((e.stand_in for e in self.started if e.bucket == bucket and e.stand_in is not None), None)
+        return next((e.stand_in for e in self.started if e.bucket == bucket and not e.adopted), None)
 
     def start(self, bucket: StepShape, step: Optional[int], stand_in: Optional[StandIn],
               make: Optional[Callable[[], Made]]) -> None:
         """``bucket``, new to the group, follows ``stand_in`` while ``make()`` runs in the
-        background; or (both None) its plan was made on the main thread: ready at once. Called
-        on every rank at the same step."""
-        future = self._pool.submit(make) if make is not None else None
-        self.started.append(_Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None))
+        background; or (both None) its plan was made on the main thread: ready at once; or (no
+        stand-in, at no step) it is a known bucket queued ahead of its first step. A bucket queued
+        already takes the stand-in (its making goes on). Called on every rank at the same step."""
+        entry = next((e for e in self.started if e.bucket == bucket), None)
+        if entry is not None:
+            entry.stand_in, entry.adopted = stand_in, entry.adopted or stand_in is None
+        else:
+            future = self._pool.submit(make) if make is not None else None
+            self.started.append(_Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None,
+                                       adopted=future is None))
         if stand_in is not None:
             self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is "
                             "made in the background")
@@ -195,8 +202,8 @@ class PlansAhead:
         """After the planned step's all-reduce: ``bucket``'s own plan, made ahead, when every rank
         has it ready and it was not put in force yet (its stand-in is then dropped)."""
         for entry in self.agree(behind, failed):
-            if entry.bucket == bucket and entry.stand_in is not None and entry.made is not None:
-                entry.stand_in = None
+            if entry.bucket == bucket and not entry.adopted and entry.made is not None:
+                entry.stand_in, entry.adopted = None, True
                 return entry.made
         return None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from ..engine.schedules.planned import PlannedSchedule
 from .agree import agree_max
@@ -21,7 +21,19 @@ from .budget import DEVICE
 from .search import BudgetError
 from .shapes import StepShape
 
-__all__ = ["AheadSteps"]
+__all__ = ["AheadSteps", "check_plan_ahead"]
+
+
+def check_plan_ahead(api: str, value: Any) -> Union[None, bool, tuple[int, ...]]:
+    """``plan_ahead`` as given: None (the default), True, False, or the sequence lengths whose
+    buckets to plan ahead (ints >= 1; a tuple). Raises TypeError saying what it takes."""
+    if value is None or isinstance(value, bool):
+        return value
+    lengths = tuple(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
+    if lengths is None or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
+        raise TypeError(f"offload: {api}: plan_ahead must be True, False or the sequence lengths whose plans to "
+                        f"make ahead (ints >= 1), got {value!r}")
+    return lengths
 
 
 class AheadSteps:
@@ -42,11 +54,13 @@ class AheadSteps:
     _shape: Optional[StepShape]
     _expandable: bool
 
-    def _init_ahead(self, plan_ahead: bool) -> None:
+    def _init_ahead(self, plan_ahead: Union[bool, tuple[int, ...]]) -> None:
         arena = self.engine.arena
         self._ahead = PlansAhead(
             lambda made: arena.pin_for_plan(PlannedSchedule(made, made.profile).region_bytes(), hold_idle=True),
-            lambda: arena.settle() or arena.counters.bytes_pending == 0) if plan_ahead else None
+            lambda: arena.settle() or arena.counters.bytes_pending == 0) if plan_ahead is not False else None
+        # Lengths whose buckets are planned ahead as soon as a first plan is in force.
+        self._known = plan_ahead if isinstance(plan_ahead, tuple) else ()
         # The last planned step's bucket, whether it was new, its plan ("own" or "stand-in") and
         # the seconds its plan took on this thread (benchmarks/varlen.py records them).
         self.last_plan: dict[str, Any] = {}
@@ -99,6 +113,19 @@ class AheadSteps:
         if standing is not None and not (cover_unfit and lowest_unfit):
             standing = options[1] if cover_unfit else options[0]
         return bool(failed_any), standing
+
+    def _start_ahead(self, ahead: Optional[PlansAhead], bucket: StepShape, standing: Optional[StandIn],
+                     ahead_now: bool) -> None:
+        # On every rank alike: a new bucket's stand-in with its own plan made behind it, or its
+        # plan made now; after the first plan (again after an out-of-memory step or a new
+        # budget), the known lengths' buckets queued at its batch.
+        if ahead_now:
+            ahead.start(bucket, self._step_index, standing,  # type: ignore[union-attr]
+                        self._maker(bucket) if standing is not None else None)
+        elif ahead is not None and len(self._agreed) == 1:
+            for top in dict.fromkeys(StepShape(bucket.batch, n).bucket() for n in self._known):
+                if top not in self._agreed and top not in ahead.on_main:
+                    ahead.start(top, None, None, self._maker(top))
 
     def _maker(self, bucket: StepShape) -> Callable[[], Made]:
         budget, reason = self._budget_read()
