@@ -30,7 +30,7 @@ has; the plan of each check step is recorded.
 
 Per planned step of ours, also: its length bucket, whether the bucket was new (its first step),
 the plan it followed (``own``, or a ``stand-in`` while its own is made in the background:
-``plan_ahead``, ``--plan-ahead on/off``, default on CUDA) and the seconds its plan took on the
+``plan_ahead``, ``--plan-ahead on/off/known``, default on CUDA) and the seconds its plan took on the
 step's thread (one-off). A table then gives, per bucket, its first step against its steady step
 (the median of its later steps on its own plan) and checkpointing's step there.
 
@@ -134,7 +134,9 @@ def run_contender(env: Env, contender: str, args: Any, grads_file: Optional[Path
         options: dict[str, Any] = {"device": env.offload_device}
         if env.smoke:
             options["min_offload_bytes"] = 0  # the tiny tensors would all stay on the device
-        if args.plan_ahead != "default":
+        if args.plan_ahead == "known":  # the lengths a loop over a bucketed data set knows
+            options["plan_ahead"] = sorted(set(lengths))
+        elif args.plan_ahead != "default":
             options["plan_ahead"] = args.plan_ahead == "on"
         ctx = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True, **options)
     watch = PlanWatch(ctx)
@@ -405,8 +407,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0, help="the stream's seed (lengths and token ids)")
     parser.add_argument("--optimizer", choices=("adamw", "none"), default="adamw")
-    parser.add_argument("--plan-ahead", choices=("default", "on", "off"), default="default",
-                        help="ours' plan_ahead: a new bucket's stand-in while its plan is made (default: on CUDA)")
+    parser.add_argument("--plan-ahead", choices=("default", "on", "off", "known"), default="default",
+                        help="ours' plan_ahead: a new bucket's stand-in while its plan is made (default: on CUDA); "
+                             "known: also the stream's lengths planned ahead")
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--no-check", action="store_true", help="skip the bitwise check of gradients")
     parser.add_argument("--check-sdpa", choices=("efficient", "stream"), default="efficient",
