@@ -124,7 +124,7 @@ class AheadSteps:
                         self._maker(bucket) if standing is not None else None)
         elif ahead is not None and len(self._agreed) == 1:
             for top in dict.fromkeys(StepShape(bucket.batch, n).bucket() for n in self._known):
-                if top not in self._agreed and top not in ahead.on_main:
+                if top not in self._agreed and top not in ahead.on_main and all(e.bucket != top for e in ahead.started):
                     ahead.start(top, None, None, self._maker(top))
 
     def _maker(self, bucket: StepShape) -> Callable[[], Made]:
