@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import warnings
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Union
 
 import torch
 
@@ -32,6 +32,7 @@ from .planner.make import Budget, check_budget
 from .planner.sequence import AUTO, check_probe
 from .planner.types import Plan
 from .plan_steps import PlannedSteps
+from .planner.ahead_steps import check_plan_ahead
 from .forwards.plan_wrappers import install_plan_wrappers, remove_plan_wrappers
 from .forwards.selective import Candidates, describe_candidates, selective_candidates
 from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
@@ -107,13 +108,13 @@ class OffloadActivations:
     the fourth step on, or the third when the plain step does not fit. ``selective``: the
     submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
     :func:`offload.forwards.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
-    ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan;
-    ranks of ``plan_group`` (default all; False: none) agree on it. Recomputed layers run under
-    non-reentrant checkpointing: leave the model's own off. :attr:`plan` is the plan in force,
-    :meth:`plan_report` its table with measured time and peak (``measure_peak``, default on CUDA).
-    ``model=`` (a HF ``*ForCausalLM``): plans may also tile its LM head and loss and the MLPs
-    where nothing untiled fits (long context), and a long first batch is probed short
-    (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length).
+    ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan, made
+    in the background (``plan_ahead``, default on CUDA); ranks of ``plan_group`` (default all; False:
+    none) agree on it. Recomputed layers run under non-reentrant checkpointing: leave the model's own
+    off. :attr:`plan` is the plan in force, :meth:`plan_report` its table with measured time and peak
+    (``measure_peak``, default on CUDA). ``model=`` (a HF ``*ForCausalLM``): plans may also tile its
+    LM head and loss and the MLPs where nothing untiled fits (long context), and a long first batch is
+    probed short (:mod:`offload.layers.model_form`; ``short_probe=False``: at its full length).
     """
 
     def __init__(
@@ -130,6 +131,7 @@ class OffloadActivations:
         plan_group: Any = None,
         model: Optional[torch.nn.Module] = None,
         short_probe: bool = True,
+        plan_ahead: Union[None, bool, Iterable[int]] = None,
         group_bytes: Optional[int] = None,
         keep_last_groups: Optional[int] = None,
         use_pin_memory: bool = True,
@@ -146,6 +148,7 @@ class OffloadActivations:
         _check_bool(api, "short_probe", short_probe)
         if measure_peak is not None:
             _check_bool(api, "measure_peak", measure_peak)
+        plan_ahead = check_plan_ahead(api, plan_ahead)
         min_offload_size = check_torchtune_options(use_pin_memory, use_streams, max_fwd_stash_size, min_offload_size)
         # Byte counts as whole bytes from here on ("20GB", 20e9: offload.sizes), checked once.
         options = byte_options(api, options)
@@ -181,7 +184,7 @@ class OffloadActivations:
             planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
                        "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak,
                        "plan_group": plan_group is not None, "model": model is not None,
-                       "short_probe": not short_probe}
+                       "short_probe": not short_probe, "plan_ahead": plan_ahead is not None}
             self._init_auto(num_offload_layers, [name for name, given in planner.items() if given], group_bytes,
                             keep_last_groups, max_fwd_stash_size, options)
             return
@@ -266,7 +269,7 @@ class OffloadActivations:
             self._planned = PlannedSteps(
                 self.engine, self.layers, self._candidates, budget=self._budget, plan=plan, probe=probe,
                 measure_peak=self.measure_peak, on_plan=self._install_plan_wrappers, group=plan_group,
-            )
+                plan_ahead=self.engine.transport.device.type == "cuda" if plan_ahead is None else plan_ahead)
         if model is not None:
             # Given to any context: plans use it; without plans it is checked and left alone.
             self._model = model_form.check_model(model, self.layers)
@@ -478,7 +481,7 @@ class OffloadActivations:
         """The plan in force, layer by layer, with predicted and (after a step) measured figures."""
         if self.plan is None:
             return "offload: no plan yet (the first step of a memory budget is the probe)"
-        return self.plan.table(measured=self.measured)
+        return "\n".join([self.plan.table(measured=self.measured), *self._planned.ahead_log()])  # type: ignore[union-attr]
 
     @property
     def measured(self) -> Optional[dict[str, Any]]:

@@ -39,6 +39,8 @@ follows, and the measured step waits for them at its entry (pinning takes the dr
 kernels launched late would be timed into its layers). Pinning is then part of the probe steps,
 and the first planned step does not stall on it. With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
+**Plans ahead** (``plan_ahead``, default on CUDA): a new bucket's steps follow a stand-in while its
+own plan is made and pinned in the background, all ranks switching together (:mod:`offload.planner.ahead`).
 """
 
 from __future__ import annotations
@@ -47,13 +49,14 @@ import dataclasses
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
 from .engine.core import OffloadEngine
 from .layers.short_probe import ShortStep
-from .planner.agree import agree_flag, agree_max, agree_step, ranks_agree_enabled
+from .planner.ahead_steps import AheadSteps
+from .planner.agree import agree_max, agree_planned_step, ranks_agree_enabled
 from .planner.budget import DEVICE
 from .planner.link import measure_link
 from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
@@ -76,7 +79,7 @@ __all__ = ["PlannedSteps", "OOM_BACKOFF"]
 OOM_BACKOFF = 0.9
 
 
-class PlannedSteps:
+class PlannedSteps(AheadSteps):
     """Probe steps, then a plan per batch shape, for one engine over ``layers``.
 
     ``plan``: follow this plan (at other shapes, plans made from its profile at its budget);
@@ -96,6 +99,7 @@ class PlannedSteps:
         measure_peak: bool,
         on_plan: Callable[[bool, bool], None],  # a bound method
         group: Any = None,
+        plan_ahead: Union[bool, tuple[int, ...]] = False,
     ) -> None:
         self.engine = engine
         self.device = engine.transport.device
@@ -127,6 +131,7 @@ class PlannedSteps:
         self._failed: Optional[tuple[StepOutcome, BaseException]] = None  # the probe step raised: how
         self._pinned_ahead = False
         self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
+        self._init_ahead(plan_ahead)
         self._sequence: Optional[ProbeSequence] = None
         self._step_mark: Any = None
         self._entry_step: Optional[int] = None  # the engine step planned at the model's entry
@@ -168,6 +173,8 @@ class PlannedSteps:
         if self.profile is not None:
             self._check_out_of_memory()
             self._check_host_room()
+            if self._ahead is not None:
+                self._ahead.poll()  # a plan made since: its blocks pinned from now on
             if self.plan is None:
                 if profile_shape(self.profile) is None:
                     # Figures of one shape only: its plan now (BudgetError here, at every entry,
@@ -253,43 +260,64 @@ class PlannedSteps:
         assert profile is not None
         step = self.engine.step
         self._step_index = step.index if step is not None else None
-        # One collective: the bucket every rank plans for, and whether any ran out of memory.
-        bucket, ran_out = agree_step(shape.bucket(), self._ran_out, self.device, self._group)
+        started = time.perf_counter()
+        ahead = self._ahead if self.budget != LOWEST else None  # ("lowest" reads the device to tile)
+        # One collective: the bucket all plan for, any rank's out of memory, plans ahead ready or failed.
+        behind, failed_at = ahead.values() if ahead is not None else (0, 0)
+        bucket, ran_out, behind, failed_at = agree_planned_step(shape.bucket(), self._ran_out, behind, failed_at,
+                                                                self.device, self._group)
         self._ran_out = False
         if ran_out:
             # Every rank plans again at this step (the one that ran out at its lowered budget,
             # from an emptied cache), so that any BudgetError is raised by all.
             self._agreed.clear()
+            if ahead is not None:
+                ahead.clear()
+        elif ahead is not None:
+            made = ahead.switch(bucket, behind, failed_at)
+            if made is not None:
+                self._adopt(bucket, made)
+            if bucket in ahead.failed:
+                self._raise_failed_ahead(ahead, bucket, shape)
         together = bucket not in self._agreed
-        if not together and bucket == self._shape and self.plan is not None:
-            self._scale(shape, bucket)
+        standing = ahead.stand_in_of(bucket) if ahead is not None and bucket not in self._plans else None
+        plan = self._plans.get(bucket) or (standing.plan if standing is not None else None)
+        if not together and bucket == self._shape and plan is self.plan and plan is not None:
+            self._scale(shape, standing.top if standing is not None else bucket)
+            self._note(bucket, False, standing, started)
             return
-        plan, failed, started = self._plans.get(bucket), None, time.perf_counter()
+        # Plans ahead once a first plan is in force (that one is made here: nothing to stand in).
+        ahead_now = together and ahead is not None and bool(self._agreed) and bucket not in ahead.on_main
+        failed, options = None, self._stand_ins(bucket) if plan is None and ahead_now else (None, None)
+        standing = standing or options[0] or options[1]
+        plan = plan or (standing.plan if standing is not None else None)
         if plan is None:
             try:
                 plan = self._make(profile_at(profile, bucket), bucket, shape)
             except BudgetError as exc:
                 failed = exc
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
-        # holds: decide together, so no rank raises alone while the others wait in their next
-        # collective.
-        if together and agree_flag(failed is not None, self.device, self._group) and failed is None:
-            failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; "
-                                 "see its error")
+        # holds: decide together, so no rank raises alone while the others wait in a collective.
+        if together:
+            failed_any, standing = self._agree_stand_in(failed, options, standing)
+            plan = standing.plan if standing is not None else plan
+            if failed_any and failed is None:
+                failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; see its error")
         if failed is not None:
             raise failed
         self._agreed.add(bucket)
-        if bucket not in self._plans:
+        self._start_ahead(ahead, bucket, standing, ahead_now)
+        if standing is None and bucket not in self._plans:
             self._plans[bucket] = plan  # type: ignore[assignment]
-            self.planning_s += time.perf_counter() - started
         if plan is not self.plan:  # (a schedule holds the micro-batches in flight: keep it)
             self.follow(plan)  # type: ignore[arg-type]
         self._shape = bucket
-        self._scale(shape, bucket)
+        self._scale(shape, standing.top if standing is not None else bucket)
+        self.planning_s += self._note(bucket, together, standing, started)
 
     def _scale(self, shape: StepShape, bucket: StepShape) -> None:
-        # The plan is for the bucket's top (and, across ranks, the largest shape): its size
-        # floors and byte checks scale to the tokens this step has.
+        # The plan is for the bucket's top (and, across ranks, the largest shape; a stand-in's:
+        # the bucket it was made for): its size floors and byte checks scale to this step's tokens.
         schedule = self.engine.schedule
         if isinstance(schedule, PlannedSchedule):
             schedule.scale = shape.tokens / bucket.tokens
@@ -357,12 +385,13 @@ class PlannedSteps:
     def _make(self, profile: StepProfile, shape: Optional[StepShape], step: Optional[StepShape] = None) -> Plan:
         """The plan for ``profile`` (at ``shape``, the bucket of the step's own shape ``step``)
         under the budget in force, lowered after an out-of-memory step."""
-        emptied = self.device.type == "cuda" and (self.budget == DEVICE or self._cap is not None)
+        emptied = self.device.type == "cuda" and ((self.budget == DEVICE and not self._plans) or self._cap is not None)
         if emptied:
             # What the device gives is read now: the probe steps' (or a failed step's) cached
             # blocks go back first, so the plan's memory comes from fresh (expandable) segments
-            # rather than split ones, and what stays reserved is known to be unusable (once per
-            # new shape: it waits for the device).
+            # rather than split ones, and what stays reserved is known to be unusable. Only for
+            # the first plan and after an out-of-memory step: it waits for the device, and a new
+            # bucket's step would pay it on its critical path (issue 50 s2).
             torch.cuda.empty_cache()
         self._host_figure = self.engine.arena.plan_host_bytes()
         try:
@@ -372,14 +401,17 @@ class PlannedSteps:
         except BudgetError as exc:
             if shape is None:
                 raise
-            # The step as the user ran it; the shape the plan is made for only as the reason.
-            named = shape if step is None or step == shape else f"{step} (planned for " + (
-                f"its length bucket, up to length {shape.length})" if step.batch == shape.batch else
-                f"{shape}, the largest batch and length bucket of the ranks)")
-            raise BudgetError(f"offload: no plan fits a step of {named}: {exc}{self._what_fits(shape)}") from None
+            raise self._no_fit(exc, shape, step) from None
         if self._lowered:
             plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
         return plan
+
+    def _no_fit(self, exc: BaseException, shape: StepShape, step: Optional[StepShape], where: str = "") -> BudgetError:
+        # The step as the user ran it; the shape the plan is made for only as the reason.
+        named = shape if step is None or step == shape else f"{step} (planned for " + (
+            f"its length bucket, up to length {shape.length})" if step.batch == shape.batch else
+            f"{shape}, the largest batch and length bucket of the ranks)")
+        return BudgetError(f"offload: no plan fits a step of {named}{where}: {exc}{self._what_fits(shape)}")
 
     def _what_fits(self, shape: StepShape) -> str:
         # The longest length of this batch size whose lowest plan fits (bisected on the profile
@@ -524,6 +556,8 @@ class PlannedSteps:
         # The next planned step decides together again, whether this call raises or not (on
         # one rank, it may), so that its BudgetError, if any, is every rank's.
         self._agreed.clear()
+        if self._ahead is not None:
+            self._ahead.clear()
         old = self.budget, self._cap, self._lowered
         self.budget, self._cap, self._lowered = budget, None, ""
         try:

@@ -256,7 +256,7 @@ def test_varlen_cpu_smoke_runs_the_stream_in_three_processes() -> None:
     assert set(rows) == set(lengths)
     assert all(r["bitwise"] is True and r["plain_repeatable"] is True for r in rows.values()), result["bitwise"]
     targets = {t["target"]: t for t in result["targets"]}
-    assert list(targets) == ["T22 peak", "T22 time", "T22 bitwise"]
+    assert list(targets) == ["T22 peak", "T22 time", "T22 bitwise", "T22 new buckets"]
     assert targets["T22 bitwise"]["ok"] is True
     assert targets["T22 peak"]["ok"] is None and targets["T22 time"]["ok"] is None, "no verdict on CPU numbers"
     assert len(result["rows"]) == 5 and all(r["ours_ms"] and r["ckpt_ms"] and r["plain_ms"] for r in result["rows"])
@@ -275,13 +275,37 @@ def test_varlen_verdicts_follow_the_targets() -> None:
     bitwise = [{"length": 1024, "bitwise": True}, {"length": 8192, "bitwise": None, "note": "plain: out of memory"}]
     res, rows = results([0.9, 1.02, 1.0], ours_ms=850.0, ckpt_ms=1000.0)
     ok = {t["target"]: t["ok"] for t in varlen.check_targets(res, rows, bitwise, budget, smoke=False)}
-    assert ok == {"T22 peak": True, "T22 time": True, "T22 bitwise": True}, "a length where plain does not fit is not judged"
-    res, rows = results([0.9, 1.03], ours_ms=860.0, ckpt_ms=1000.0)
+    assert ok == {"T22 peak": True, "T22 time": True, "T22 bitwise": True, "T22 new buckets": None}, \
+        "a length where plain does not fit is not judged"
+    res, rows = results([0.9, 1.03], ours_ms=910.0, ckpt_ms=1000.0)
     targets = {t["target"]: t for t in varlen.check_targets(res, rows, [{"length": 1024, "bitwise": False}], budget, smoke=False)}
     assert targets["T22 peak"]["ok"] is False and "step 1" in targets["T22 peak"]["figure"]
     assert targets["T22 time"]["ok"] is False and targets["T22 bitwise"]["ok"] is False
     res["ours"]["steps"][1] = {"step": 1, "length": 8192, "ms": 10.0, "error": "out of memory"}
     assert varlen.check_targets(res, varlen.stream_table(res, budget), [], budget, smoke=False)[0]["ok"] is False
+
+
+def test_varlen_judges_each_new_buckets_first_step_against_its_steady_step() -> None:
+    # Issue 50 s2: bucket 2048's first step (a stand-in) is 1.4x its steady step (the median of
+    # its later steps on its own plan), bucket 4096's 2.0x: over 1.5x.
+    varlen = bench_module("varlen")
+
+    def step(i: int, length: int, ms: float, new: bool, kind: str) -> dict[str, Any]:
+        return {"step": i, "length": length, "ms": ms, "bucket": length, "new_bucket": new, "plan_kind": kind,
+                "oneoff_s": 0.01 if new else 0.0}
+
+    steps = [step(0, 2048, 140.0, True, "stand-in"), step(1, 2048, 100.0, False, "own"),
+             step(2, 4096, 400.0, True, "stand-in"), step(3, 4096, 210.0, False, "stand-in"),
+             step(4, 4096, 200.0, False, "own"), step(5, 4096, 200.0, False, "own")]
+    ckpt = [{"step": i, "length": s["length"], "ms": s["ms"] * 1.1} for i, s in enumerate(steps)]
+    buckets = varlen.bucket_table({"ours": {"steps": steps}, "ckpt": {"steps": ckpt}})
+    assert [(b["bucket"], b["first_plan"], b["steady_ms"]) for b in buckets] == [(2048, "stand-in", 100.0),
+                                                                                (4096, "stand-in", 200.0)]
+    assert [round(b["first_x_steady"], 2) for b in buckets] == [1.4, 2.0]
+    target = varlen.first_step_target(buckets, smoke=False)
+    assert target["ok"] is False and "1 of 2 buckets over" in target["figure"] and "bucket 4096" in target["figure"]
+    assert varlen.first_step_target(buckets[:1], smoke=False)["ok"] is True
+    assert varlen.first_step_target(buckets, smoke=True)["ok"] is None
 
 
 def test_varlen_compares_digests_per_length(tmp_path: Path) -> None:

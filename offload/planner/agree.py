@@ -20,8 +20,8 @@ taken by all ranks of the plan group together, at a point every rank reaches in 
   (:func:`agree_step`), with any rank's "ran out of memory since the last planned step" (every
   rank then plans again, the one that ran out at a lowered budget), at the first layer's entry
   (or the model's entry) of every planned step; there too, where the agreed bucket has no plan
-  yet on the ranks, whether any rank found none fits (:func:`agree_flag`): then every rank
-  raises ``BudgetError``.
+  yet on the ranks, whether any rank found none fits (:func:`agree_flag`; with plans ahead, in
+  the same all-reduce, which stand-in every rank can follow): then every rank raises ``BudgetError``.
 
 The plans themselves may differ between ranks (each is made from its own rank's measured
 figures): a plan issues no collective (a layer recomputed in backward under FSDP2 runs without an
@@ -60,14 +60,14 @@ import torch.distributed as dist
 
 from .shapes import StepShape
 
-__all__ = ["Group", "agree_flag", "agree_max", "agree_shape", "agree_step", "ranks_agree_enabled"]
+__all__ = ["Group", "agree_flag", "agree_max", "agree_planned_step", "agree_shape", "agree_step", "ranks_agree_enabled"]
 
 # The ranks that agree: a process group, None for the default one, False for none (no collective).
 Group = Union[None, Literal[False], "dist.ProcessGroup"]
 
 # Where the ranks agree (the module notes), each with its number in the reduced tensor.
 POINTS = ("probe step", "short probe", "planned step", "plan fits", "values")
-_WIDTH = 3  # values per call, at most: every call reduces as many (its point's two, then these)
+_WIDTH = 5  # values per call, at most: every call reduces as many (its point's two, then these)
 
 
 def ranks_agree_enabled(group: Group = None) -> bool:
@@ -101,7 +101,7 @@ def _cuda(device: torch.device) -> torch.device:
 
 
 def agree_max(values: Sequence[int], device: torch.device, group: Group = None, point: str = "values") -> list[int]:
-    """The element-wise maximum of ``values`` (at most three non-negative ints) over the ranks
+    """The element-wise maximum of ``values`` (at most five non-negative ints) over the ranks
     of ``group`` (the default group if None), in one all-reduce: the largest size, the worst
     outcome, any rank's flag (as 0 or 1). ``values`` itself, with no collective, where
     :func:`ranks_agree_enabled` is false. Every rank must call it at the same ``point`` (one of
@@ -132,10 +132,21 @@ def agree_step(shape: StepShape, flag: bool, device: torch.device,
     """:func:`agree_shape` and :func:`agree_flag` in one all-reduce: the shape every rank plans
     for this step, and whether ``flag`` is true on any rank (a planned step: whether any rank ran
     out of memory since its last one)."""
+    return agree_planned_step(shape, flag, 0, 0, device, group)[:2]
+
+
+def agree_planned_step(shape: StepShape, flag: bool, behind: int, failed: int, device: torch.device,
+                       group: Group = None) -> tuple[StepShape, bool, int, int]:
+    """:func:`agree_step`, and the plans made ahead (:class:`offload.planner.ahead.PlansAhead`)
+    in the same all-reduce: the largest ``behind`` (how many of the buckets planned ahead, the
+    same list on every rank, are not ready on this rank counting back from the last: the group's
+    ready ones are the first ``len - max``) and the largest ``failed`` (``len - i`` for the first
+    ready bucket ``i`` whose making failed on this rank, 0 if none: the first that failed on any)."""
     if not ranks_agree_enabled(group):
-        return shape, bool(flag)
-    batch, length, any_flag = agree_max([shape.batch, shape.length, int(bool(flag))], device, group, "planned step")
-    return StepShape(int(batch), int(length)), bool(any_flag)
+        return shape, bool(flag), int(behind), int(failed)
+    batch, length, any_flag, most_behind, first_failed = agree_max(
+        [shape.batch, shape.length, int(bool(flag)), behind, failed], device, group, "planned step")
+    return StepShape(int(batch), int(length)), bool(any_flag), int(most_behind), int(first_failed)
 
 
 def agree_shape(shape: StepShape, device: torch.device, group: Group = None) -> StepShape:

@@ -1,0 +1,218 @@
+"""Plans made ahead: a new length bucket's first steps follow a stand-in while its own plan is
+made off the critical path (issue 50 s2).
+
+A bucket's own plan costs a search (0.45 s for 16 layers, 2 s for 32 with selective variants)
+and the pinning of its new host blocks (0.5 to 1.1 s on the H200): on its first step that was 2-5x
+the bucket's steady step. Instead, once a first plan is in force (the one after the probe steps
+is made on the calling thread: nothing can stand in for it), a step of a bucket new to the plan
+group:
+
+- follows a **stand-in** found with no search and no new pinning (:func:`stand_ins`): the plan of
+  the smallest bucket already planned that covers it (same batch, longer: its blocks are pinned,
+  and a plan for a longer step holds for a shorter one), re-checked at this bucket by the cost
+  model (one ``simulate``: predicted peak within the budget, host bytes within the room); else
+  every layer recomputed at this bucket (one ``simulate``), where that fits; else none, and the
+  bucket is planned now, as without plans ahead. The ranks agree on which (the one every rank
+  can follow) in the collective they already make at a new bucket ("plan fits");
+- has its own plan made on a background thread (:class:`PlansAhead`): the search is pure Python
+  on the profile predicted at the bucket (``profile_at``, ``choose`` with the budget read on the
+  main thread: nothing there calls into CUDA), then its host blocks are pinned on the arena's
+  own pinner, asked from the main thread at a step's entry;
+- switches to it at a later step of the bucket, once it is made and its blocks are pinned on
+  every rank of the plan group: the ranks agree in the planned step's all-reduce
+  (:func:`offload.planner.agree.agree_planned_step`), on the buckets planned ahead in the order
+  every rank started them, so all switch at the same step (the min of their readiness);
+- a making that failed (``BudgetError``, or any error) is raised at the bucket's next step on every
+  rank, before any layer runs; the bucket's steps after that are planned on the main thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass, field, replace
+from typing import Callable, Mapping, Optional
+
+from .actions import Action
+from .make import choose
+from .model import simulate
+from .scaling import profile_at
+from .search import plan_for
+from .shapes import StepShape
+from .tiling import HeadInfo
+from .types import LayerPlan, Plan, StepProfile
+
+__all__ = ["Made", "PlansAhead", "StandIn", "make_ahead", "stand_ins"]
+
+LOWEST_STAND_IN = "every layer recomputed"
+
+
+@dataclass(frozen=True)
+class StandIn:
+    """A plan a new bucket's steps follow while its own is made: ``kind`` says which (for the
+    report), ``top`` is the shape it was made for (its size floors scale from there)."""
+
+    plan: Plan
+    kind: str
+    top: StepShape
+
+
+def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape, Plan], budget_bytes: Optional[int],
+              host_bytes: int) -> tuple[Optional[StandIn], Optional[StandIn]]:
+    """The plans a step of ``bucket`` may follow now, with no search and no new pinning: (the plan
+    of the smallest of ``plans``, the buckets every rank has planned, of the same batch that
+    covers ``bucket``; every layer recomputed at ``bucket``), each None unless its predicted peak
+    at ``bucket`` is within ``budget_bytes`` (None: the plain step's peak there) and its copies
+    within ``host_bytes``. One ``simulate`` each, no search; the same candidates on every rank."""
+    at = profile_at(profile, bucket)
+    budget = at.plain_peak_bytes if budget_bytes is None else budget_bytes
+
+    def fits(plan: Plan) -> bool:
+        predicted = simulate(at, plan.layers, budget)
+        return predicted.peak_bytes <= budget and predicted.d2h_bytes <= host_bytes
+
+    covering = min((s for s in plans if s.batch == bucket.batch and s.length > bucket.length),
+                   key=lambda s: s.length, default=None)
+    cover = None
+    # (A tiled plan's figures are its variant's: not re-checked at another shape.)
+    if covering is not None and not plans[covering].tiles() and fits(plans[covering]):
+        cover = StandIn(plans[covering], f"bucket {covering.length}'s plan", covering)
+    lowest = plan_for(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), budget)
+    low = None
+    if fits(lowest):
+        reason = f"a stand-in while this bucket's own plan is made: {LOWEST_STAND_IN}"
+        low = StandIn(replace(lowest, budget_reason=reason), LOWEST_STAND_IN, bucket)
+    return cover, low
+
+
+@dataclass
+class Made:
+    """What a background making gave: the plan, the host figure it was made for, and the
+    (wanted, planned) bytes when that figure bound it (``host_limited``)."""
+
+    plan: Plan
+    host_bytes: int
+    limited: Optional[tuple[int, int]]
+    seconds: float
+
+
+def make_ahead(profile: StepProfile, bucket: StepShape, budget: Optional[int], cap: Optional[int],
+               head: Optional[HeadInfo], host_bytes: int, reason: str) -> Made:
+    """``bucket``'s own plan, as :func:`~offload.planner.make.choose` makes it, for a background
+    thread: ``budget`` in bytes (a "device" budget read on the main thread, ``reason`` its
+    description) or None, ``cap`` the ceiling after an out-of-memory step. Touches no CUDA."""
+    started = time.perf_counter()
+    limited: list[tuple[int, int]] = []
+    plan = choose(profile_at(profile, bucket), budget, None, cap_bytes=cap, head=head, host_budget=host_bytes,
+                  host_limited=lambda wanted, planned: limited.append((wanted, planned)))
+    if reason:
+        plan = replace(plan, budget_reason=plan.budget_reason.replace("memory_budget_bytes", reason, 1))
+    return Made(plan, host_bytes, limited[0] if limited else None, time.perf_counter() - started)
+
+
+@dataclass
+class _Entry:
+    """One bucket planned ahead, in the order every rank started it."""
+
+    bucket: StepShape
+    future: Optional[concurrent.futures.Future]  # None: its plan was there already (made on the main thread)
+    made: Optional[Made] = None
+    error: Optional[BaseException] = None
+    pin_asked: bool = False
+    ready: bool = False  # made (or failed) and its blocks pinned, on this rank: latched
+    adopted: bool = False  # its own plan is in force (made ahead, or on the main thread)
+    step: Optional[int] = None  # the step it was started at
+    stand_in: Optional[StandIn] = field(default=None, repr=False)
+
+
+class PlansAhead:
+    """The buckets planned ahead of one context (see the module notes), and their stand-ins.
+
+    ``pin(plan)``: ask for a made plan's host blocks (the arena pins in the background);
+    ``pinned()``: whether the blocks asked for are all pinned (nothing left pending).
+    """
+
+    def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[], bool]) -> None:
+        self._pin, self._pinned = pin, pinned
+        # One worker: buckets are made in the order started, so readiness grows as a prefix.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-plan-ahead")
+        self.started: list[_Entry] = []  # the same buckets, in the same order, on every rank
+        self.failed: dict[StepShape, Optional[BaseException]] = {}  # agreed failed: raised at its next step
+        self.on_main: set[StepShape] = set()  # buckets planned on the main thread from now on (a making failed)
+        self.log: list[str] = []  # what the report says: which steps ran a stand-in, when the plan came
+
+    def stand_in_of(self, bucket: StepShape) -> Optional[StandIn]:
+        """The stand-in ``bucket``'s steps follow until its own plan is in force."""
+        return next((e.stand_in for e in self.started if e.bucket == bucket and not e.adopted), None)
+
+    def start(self, bucket: StepShape, step: Optional[int], stand_in: Optional[StandIn],
+              make: Optional[Callable[[], Made]]) -> None:
+        """``bucket``, new to the group, follows ``stand_in`` while ``make()`` runs in the
+        background; or (both None) its plan was made on the main thread: ready at once; or (no
+        stand-in, at no step) it is a known bucket queued ahead of its first step. A bucket queued
+        already takes the stand-in (its making goes on). Called on every rank at the same step."""
+        entry = next((e for e in self.started if e.bucket == bucket), None)
+        if entry is not None:
+            entry.stand_in, entry.adopted = stand_in, entry.adopted or stand_in is None
+        else:
+            future = self._pool.submit(make) if make is not None else None
+            self.started.append(_Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None,
+                                       adopted=future is None))
+        if stand_in is not None:
+            self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is "
+                            "made in the background")
+
+    def poll(self) -> None:
+        """Between steps, on the main thread: ask for the blocks of the plans made since, and
+        latch the ones made and pinned."""
+        for entry in self.started:
+            if entry.ready or entry.future is None or not entry.future.done():
+                continue
+            if not entry.pin_asked:
+                entry.pin_asked = True
+                try:
+                    entry.made = entry.future.result()
+                except BaseException as exc:  # noqa: BLE001  (raised on the main thread, at the bucket's next step)
+                    entry.error = exc
+                else:
+                    self._pin(entry.made.plan)
+            entry.ready = entry.error is not None or self._pinned()
+
+    def values(self) -> tuple[int, int]:
+        """This rank's ``(behind, failed)`` for :func:`~offload.planner.agree.agree_planned_step`."""
+        self.poll()
+        ready = next((i for i, e in enumerate(self.started) if not e.ready), len(self.started))
+        failed = next((i for i, e in enumerate(self.started[:ready]) if e.error is not None), None)
+        return len(self.started) - ready, (len(self.started) - failed if failed is not None else 0)
+
+    def agree(self, behind: int, failed: int) -> list[_Entry]:
+        """Act on the group's figures: the first bucket whose making failed on any rank goes to
+        :attr:`failed`; returns the entries ready on every rank (those before it, then: a later
+        one may have failed on some rank too, which the next step's figures say)."""
+        ready = len(self.started) - behind
+        if failed:
+            # The first failed on any rank, maybe still in flight on another: every rank raises.
+            index = len(self.started) - failed
+            entry = self.started.pop(index)
+            self.failed[entry.bucket] = entry.error  # None: it failed on another rank
+            ready = min(ready, index)
+        return self.started[:ready]
+
+    def switch(self, bucket: StepShape, behind: int, failed: int) -> Optional[Made]:
+        """After the planned step's all-reduce: ``bucket``'s own plan, made ahead, when every rank
+        has it ready and it was not put in force yet (its stand-in is then dropped)."""
+        for entry in self.agree(behind, failed):
+            if entry.bucket == bucket and not entry.adopted and entry.made is not None:
+                entry.stand_in, entry.adopted = None, True
+                return entry.made
+        return None
+
+    def clear(self) -> None:
+        """Forget every bucket (the budget changed, or a rank ran out of memory: every rank plans
+        again); a making in flight finishes unused."""
+        for entry in self.started:
+            if entry.future is not None:
+                entry.future.cancel()
+        self.started.clear()
+        self.failed.clear()
+        self.on_main.clear()

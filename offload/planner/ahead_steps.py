@@ -1,0 +1,160 @@
+"""The context's side of plans made ahead (:mod:`offload.planner.ahead`): what
+:class:`offload.plan_steps.PlannedSteps` does when a planned step meets a bucket new to the plan
+group with ``plan_ahead`` on. The stand-in is found and the bucket's own plan queued on the main
+thread, with the budget read here (the "device" budget asks CUDA, the search never does); the
+plan is put in force at the step every rank agreed it ready; a making that failed is raised at
+the bucket's next step on every rank. What each step followed is written to :attr:`last_plan`
+and, per event, to the plans' log the plan report ends with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Any, Callable, Iterable, Optional, Union
+
+from ..engine.schedules.planned import PlannedSchedule
+from .agree import agree_max
+from .ahead import Made, PlansAhead, StandIn, make_ahead, stand_ins
+from .budget import DEVICE
+from .search import BudgetError
+from .shapes import StepShape
+
+__all__ = ["AheadSteps", "check_plan_ahead"]
+
+
+def check_plan_ahead(api: str, value: Any) -> Union[None, bool, tuple[int, ...]]:
+    """``plan_ahead`` as given: None (the default), True, False, or the sequence lengths whose
+    buckets to plan ahead (ints >= 1; a tuple). Raises TypeError saying what it takes."""
+    if value is None or isinstance(value, bool):
+        return value
+    lengths = tuple(value) if isinstance(value, Iterable) and not isinstance(value, (str, bytes)) else None
+    if lengths is None or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths):
+        raise TypeError(f"offload: {api}: plan_ahead must be True, False or the sequence lengths whose plans to "
+                        f"make ahead (ints >= 1), got {value!r}")
+    return lengths
+
+
+class AheadSteps:
+    """Plans made ahead, for :class:`offload.plan_steps.PlannedSteps` (which holds the budget,
+    the plans per bucket and the engine these methods read)."""
+
+    # Set by PlannedSteps.
+    engine: Any
+    budget: Any
+    profile: Any
+    head: Any
+    _plans: dict
+    _agreed: set
+    _cap: Optional[int]
+    _lowered: str
+    _host_figure: Optional[int]
+    _step_index: Optional[int]
+    _shape: Optional[StepShape]
+    _expandable: bool
+
+    def _init_ahead(self, plan_ahead: Union[bool, tuple[int, ...]]) -> None:
+        arena = self.engine.arena
+        self._ahead = PlansAhead(
+            lambda made: arena.pin_for_plan(PlannedSchedule(made, made.profile).region_bytes(), hold_idle=True),
+            lambda: arena.settle() or arena.counters.bytes_pending == 0) if plan_ahead is not False else None
+        # Lengths whose buckets are planned ahead as soon as a first plan is in force.
+        self._known = plan_ahead if isinstance(plan_ahead, tuple) else ()
+        # The last planned step's bucket, whether it was new, its plan ("own" or "stand-in") and
+        # the seconds its plan took on this thread (benchmarks/varlen.py records them).
+        self.last_plan: dict[str, Any] = {}
+
+    def ahead_log(self) -> list[str]:
+        """Which steps ran a stand-in, and when each bucket's own plan came (empty without
+        ``plan_ahead``)."""
+        return list(self._ahead.log) if self._ahead is not None else []
+
+    def _note(self, bucket: StepShape, new: bool, standing: Optional[StandIn], started: float) -> float:
+        # What this step followed, for benchmarks/varlen.py, and the seconds it took here: the
+        # report's planning time when the bucket is new to the group (0 otherwise).
+        seconds = time.perf_counter() - started
+        self.last_plan = {"bucket": (bucket.batch, bucket.length), "new": new, "seconds": seconds,
+                          "plan": "stand-in" if standing is not None else "own"}
+        return seconds if new else 0.0
+
+    # -- plans made ahead (offload.planner.ahead) --------------------------------------------------
+    def _budget_read(self) -> tuple[Optional[int], str]:
+        # The budget plans are made for now, in bytes (None: the plain step's peak), read here on
+        # the main thread (the "device" budget asks CUDA; the cache is not emptied: issue 50 s2),
+        # and how it was worked out.
+        if self.budget == DEVICE:
+            read = self._read_device()  # type: ignore[attr-defined]
+            return read.budget_bytes, read.describe() + (" (expandable segments turned on)" if self._expandable else "")
+        return (int(self.budget) if self.budget is not None else None), ""
+
+    def _stand_ins(self, bucket: StepShape) -> tuple[Optional[StandIn], Optional[StandIn]]:
+        # The stand-ins a new bucket's step may follow (offload.planner.ahead.stand_ins), at the
+        # budget and host room there are now.
+        budget, _ = self._budget_read()
+        if self._cap is not None:
+            budget = self._cap if budget is None else min(budget, self._cap)
+        host = self.engine.arena.plan_host_bytes()
+        agreed = {s: p for s, p in self._plans.items() if s in self._agreed}
+        options = stand_ins(self.profile, bucket, agreed, budget, host)
+        if options != (None, None):
+            self._host_figure = host
+        return options
+
+    def _agree_stand_in(self, failed: Optional[BaseException], options: tuple[Optional[StandIn], Optional[StandIn]],
+                        standing: Optional[StandIn]) -> tuple[bool, Optional[StandIn]]:
+        # One collective where the group meets a new bucket (the "plan fits" point): whether any
+        # rank found no plan, and the stand-in every rank can follow (the covering bucket's plan,
+        # else every layer recomputed), so the ranks follow plans of one shape; where none is, a
+        # rank keeps its own (plans may differ between ranks: offload.planner.agree).
+        failed_any, cover_unfit, lowest_unfit = agree_max(
+            [failed is not None, options[0] is None, options[1] is None], self.engine.transport.device,
+            self._group, "plan fits")  # type: ignore[attr-defined]
+        if standing is not None and not (cover_unfit and lowest_unfit):
+            standing = options[1] if cover_unfit else options[0]
+        return bool(failed_any), standing
+
+    def _start_ahead(self, ahead: Optional[PlansAhead], bucket: StepShape, standing: Optional[StandIn],
+                     ahead_now: bool) -> None:
+        # On every rank alike: a new bucket's stand-in with its own plan made behind it, or its
+        # plan made now; after the first plan (again after an out-of-memory step or a new
+        # budget), the known lengths' buckets queued at its batch.
+        if ahead_now:
+            ahead.start(bucket, self._step_index, standing,  # type: ignore[union-attr]
+                        self._maker(bucket) if standing is not None else None)
+        elif ahead is not None and len(self._agreed) == 1:
+            for top in dict.fromkeys(StepShape(bucket.batch, n).bucket() for n in self._known):
+                if top not in self._agreed and top not in ahead.on_main and all(e.bucket != top for e in ahead.started):
+                    ahead.start(top, None, None, self._maker(top))
+
+    def _maker(self, bucket: StepShape) -> Callable[[], Made]:
+        budget, reason = self._budget_read()
+        return functools.partial(make_ahead, self.profile, bucket, budget, self._cap, self.head,
+                                 self.engine.arena.plan_host_bytes(), reason)
+
+    def _adopt(self, bucket: StepShape, made: Made) -> None:
+        # Every rank has the bucket's own plan made and pinned: it is put in force from this step.
+        plan = made.plan
+        if self._lowered:
+            plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
+        self._plans[bucket] = plan
+        self._host_figure = made.host_bytes
+        if made.limited is not None:
+            self.engine.arena.plan_limited(*made.limited)
+        self._ahead.log.append(f"step {self._step_index}: {bucket} follows its own plan from here "  # type: ignore[union-attr]
+                               f"(made in the background in {made.seconds:.2f} s, its blocks pinned)")
+
+    def _raise_failed_ahead(self, ahead: PlansAhead, bucket: StepShape, shape: StepShape) -> None:
+        # A making failed on some rank: every rank raises here, before any layer ran, and the
+        # bucket's next step is planned on this thread (raising again if nothing fits).
+        error = ahead.failed.pop(bucket)
+        ahead.on_main.add(bucket)
+        self._agreed.discard(bucket)
+        self._shape = None if self._shape == bucket else self._shape
+        where = " (made in the background while a stand-in ran)"
+        if isinstance(error, BudgetError):
+            raise self._no_fit(error, bucket, shape, where)  # type: ignore[attr-defined]
+        if error is not None:
+            raise RuntimeError(f"offload: making the plan for a step of {bucket}{where} failed: {error!r}") from error
+        raise BudgetError(f"offload: another rank found no plan for a step of {bucket}{where}; see its error")
+

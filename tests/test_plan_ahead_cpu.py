@@ -1,0 +1,228 @@
+"""Plans made ahead (issue 50 s2), on the CPU: once a first plan is in force (made on the calling
+thread after the probe steps), a new length bucket's first step follows a stand-in with no search
+on the calling thread, its own plan comes from a background thread at a later step,
+gradients stay bitwise the plain run's on every step (the stand-in's and the switch's), the
+stand-in's predicted peak fits the budget, and a making that failed in the background is raised at
+the bucket's next step, after which the bucket is planned on the calling thread. The ranks' side
+(all switch at the same step) is in ``tests/distributed/test_plan_ahead_ranks_cpu.py``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import offload
+from offload import plan_steps
+from offload.planner import ahead
+from offload.planner.model import simulate
+from offload.planner.scaling import profile_at
+from offload.planner.search import BudgetError
+from offload.planner.shapes import StepShape
+
+from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, train_step
+
+PROBE_LENGTH = 16
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def _budget(layers: torch.nn.ModuleList) -> int:
+    # Between the lowest and the plain peak at the longest length (32): the plans per bucket differ.
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, torch.randn(2, 32, 64)), device="cpu",
+                                           min_offload_bytes=0)
+    return offload.planner.lowest_peak(profile).prediction.peak_bytes * 3 // 2
+
+
+def _x(step: int, length: int) -> torch.Tensor:
+    return torch.randn(2, length, 64, generator=torch.Generator().manual_seed(step))
+
+
+class _Calls:
+    """``choose`` in plan_steps (the calling thread's plans) and in planner.ahead (the background
+    ones), recorded with the thread each ran on; the background ones wait for :attr:`gate`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, fail: bool = False) -> None:
+        self.main: list[int] = []
+        self.background: list[int] = []
+        self.gate = threading.Event()
+        main_choose, ahead_choose = plan_steps.choose, ahead.choose
+
+        def on_main(*args: Any, **kwargs: Any) -> Any:
+            self.main.append(threading.get_ident())
+            return main_choose(*args, **kwargs)
+
+        def behind(*args: Any, **kwargs: Any) -> Any:
+            self.background.append(threading.get_ident())
+            assert self.gate.wait(30)
+            if fail:
+                raise BudgetError("no plan fits (injected in the background)")
+            return ahead_choose(*args, **kwargs)
+
+        monkeypatch.setattr(plan_steps, "choose", on_main)
+        monkeypatch.setattr(ahead, "choose", behind)
+
+
+def _made(oa: Any) -> None:
+    # Wait for the background making of the latest bucket (the test's thread runs no step meanwhile).
+    entry = oa._planned._ahead.started[-1]
+    assert entry.future is not None, "the bucket was planned on the calling thread"
+    entry.future.exception(timeout=30)
+
+
+def _probe(layers: torch.nn.ModuleList, oa: Any) -> None:
+    # The probe steps, then the first planned step: its plan is made on the calling thread (no
+    # plan is in force to stand in for it yet).
+    for step in range(4):
+        x = _x(step, PROBE_LENGTH)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert oa._planned.last_plan == {**oa._planned.last_plan, "plan": "own", "new": True}
+
+
+def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = make_gpt_layers(4)
+    budget = _budget(layers)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0,
+                                    plan_ahead=True)
+    calls = _Calls(monkeypatch)
+    _probe(layers, oa)
+    calls.main.clear()
+    planned = oa._planned
+    kinds = []
+    for step, length in enumerate([32, 32, 32, 24, 24], start=4):
+        if step == 6:  # the background making may finish now: the next step of bucket 32 switches
+            calls.gate.set()
+        if step in (6, 8):
+            _made(oa)
+        x = _x(step, length)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+        assert calls.main == [], f"step {step} (length {length}) searched on the calling thread"
+        kinds.append(planned.last_plan["plan"])
+        plan, top = oa.plan, StepShape(2, length).bucket()
+        if planned.last_plan["plan"] == "stand-in":
+            # The stand-in's predicted peak at the bucket fits the budget (and so, at its own top).
+            assert simulate(profile_at(planned.profile, top), plan.layers, budget).peak_bytes <= budget
+            assert plan.prediction.peak_bytes <= budget
+        if step == 7:  # a new bucket under 32: the covering bucket's plan, pinned already
+            assert plan is planned._plans[StepShape(2, 32)]
+    assert kinds == ["stand-in", "stand-in", "own", "stand-in", "own"], kinds
+    assert oa.plan.profile.shape == (2, StepShape(2, 24).bucket().length)
+    # Every making on another thread.
+    assert len(calls.background) == 2 and threading.get_ident() not in calls.background
+    log = "\n".join(planned.ahead_log())
+    assert "follows a stand-in, every layer recomputed" in log and "follows a stand-in, bucket 32's plan" in log
+    assert "follows its own plan from here" in oa.plan_report()
+
+
+def test_a_failure_in_the_background_is_raised_at_the_buckets_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = make_gpt_layers(4)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=_budget(layers), device="cpu", min_offload_bytes=0,
+                                    plan_ahead=True)
+    calls = _Calls(monkeypatch, fail=True)
+    calls.gate.set()
+    _probe(layers, oa)
+    calls.main.clear()
+    x = _x(4, 32)
+    assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))  # the stand-in
+    assert oa._planned.last_plan["plan"] == "stand-in" and calls.main == []
+    _made(oa)
+    x = _x(5, 32)
+    with pytest.raises(BudgetError, match=r"no plan fits a step of batch 2 x length 32 \(made in the background"):
+        oa_step(layers, x, oa)
+    assert calls.main == []
+    # The bucket's next step is planned on the calling thread (it fits there: the failure was injected).
+    assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert len(calls.main) == 1 and oa._planned.last_plan["plan"] == "own"
+    assert oa.plan.profile.shape == (2, 32)
+
+
+def test_plan_ahead_off_plans_a_new_bucket_on_its_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    layers = make_gpt_layers(4)
+    budget = _budget(layers)
+    assert offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu")._planned._ahead is None
+    for wrong in ("yes", [32, 0], [32.0]):
+        with pytest.raises(TypeError, match="plan_ahead must be True, False or the sequence lengths"):
+            offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", plan_ahead=wrong)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0,
+                                    plan_ahead=False)
+    calls = _Calls(monkeypatch)
+    _probe(layers, oa)
+    calls.main.clear()
+    x = _x(4, 32)
+    assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert oa._planned.last_plan["plan"] == "own" and oa.plan.profile.shape == (2, 32)
+    assert len(calls.main) == 1 and calls.background == []
+
+
+def test_known_lengths_are_planned_ahead_of_their_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    # plan_ahead=[lengths]: their buckets are made in the background as soon as the first plan is
+    # in force; a bucket whose plan is ready runs it from its first step, one whose plan is not
+    # follows a stand-in meanwhile (its making is not started twice).
+    layers = make_gpt_layers(4)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=_budget(layers), device="cpu", min_offload_bytes=0,
+                                    plan_ahead=[32, 24])
+    calls = _Calls(monkeypatch)
+    _probe(layers, oa)
+    planned = oa._planned
+    assert [e.bucket.length for e in planned._ahead.started] == [32, 25]
+    calls.main.clear()
+    x = _x(4, 24)
+    assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert planned.last_plan["plan"] == "stand-in" and "every layer recomputed" in planned.ahead_log()[-1]
+    calls.gate.set()
+    for entry in planned._ahead.started:
+        entry.future.exception(timeout=30)
+    for step, length, kind in ((5, 32, "own"), (6, 24, "own")):
+        x = _x(step, length)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+        assert planned.last_plan["plan"] == kind and oa.plan.profile.shape == (2, StepShape(2, length).bucket().length)
+    assert planned.last_plan["new"] is False
+    assert calls.main == [] and len(calls.background) == 2
+
+
+def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:
+    # Two ranks' PlansAhead, the same buckets started in the same order; their figures reduced by
+    # max, as agree_planned_step does: a bucket switches on both once both have it ready, and the
+    # first failure on either is every rank's.
+    import concurrent.futures
+
+    from offload.planner.ahead import Made, PlansAhead, StandIn
+
+    buckets = [StepShape(2, n) for n in (32, 64, 128)]
+    pending: list[concurrent.futures.Future] = []
+
+    def rank(outcomes: list[Any]) -> PlansAhead:
+        plans = PlansAhead(lambda plan: None, lambda: True)
+        for bucket, outcome in zip(buckets, outcomes):
+            future: concurrent.futures.Future = concurrent.futures.Future()
+            if isinstance(outcome, BaseException):
+                future.set_exception(outcome)
+            elif outcome is not None:
+                future.set_result(outcome)
+            else:
+                pending.append(future)
+            plans.started.append(ahead._Entry(bucket, future, stand_in=StandIn(None, "test", bucket)))  # type: ignore[arg-type]
+        return plans
+
+    made = Made(None, 0, None, 0.0)  # type: ignore[arg-type]
+    ranks = [rank([made, made, made]), rank([made, None, BudgetError("injected")])]
+
+    def step(bucket: StepShape) -> list[Any]:
+        figures = [plans.values() for plans in ranks]
+        behind, failed = (max(f[i] for f in figures) for i in range(2))
+        return [plans.switch(bucket, behind, failed) for plans in ranks]
+
+    assert step(buckets[1]) == [None, None]  # rank 1 has bucket 64 in flight
+    assert step(buckets[0]) == [made, made]
+    pending[0].set_result(made)  # rank 1's 64 is made; its 128 failed
+    assert step(buckets[1]) == [made, made]
+    assert [plans.failed for plans in ranks] == [{buckets[2]: None}, {buckets[2]: ranks[1].failed[buckets[2]]}]
+    assert isinstance(ranks[1].failed[buckets[2]], BudgetError)
