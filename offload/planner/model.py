@@ -65,18 +65,19 @@ slowdowns) + stalls.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .layer_costs import (  # noqa: F401 - re-exported: the cost model's per-layer figures
     backward_cost_ms, cached_bytes, copied_at, copied_slots, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes,
     resident_bytes, transient_bytes,
 )
-from .types import LayerPlan, Prediction, StepProfile
+from .types import LayerPlan, LayerProfile, Prediction, StepProfile
 
 PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides its own)
 
 # Group states in the simulation.
 _HELD, _IN_FLIGHT, _RELEASED, _RELOADING, _ORIGINALS, _FREED = range(6)
+_INF = float("inf")
 
 
 class _Link:
@@ -97,6 +98,23 @@ class _Link:
         self.queue.append((layer, nbytes))
         if len(self.queue) == 1:
             self.lat, self.left = self.latency, float(nbytes)
+
+    def advance(self, dt: float, rate: float, until: float, now: float) -> None:
+        """``dt`` ms pass at ``rate`` (bytes per ms); ``until``: when the running copy (or its
+        latency phase) would end. A copy that ends is marked done at ``now``."""
+        if until <= dt:  # this copy (or its latency phase) ends now
+            if self.lat > 0:
+                self.lat = 0.0
+                if self.left > 0:
+                    return
+            layer, _ = self.queue.popleft()
+            self.done_at[layer] = now
+            if self.queue:
+                self.lat, self.left = self.latency, float(self.queue[0][1])
+        elif self.lat > 0:
+            self.lat -= dt
+        else:
+            self.left -= dt * rate
 
 
 class _Sim:
@@ -121,9 +139,10 @@ class _Sim:
         self.peak = -1
         self.peak_at = ""
 
-    def mark(self, mem: int, where: str) -> None:
+    def mark(self, mem: int, where: str, layer: int = -1) -> None:
+        """A peak candidate: ``where`` (formatted with ``layer`` only if it is the peak so far)."""
         if mem > self.peak:
-            self.peak, self.peak_at = mem, where
+            self.peak, self.peak_at = mem, where.format(layer) if layer >= 0 else where
 
     def _step(self, work: float) -> float:
         """Advance to the next event (a copy ends, or ``work`` ms of compute is done if > 0);
@@ -134,36 +153,28 @@ class _Sim:
             rd, rh, slow = d.both, h.both, self.slow2
         else:
             rd, rh, slow = d.alone, h.alone, (self.slow1 if (dq or hq) else 1.0)
-        dt = work * slow if work > 0 else float("inf")
-        td = (d.lat if d.lat > 0 else d.left / rd) if dq else float("inf")
-        th = (h.lat if h.lat > 0 else h.left / rh) if hq else float("inf")
+        dt = work * slow if work > 0 else _INF
+        td = (d.lat if d.lat > 0 else d.left / rd) if dq else _INF
+        th = (h.lat if h.lat > 0 else h.left / rh) if hq else _INF
         dt = min(dt, td, th)
-        if dt == float("inf"):
+        if dt == _INF:
             raise RuntimeError("simulation waits on a link that has nothing queued")  # a bug here
         self.t += dt
         if work > 0:
             work = 0.0 if dt >= work * slow else work - dt / slow
         else:
             self.stall[self.phase] += dt
-        for link, active, rate, tl in ((d, dq, rd, td), (h, hq, rh, th)):
-            if not active:
-                continue
-            if tl <= dt:  # this copy (or its latency phase) ends now
-                if link.lat > 0:
-                    link.lat = 0.0
-                    if link.left > 0:
-                        continue
-                layer, _ = link.queue.popleft()
-                link.done_at[layer] = self.t
-                if link.queue:
-                    link.lat, link.left = link.latency, float(link.queue[0][1])
-            elif link.lat > 0:
-                link.lat -= dt
-            else:
-                link.left -= dt * rate
+        if dq:
+            d.advance(dt, rd, td, self.t)
+        if hq:
+            h.advance(dt, rh, th, self.t)
         return work
 
     def compute(self, ms: float) -> None:
+        if not (self.d2h.queue or self.h2d.queue):
+            if ms > 0:  # nothing copies: the compute runs at full speed (what _step would do)
+                self.t += ms
+            return
         work = ms
         while work > 0:
             work = self._step(work)
@@ -194,11 +205,38 @@ def simulate(
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+    return simulate_figures(profile, [layer_figures(profile, l, lp) for l, lp in zip(profile.layers, layers)],
+                            budget_bytes)
 
-    prof = profile.layers
-    off = [offloaded_bytes(l, lp) for l, lp in zip(prof, layers)]
-    pre = [held_bytes(l, lp) for l, lp in zip(prof, layers)]
-    trans = [transient_bytes(l, lp, profile.recompute_factor) for l, lp in zip(prof, layers)]
+
+class LayerFigures(NamedTuple):
+    """What the simulation reads of one layer under its action (the search computes them once
+    per layer and candidate, not once per simulated plan)."""
+
+    offloaded: int      # offloaded_bytes
+    held: int           # held_bytes
+    transient: int      # transient_bytes
+    forward_need: int   # forward_need_bytes
+    forward_ms: float
+    backward_ms: float  # backward_cost_ms
+    grad_bytes: int
+
+
+def layer_figures(profile: StepProfile, layer: LayerProfile, lp: LayerPlan) -> LayerFigures:
+    """The :class:`LayerFigures` of ``layer`` (one of ``profile``'s) under ``lp``."""
+    return LayerFigures(offloaded_bytes(layer, lp), held_bytes(layer, lp),
+                        transient_bytes(layer, lp, profile.recompute_factor), forward_need_bytes(layer),
+                        layer.forward_ms, backward_cost_ms(layer, lp, profile.recompute_time_factor), layer.grad_bytes)
+
+
+def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures],
+                     budget_bytes: Optional[int] = None) -> Prediction:
+    """:func:`simulate` from each layer's :func:`layer_figures`, unchecked (the search's inner
+    loop: its figures come from :func:`layer_figures`, its budget from its own check)."""
+    n = len(figures)
+    off = [f.offloaded for f in figures]
+    pre = [f.held for f in figures]
+    trans = [f.transient for f in figures]
     state = [_HELD] * n
     sim = _Sim(profile)
     base, budget = profile.base_bytes, budget_bytes
@@ -226,13 +264,13 @@ def simulate(
 
     sim.mark(base, "start of forward")
     sim.compute(profile.pre_ms)
-    for i, layer in enumerate(prof):
+    for i, fig in enumerate(figures):
         release_finished(n)
-        need = forward_need_bytes(layer)
+        need = fig.forward_need
         if budget is not None:
             force_release(need, n)
-        sim.mark(base + held + need, f"forward layer {i}")
-        sim.compute(layer.forward_ms)
+        sim.mark(base + held + need, "forward layer {}", i)
+        sim.compute(fig.forward_ms)
         held += pre[i]
         if off[i] > 0:
             sim.d2h.submit(i, off[i])
@@ -277,10 +315,10 @@ def simulate(
             state[j] = _RELOADING
         if state[i] == _RELOADING:
             sim.wait(sim.h2d, i)
-        sim.mark(base + held + grads + trans[i], f"backward layer {i}")
-        sim.compute(backward_cost_ms(prof[i], layers[i], profile.recompute_time_factor))
+        sim.mark(base + held + grads + trans[i], "backward layer {}", i)
+        sim.compute(figures[i].backward_ms)
         held -= pre[i]
-        grads += prof[i].grad_bytes
+        grads += figures[i].grad_bytes
         state[i] = _FREED
     sim.compute(profile.post_ms)
     sim.drain()

@@ -33,10 +33,10 @@ from __future__ import annotations
 import heapq
 import math
 import warnings
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from ..engine.stats import format_bytes
-from .model import backward_cost_ms, held_bytes, offloaded_bytes, resident_bytes, simulate
+from .model import backward_cost_ms, held_bytes, layer_figures, offloaded_bytes, resident_bytes, simulate, simulate_figures
 from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile, slot_keys
 
 MAX_THRESHOLDS = 4         # partial-offload thresholds tried per layer (largest distinct sizes)
@@ -107,12 +107,14 @@ class _Evaluator:
         self.profile, self.cands, self.budget, self.host = profile, cands, budget, host_budget
         self.memo: dict[Key, Prediction] = {}
         self.best: Optional[tuple[float, int, Key]] = None
+        # What the simulation reads of each layer under each candidate, worked out once.
+        self.figures = [[layer_figures(profile, layer, lp) for lp in c] for layer, c in zip(profile.layers, cands)]
 
     def __call__(self, key: Key) -> Prediction:
         pred = self.memo.get(key)
         if pred is None:
-            plans = [c[k] for c, k in zip(self.cands, key)]
-            pred = self.memo[key] = simulate(self.profile, plans, self.budget)
+            figures = [row[k] for row, k in zip(self.figures, key)]
+            pred = self.memo[key] = simulate_figures(self.profile, figures, self.budget)
             if self.ok(pred):
                 rank = (pred.step_ms, pred.peak_bytes, key)
                 if self.best is None or rank < self.best:
@@ -183,20 +185,16 @@ def _search_families(ev: _Evaluator) -> None:
     # Kept layers plainly, and (where layers have candidates) selectively.
     keeps = [0, 1] if any(len(c) > 1 and c[1].selective for c in cands) else [0]
     for v, shape, keep in ((v, s, k) for v in range(max(variants, 1)) for s in shapes for k in keeps):
-        best_step, since_best = float("inf"), 0
+        best_step, since_best, guess = float("inf"), 0, 0
         for o in _o_grid(n):
             # Largest k that fits: keeping is never slower than recomputing, only bigger.
-            if not ev.fits(_family(cands, offs, o, 0, v, shape, keep)):
+            fits = lambda k: ev.fits(_family(cands, offs, o, k, v, shape, keep))  # noqa: E731
+            k = _largest(fits, n - o, guess)
+            if k is None:
                 step = float("inf")
             else:
-                lo, hi = 0, n - o
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if ev.fits(_family(cands, offs, o, mid, v, shape, keep)):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                step = ev(_family(cands, offs, o, lo, v, shape, keep)).step_ms
+                guess = k
+                step = ev(_family(cands, offs, o, k, v, shape, keep)).step_ms
             if step < best_step:
                 best_step, since_best = step, 0
             else:
@@ -204,6 +202,33 @@ def _search_families(ev: _Evaluator) -> None:
                 # Past the link's capacity more offload only adds stalls: stop this shape.
                 if best_step < float("inf") and since_best >= 4:
                     break
+
+
+def _largest(fits: Callable[[int], bool], top: int, guess: int) -> Optional[int]:
+    """The largest ``k`` in ``[0, top]`` for which ``fits(k)`` (true up to some ``k``, false
+    above: keeping one more layer only adds memory), or None if not even 0 does. Galloping from
+    ``guess`` (the answer at the neighbouring family member, a layer or two away): a few
+    simulations where a bisection over ``[0, top]`` takes log2(top) + 2."""
+    guess = min(max(guess, 0), top)
+    if fits(guess):
+        lo, step = guess, 1  # fits at lo; find the first that does not
+        while lo + step <= top and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(top, lo + step - 1)  # lo + step fails (or is past top)
+    else:
+        hi, step = guess - 1, 1  # fails above hi; find one that fits
+        while hi >= 0 and not fits(max(0, hi - step + 1)):
+            hi, step = hi - step, step * 2
+        if hi < 0:
+            return None
+        lo = max(0, hi - step + 1)
+    while lo < hi:  # fits at lo, fails above hi
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ---------------------------------------------------------------------------------- local moves
