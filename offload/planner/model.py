@@ -154,20 +154,24 @@ class _Sim:
         else:
             rd, rh, slow = d.alone, h.alone, (self.slow1 if (dq or hq) else 1.0)
         dt = work * slow if work > 0 else _INF
+        # (Comparisons rather than min(): this is the simulation's innermost line.)
         td = (d.lat if d.lat > 0 else d.left / rd) if dq else _INF
+        if td < dt:
+            dt = td
         th = (h.lat if h.lat > 0 else h.left / rh) if hq else _INF
-        dt = min(dt, td, th)
+        if th < dt:
+            dt = th
         if dt == _INF:
             raise RuntimeError("simulation waits on a link that has nothing queued")  # a bug here
-        self.t += dt
+        self.t = now = self.t + dt
         if work > 0:
             work = 0.0 if dt >= work * slow else work - dt / slow
         else:
             self.stall[self.phase] += dt
         if dq:
-            d.advance(dt, rd, td, self.t)
+            d.advance(dt, rd, td, now)
         if hq:
-            h.advance(dt, rh, th, self.t)
+            h.advance(dt, rh, th, now)
         return work
 
     def compute(self, ms: float) -> None:
@@ -205,8 +209,10 @@ def simulate(
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
-    return simulate_figures(profile, [layer_figures(profile, l, lp) for l, lp in zip(profile.layers, layers)],
+    made = simulate_figures(profile, [layer_figures(profile, l, lp) for l, lp in zip(profile.layers, layers)],
                             budget_bytes)
+    assert made is not None  # (no limit to stop at)
+    return made
 
 
 class LayerFigures(NamedTuple):
@@ -229,10 +235,13 @@ def layer_figures(profile: StepProfile, layer: LayerProfile, lp: LayerPlan) -> L
                         layer.forward_ms, backward_cost_ms(layer, lp, profile.recompute_time_factor), layer.grad_bytes)
 
 
-def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures],
-                     budget_bytes: Optional[int] = None) -> Prediction:
+def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures], budget_bytes: Optional[int] = None,
+                     within: Optional[tuple[int, Optional[int]]] = None) -> Optional[Prediction]:
     """:func:`simulate` from each layer's :func:`layer_figures`, unchecked (the search's inner
-    loop: its figures come from :func:`layer_figures`, its budget from its own check)."""
+    loop: its figures come from :func:`layer_figures`, its budget from its own check).
+    ``within``: (peak bytes, host bytes or None): stop and return None as soon as the plan's peak
+    or the bytes it copies to the host pass these (a search asking only whether it fits)."""
+    peak_limit, host_limit = within if within is not None else (None, None)
     n = len(figures)
     off = [f.offloaded for f in figures]
     pre = [f.held for f in figures]
@@ -244,9 +253,13 @@ def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures],
     inflight: deque[int] = deque()  # groups whose D2H was queued and that are not released, FIFO
     d2h_bytes = h2d_bytes = wasted = 0
 
+    d2h_done = sim.d2h.done_at
+
+    # (The calls below are made only where they have something to do: the checks before them
+    # are their loops' first tests, this being the search's innermost loop.)
     def release_finished(below: int) -> None:
         nonlocal held
-        while inflight and sim.d2h.done_at[inflight[0]] is not None and inflight[0] < below:
+        while inflight and d2h_done[inflight[0]] is not None and inflight[0] < below:
             j = inflight.popleft()
             state[j] = _RELEASED
             held -= off[j]
@@ -265,22 +278,30 @@ def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures],
     sim.mark(base, "start of forward")
     sim.compute(profile.pre_ms)
     for i, fig in enumerate(figures):
-        release_finished(n)
+        if inflight and d2h_done[inflight[0]] is not None:
+            release_finished(n)
         need = fig.forward_need
-        if budget is not None:
+        if budget is not None and inflight and base + held + need > budget:
             force_release(need, n)
-        sim.mark(base + held + need, "forward layer {}", i)
+        if base + held + need > sim.peak:
+            sim.mark(base + held + need, "forward layer {}", i)
+            if peak_limit is not None and sim.peak > peak_limit:
+                return None
         sim.compute(fig.forward_ms)
         held += pre[i]
         if off[i] > 0:
             sim.d2h.submit(i, off[i])
             d2h_bytes += off[i]
+            if host_limit is not None and d2h_bytes > host_limit:
+                return None
             inflight.append(i)
             state[i] = _IN_FLIGHT
     release_finished(n)
     if budget is not None:
         force_release(profile.head_bytes, n)
     sim.mark(base + held + profile.head_bytes, "end of forward")
+    if peak_limit is not None and sim.peak > peak_limit:
+        return None
     sim.compute(profile.head_ms)
 
     sim.phase = 1
@@ -295,14 +316,14 @@ def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures],
             state[i] = _ORIGINALS
             wasted += off[i]
         # Groups >= i left in the FIFO are wasted ones: drop them as their copies end.
-        while inflight and state[inflight[0]] == _ORIGINALS and sim.d2h.done_at[inflight[0]] is not None:
+        while inflight and state[inflight[0]] == _ORIGINALS and d2h_done[inflight[0]] is not None:
             inflight.popleft()
         if state[i] == _RELEASED:
             sim.h2d.submit(i, off[i])
             h2d_bytes += off[i]
             held += off[i]
             state[i] = _RELOADING
-        if budget is not None:
+        if budget is not None and inflight and base + held + grads + trans[i] > budget:
             force_release(trans[i], i)
         for j in offl[max(0, below - PREFETCH_DEPTH):below][::-1]:
             if state[j] != _RELEASED:
@@ -315,7 +336,10 @@ def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures],
             state[j] = _RELOADING
         if state[i] == _RELOADING:
             sim.wait(sim.h2d, i)
-        sim.mark(base + held + grads + trans[i], "backward layer {}", i)
+        if base + held + grads + trans[i] > sim.peak:
+            sim.mark(base + held + grads + trans[i], "backward layer {}", i)
+            if peak_limit is not None and sim.peak > peak_limit:
+                return None
         sim.compute(figures[i].backward_ms)
         held -= pre[i]
         grads += figures[i].grad_bytes
