@@ -95,8 +95,8 @@ def cases(depths: tuple[int, ...] = (32,)) -> list[dict[str, Any]]:
         if n != 32:
             continue
         most = simulate(p, [LayerPlan(Action.OFFLOAD)] * n, None).d2h_bytes
-        out.append({"name": "32 layers, budget 0.50, host 30%", "profile": p, "budget": between(p, 0.5),
-                    "host": int(0.3 * most)})
+        out.append({"name": "32 layers, budget 0.50, host 15%", "profile": p, "budget": between(p, 0.5),
+                    "host": int(0.15 * most)})
         plain = profile([layer(selective=False)] * n)
         out.append({"name": "32 layers, no selective, budget 0.40", "profile": plain, "budget": between(plain, 0.4)})
         mixed = profile([layer(1.0 if i % 3 else 1.6) for i in range(24)])

@@ -48,6 +48,7 @@ IMPROVE_EVALS = 80_000     # its budget, in simulated layers (a simulation costs
 IMPROVE_MAX = 900          # ... and in simulations
 GREEDY_EVALS = 150_000     # its budget, in simulated layers
 SCREENED_VARIANTS = 3      # offload variants the families try in every shape (the best in the first)
+FAMILY_PATIENCE = 4        # a family stops after this many more offloaded layers that were no faster
 MIN_GAIN = 1e-4            # a move must save this fraction of the step (not chase float noise)
 # The cost model's error on a plan's peak, as a fraction of it. Measured on the H100 the model
 # predicted peaks within 3.5% (docs/benchmarks.md, LLAMA-1B/2B and hidden 8192); T11's 10% bounds
@@ -246,7 +247,7 @@ def _family_best(ev: _Evaluator, offs: list[list[int]], v: int, shape: str, keep
         else:
             since_best += 1
             # Past the link's capacity more offload only adds stalls: stop this shape.
-            if best_step < float("inf") and since_best >= 4:
+            if best_step < float("inf") and since_best >= FAMILY_PATIENCE:
                 break
     return best_step
 
