@@ -9,6 +9,7 @@ the whole simulation, and the offload thresholds dropped for copying nearly what
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
@@ -84,21 +85,22 @@ def _keys(case: dict[str, Any]) -> list[list[LayerPlan]]:
 
 
 def test_simulation_stopped_at_a_budget_agrees_with_the_whole_one() -> None:
+    # Within limits it is the whole simulation; a byte under the plan's peak (wherever that
+    # falls: a forward layer, the head, a backward layer), or under what it copies, it stops.
+    places = set()
     case = CASES["32 layers, budget 0.30"]
-    p, budget = case["profile"], case["budget"]
-    host = int(0.2 * simulate(p, [LayerPlan(Action.OFFLOAD)] * len(p.layers)).d2h_bytes)
-    stopped = 0
-    for plans in _keys(case):
-        whole = simulate(p, plans, budget)
-        figures = [layer_figures(p, layer, lp) for layer, lp in zip(p.layers, plans)]
-        assert simulate_figures(p, figures, budget) == whole
-        within = simulate_figures(p, figures, budget, (budget, host))
-        fits = whole.peak_bytes <= budget and whole.d2h_bytes <= host
-        assert (within is not None) == fits, plans
-        if within is not None:
-            assert within == whole
-        stopped += within is None
-    assert 0 < stopped < len(_keys(case))  # both kinds were seen
+    headless = dataclasses.replace(case["profile"], head_bytes=0)  # peaks in backward too
+    for p, budget in ((case["profile"], case["budget"]), (headless, case["budget"]), (headless, None)):
+        for plans in _keys(case):
+            whole = simulate(p, plans, budget)
+            figures = [layer_figures(p, layer, lp) for layer, lp in zip(p.layers, plans)]
+            assert simulate_figures(p, figures, budget) == whole
+            assert simulate_figures(p, figures, budget, (whole.peak_bytes, whole.d2h_bytes)) == whole
+            assert simulate_figures(p, figures, budget, (whole.peak_bytes - 1, None)) is None, whole.peak_at
+            if whole.d2h_bytes:
+                assert simulate_figures(p, figures, budget, (whole.peak_bytes, whole.d2h_bytes - 1)) is None
+            places.add(whole.peak_at.split(" layer")[0])
+    assert places == {"forward", "end of forward", "backward"}
 
 
 def test_thresholds_copying_nearly_the_same_are_dropped() -> None:
