@@ -55,6 +55,7 @@ from .engine.core import OffloadEngine
 from .layers.short_probe import ShortStep
 from .planner.agree import agree_flag, agree_max, agree_step, ranks_agree_enabled
 from .planner.budget import DEVICE
+from .planner.first_steps import FirstSteps
 from .planner.link import measure_link
 from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
     step_figures, use_expandable_segments
@@ -127,6 +128,7 @@ class PlannedSteps:
         self._failed: Optional[tuple[StepOutcome, BaseException]] = None  # the probe step raised: how
         self._pinned_ahead = False
         self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
+        self.costs = FirstSteps(lambda: engine.arena.counters.acquire_s)  # the first steps' one-off costs
         self._sequence: Optional[ProbeSequence] = None
         self._step_mark: Any = None
         self._entry_step: Optional[int] = None  # the engine step planned at the model's entry
@@ -153,7 +155,7 @@ class PlannedSteps:
                 self._shape = shape.bucket()
                 self._plans[self._shape] = plan  # (not agreed: each rank may be given its own)
         elif budget is not None:
-            link = _Once(lambda: measure_link(device))
+            link = _Once(lambda: self.costs.timed("link", lambda: measure_link(device)))
             self._sequence = ProbeSequence(
                 layers, probe_policy(device, engine.policy.min_offload_bytes, engine.policy.selection),
                 device, probe=probe, candidates=candidates, link=link,
@@ -164,8 +166,10 @@ class PlannedSteps:
     def enter(self) -> bool:
         """A step's forward begins. Returns whether it is a probe step (then :attr:`probe` is
         its measured probe, begun, or None for a plain warm-up step)."""
+        self.costs.enter()
         self._close_previous_step()
         if self.profile is not None:
+            self.costs.kind("planned")
             self._check_out_of_memory()
             self._check_host_room()
             if self.plan is None:
@@ -178,10 +182,12 @@ class PlannedSteps:
             return False
         if self._sequence is not None:
             self._probing = True
-            if self._pinned_ahead and self._sequence.todo[:1] == ["measure"]:
+            kind = "".join(self._sequence.todo[:1])
+            self.costs.kind("warm-up" if kind == "plain" else kind)
+            if self._pinned_ahead and kind == "measure":
                 # The blocks pinned ahead must be done before the measured step: pinning takes the
                 # driver's lock, and kernels launched late would be timed into its layers.
-                self.engine.arena.settle(wait=True)
+                self.costs.timed("pinning", lambda: self.engine.arena.settle(wait=True))
             self.probe = self._sequence.next_step()  # None: run plainly, unmeasured
             if self.probe is not None:
                 self.probe.begin()
@@ -317,14 +323,20 @@ class PlannedSteps:
         self.probe, self._probing, self._failed = None, False, None
         sequence = self._sequence
         assert sequence is not None
+        self.profile = self.costs.timed("probe", lambda: self._end_probe_step(sequence, probe, failed))
+        self._pin_ahead()
+
+    def _end_probe_step(self, sequence: ProbeSequence, probe: Optional[ProbeStep],
+                        failed: Optional[tuple[StepOutcome, BaseException]]) -> Optional[StepProfile]:
         if failed is None:
             if probe is not None:
                 probe.end_step()
+                if probe.step_start is not None and probe.step_end is not None:  # (synchronised: a cheap read)
+                    self.costs.device(probe.clock.ms(probe.step_start, probe.step_end) / 1e3)
             own, exc = sequence.judge(probe), None
         else:
             own, exc = failed
-        self.profile = sequence.advance(own, self._agree_outcome(own), exc, probe)
-        self._pin_ahead()
+        return sequence.advance(own, self._agree_outcome(own), exc, probe)
 
     def _agree_outcome(self, own: StepOutcome) -> StepOutcome:
         """The outcome of a probe step all ranks of the plan group move on by: the worst."""
@@ -363,12 +375,12 @@ class PlannedSteps:
             # blocks go back first, so the plan's memory comes from fresh (expandable) segments
             # rather than split ones, and what stays reserved is known to be unusable (once per
             # new shape: it waits for the device).
-            torch.cuda.empty_cache()
+            self.costs.timed("empty_cache", torch.cuda.empty_cache)
         self._host_figure = self.engine.arena.plan_host_bytes()
         try:
-            plan = choose(profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable,
-                          emptied=emptied, head=self.head, host_budget=self._host_figure,
-                          host_limited=self.engine.arena.plan_limited)
+            plan = self.costs.timed("search", lambda: choose(
+                profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable, emptied=emptied,
+                head=self.head, host_budget=self._host_figure, host_limited=self.engine.arena.plan_limited))
         except BudgetError as exc:
             if shape is None:
                 raise
@@ -457,8 +469,8 @@ class PlannedSteps:
         self._pinned_ahead = True
         try:
             sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
-            plan = choose(sizing, self.budget, self.device, expandable=self._expandable,
-                          host_budget=self.engine.arena.plan_host_bytes())
+            plan = self.costs.timed("search", lambda: choose(sizing, self.budget, self.device, expandable=self._expandable,
+                                                             host_budget=self.engine.arena.plan_host_bytes()))
         except (BudgetError, ValueError):
             return  # the measured step decides; nothing to pin ahead
         self._pin(PlannedSchedule(plan, sizing).region_bytes())
