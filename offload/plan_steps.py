@@ -34,10 +34,11 @@ every rank plans that step again (the others at their own budgets), so no rank r
 ``BudgetError`` alone.
 
 **Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: its host
-regions are pinned in the background from then on, during the calibration step where one
-follows, and the measured step waits for them at its entry (pinning takes the driver's lock, and
-kernels launched late would be timed into its layers). Pinning is then part of the probe steps,
-and the first planned step does not stall on it. With plans per
+regions are pinned in the background from then on (during a calibration step where one follows),
+and the measured step waits for them at its entry (pinning takes the driver's lock, and kernels
+launched late would be timed into its layers). Pinning is then part of the probe steps, and the
+first planned step does not stall on it. What each of the first steps spent where is recorded
+(:mod:`offload.planner.first_steps`: ``OffloadActivations.first_steps`` and its report). With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 """
 
@@ -188,7 +189,7 @@ class PlannedSteps:
                 # The blocks pinned ahead must be done before the measured step: pinning takes the
                 # driver's lock, and kernels launched late would be timed into its layers.
                 self.costs.timed("pinning", lambda: self.engine.arena.settle(wait=True))
-            self.probe = self._sequence.next_step()  # None: run plainly, unmeasured
+            self.probe = self.costs.timed("allocator", self._sequence.next_step)  # None: run plainly, unmeasured
             if self.probe is not None:
                 self.probe.begin()
             return True

@@ -16,7 +16,10 @@ planned step makes the plan. Each of those steps pays one-off costs on top of th
     giving the allocator's cached blocks back before the device is read for a plan;
 ``pinning``
     waiting for host blocks: those pinned ahead, waited for before the measured step, and those
-    a step's copies had to pin (or wait for) on the spot.
+    a step's copies had to pin (or wait for) on the spot;
+``allocator``
+    growing the caching allocator to the plain step's predicted peak before the measured plain
+    step, where no calibration step did it (:mod:`offload.planner.sequence`).
 
 Every figure is host seconds from ``time.perf_counter`` around the phase (no device
 synchronisation of its own). A step's ``wall_s`` runs from its ``with``'s entry to the next
@@ -37,7 +40,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ["FirstSteps", "StepCosts", "PHASES", "PLANNED_STEPS"]
 
-PHASES = ("probe", "search", "link", "empty_cache", "pinning")
+PHASES = ("probe", "search", "link", "empty_cache", "pinning", "allocator")
 PLANNED_STEPS = 2
 
 
