@@ -62,6 +62,38 @@ def test_plan_as_fast_as_before_and_within_budgets(name: str) -> None:
     assert (again.step_ms, again.peak_bytes) == (pred.step_ms, pred.peak_bytes)
 
 
+# What the cost model predicted for these plans before issue 50 (commit f12a762): the faster
+# simulation must give the same figures, to the bit.
+SIMULATED = {
+    ("keep", True): (1386.9000000000017, 126902861824, "end of forward"),
+    ("keep", False): (1386.9000000000017, 126902861824, "end of forward"),
+    ("recompute", True): (1904.33376824954, 25906118656, "end of forward"),
+    ("recompute", False): (1904.33376824954, 25906118656, "end of forward"),
+    ("offload", True): (3269.5922632658903, 55104765952, "forward layer 14"),
+    ("offload", False): (2132.0412121788227, 101619597312, "end of forward"),
+    ("mixed", True): (1988.0109711266036, 55251566592, "end of forward"),
+    ("mixed", False): (1707.7649240484395, 67062726656, "end of forward"),
+    ("spread", True): (2137.3005840587152, 55922655232, "forward layer 28"),
+    ("spread", False): (1832.3807303834203, 67809312768, "end of forward"),
+}
+
+
+@pytest.mark.parametrize("name, budgeted", sorted(SIMULATED))
+def test_the_simulation_predicts_what_it_did_before(name: str, budgeted: bool) -> None:
+    case = CASES["32 layers, budget 0.30"]
+    n = len(case["profile"].layers)
+    keep, recompute = LayerPlan(Action.KEEP), LayerPlan(Action.RECOMPUTE)
+    offload = LayerPlan(Action.OFFLOAD)
+    plans = {
+        "keep": [keep] * n, "recompute": [recompute] * n, "offload": [offload] * n,
+        "mixed": [LayerPlan(Action.OFFLOAD, selective=True)] * 10 + [recompute] * 8
+        + [LayerPlan(Action.OFFLOAD, 94906265)] * 8 + [LayerPlan(Action.KEEP, selective=True)] * 6,
+        "spread": [offload if i % 3 else recompute for i in range(n)],
+    }[name]
+    pred = simulate(case["profile"], plans, case["budget"] if budgeted else None)
+    assert (pred.step_ms, pred.peak_bytes, pred.peak_at) == SIMULATED[name, budgeted]
+
+
 @pytest.mark.parametrize("top", range(9))
 def test_largest_finds_the_last_fitting_from_any_guess(top: int) -> None:
     for last, guess in itertools.product(range(-1, top + 1), range(-2, top + 3)):

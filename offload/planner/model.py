@@ -137,59 +137,65 @@ class _Sim:
         self.stall = [0.0, 0.0]  # forward, backward
         self.phase = 0
         self.peak = -1
-        self.peak_at = ""
+        self.peak_at = ("", -1)  # where (a format taking the layer), the layer
 
     def mark(self, mem: int, where: str, layer: int = -1) -> None:
-        """A peak candidate: ``where`` (formatted with ``layer`` only if it is the peak so far)."""
+        """A peak candidate at ``where`` (formatted with ``layer`` once the simulation is over)."""
         if mem > self.peak:
-            self.peak, self.peak_at = mem, where.format(layer) if layer >= 0 else where
+            self.peak, self.peak_at = mem, (where, layer)
 
-    def _step(self, work: float) -> float:
-        """Advance to the next event (a copy ends, or ``work`` ms of compute is done if > 0);
-        return the compute work left."""
+    def compute(self, ms: float) -> None:
+        """``ms`` of compute, slower while copies run; each copy's end is an event."""
+        d, h = self.d2h, self.h2d
+        work = ms
+        while work > 0:
+            dq, hq = bool(d.queue), bool(h.queue)
+            if not (dq or hq):  # nothing copies: full speed
+                self.t += work
+                return
+            # (Inline, and comparisons rather than min(): this is the simulation's innermost loop.)
+            if dq and hq:
+                rd, rh, slow = d.both, h.both, self.slow2
+            else:
+                rd, rh, slow = d.alone, h.alone, self.slow1
+            dt = full = work * slow
+            td = (d.lat if d.lat > 0 else d.left / rd) if dq else _INF
+            if td < dt:
+                dt = td
+            th = (h.lat if h.lat > 0 else h.left / rh) if hq else _INF
+            if th < dt:
+                dt = th
+            self.t = now = self.t + dt
+            work = 0.0 if dt >= full else work - dt / slow
+            if dq:
+                d.advance(dt, rd, td, now)
+            if hq:
+                h.advance(dt, rh, th, now)
+
+    def _stall(self) -> None:
+        """Compute waits until the next copy ends (the copies' rates as in :meth:`compute`)."""
         d, h = self.d2h, self.h2d
         dq, hq = bool(d.queue), bool(h.queue)
-        if dq and hq:
-            rd, rh, slow = d.both, h.both, self.slow2
-        else:
-            rd, rh, slow = d.alone, h.alone, (self.slow1 if (dq or hq) else 1.0)
-        dt = work * slow if work > 0 else _INF
-        # (Comparisons rather than min(): this is the simulation's innermost line.)
+        rd, rh = (d.both, h.both) if dq and hq else (d.alone, h.alone)
         td = (d.lat if d.lat > 0 else d.left / rd) if dq else _INF
-        if td < dt:
-            dt = td
         th = (h.lat if h.lat > 0 else h.left / rh) if hq else _INF
-        if th < dt:
-            dt = th
+        dt = td if td < th else th
         if dt == _INF:
             raise RuntimeError("simulation waits on a link that has nothing queued")  # a bug here
         self.t = now = self.t + dt
-        if work > 0:
-            work = 0.0 if dt >= work * slow else work - dt / slow
-        else:
-            self.stall[self.phase] += dt
+        self.stall[self.phase] += dt
         if dq:
             d.advance(dt, rd, td, now)
         if hq:
             h.advance(dt, rh, th, now)
-        return work
-
-    def compute(self, ms: float) -> None:
-        if not (self.d2h.queue or self.h2d.queue):
-            if ms > 0:  # nothing copies: the compute runs at full speed (what _step would do)
-                self.t += ms
-            return
-        work = ms
-        while work > 0:
-            work = self._step(work)
 
     def wait(self, link: _Link, layer: int) -> None:
         while link.done_at[layer] is None:
-            self._step(0.0)
+            self._stall()
 
     def drain(self) -> None:
         while self.d2h.queue or self.h2d.queue:
-            self._step(0.0)
+            self._stall()
 
 
 def simulate(
@@ -353,6 +359,6 @@ def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures], budg
         backward_stall_ms=sim.stall[1],
         d2h_bytes=d2h_bytes,
         h2d_bytes=h2d_bytes,
-        peak_at=sim.peak_at,
+        peak_at=sim.peak_at[0].format(sim.peak_at[1]),
         wasted_d2h_bytes=wasted,
     )
