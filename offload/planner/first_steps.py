@@ -137,13 +137,14 @@ class FirstSteps:
         """The short "first steps" table of the report ('' before any step was recorded)."""
         if not self.steps:
             return ""
-        def cell(value: Optional[float], blank: str = "") -> str:
-            return blank if value is None else f"{value:.3f}"
-
         head = f"{'step':>4}  {'kind':<9} {'wall':>7} {'device':>7} " + " ".join(f"{n:>11}" for n in PHASES) + "   other"
         lines = ["first steps (seconds; the one-off costs of planning: offload.planner.first_steps):", head]
         for row in self.rows():
-            lines.append(f"{row['step']:>4}  {row['kind']:<9} {cell(row['wall_s'], 'running'):>7} "
-                         f"{cell(row['device_s']):>7} " + " ".join(f"{row[n + '_s']:>11.3f}" for n in PHASES)
-                         + f" {cell(row['other_s']):>7}")
+            lines.append(f"{row['step']:>4}  {row['kind']:<9} {_cell(row['wall_s'], 'running'):>7} "
+                         f"{_cell(row['device_s']):>7} " + " ".join(f"{row[n + '_s']:>11.3f}" for n in PHASES)
+                         + f" {_cell(row['other_s']):>7}")
         return "\n\n" + "\n".join(lines)
+
+
+def _cell(value: Optional[float], blank: str = "") -> str:
+    return blank if value is None else f"{value:.3f}"
