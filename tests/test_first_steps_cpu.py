@@ -7,11 +7,13 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 
 import offload
+from offload import plan_steps
 from offload.planner.first_steps import PHASES, PLANNED_STEPS, FirstSteps
-from _util import make_mlp_layers, oa_step
+from _util import assert_bitwise, make_mlp_layers, oa_step, train_step
 
 
 def _run(steps: int, **kw: Any) -> Any:
@@ -44,6 +46,27 @@ def test_first_steps_add_up_and_are_reported() -> None:
     assert "first steps" in report
     for kind in ("warm-up", "calibrate", "measure", "planned"):
         assert kind in report.split("first steps")[1]
+
+
+def test_auto_probe_sizes_then_measures_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU has no device memory to size against, so the auto probe runs there only with a
+    # device limit given (as a GPU gives one): the sizing step, then the measured plain step
+    # (no calibration step), then planned steps, every one with the plain gradients.
+    real = plan_steps.ProbeSequence
+    monkeypatch.setattr(plan_steps, "ProbeSequence",
+                        lambda *a, **kw: real(*a, **{**kw, "device_limit": lambda: 1 << 50}))
+    torch.manual_seed(0)
+    layers = make_mlp_layers(4, width=64)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes="lowest")
+    for _ in range(5):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    rows = oa.first_steps
+    assert [r["kind"] for r in rows] == ["size", "measure", "planned", "planned"], rows
+    assert rows[1]["search_s"] > 0 and rows[1]["link_s"] > 0  # the plan pinned ahead, from the sizing step
+    assert rows[2]["search_s"] > 0 and oa.plan.profile.probe == "plain"
 
 
 def test_no_table_without_plans() -> None:
