@@ -43,6 +43,16 @@ error is simulated (a forward hook raises it once) and ``"lowest"`` stands in fo
     python benchmarks/device_everywhere.py --cases 1b-131072 --contenders device
     python benchmarks/device_everywhere.py --recovery                     # T24, ~1 min
     python benchmarks/device_everywhere.py --cpu-smoke --cases 8b-16384   # tiny check, no GPU
+
+T14 (issue 50 s1), the first steps, from the same runs of each planned contender: no step over
+1.5x the steady step (the timed steps' median) and the first 5 steps (probe steps included)
+together at most 6 steady steps. Each such run also records ``OffloadActivations.first_steps``
+(what each probe step and the first planned steps spent on the probe's end of step, the plan
+search, the link, empty_cache and waiting for host blocks) in its JSON (``first_steps``) and
+prints it. ``--cap-gib`` caps every worker's allocator (``set_per_process_memory_fraction``)
+before its model is built, as issue 50 measured it under an 80 GB cap:
+
+    python benchmarks/device_everywhere.py --cases 8b-16384,1b-131072 --contenders device --cap-gib 80
 """
 
 from __future__ import annotations
@@ -79,6 +89,10 @@ DEFAULT_CONTENDERS = ("ckpt", "device")
 SMOKE_SEQ = 64
 MAX_PLANNING_STEPS = 8  # a planner that has not planned after this many steps is reported, not waited for
 T23_STEP = 0.95  # each timed "device" step / checkpointing's median step
+T14_STEP = 1.5   # no step over this many steady steps ...
+T14_FIRST = 5    # ... and the first this many steps together ...
+T14_SUM = 6.0    # ... at most this many steady steps
+PLANNED = ("device", "lowest", "default")
 
 
 def case_spec(case: str, smoke: bool) -> tuple[LlamaSpec, bool]:
@@ -138,6 +152,9 @@ def plan_until_in_force(env: Env, step: Callable[[], Any], watch: PlanWatch, on_
 # -- T23: one (case, contender) -------------------------------------------------------------------
 def run_case(env: Env, case: str, contender: str, args: Any) -> dict[str, Any]:
     """One contender on one case, in this process: its steps and their summary."""
+    if args.cap_gib and env.cuda:  # before the model: the cap binds every allocation
+        capacity = torch.cuda.get_device_properties(env.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * (1 << 30) / capacity), env.device)
     spec, frozen = case_spec(case, env.smoke)
     model, ids = spec.build(env.device, init_in_dtype=True)
     trainable = train_norms_only(model) if frozen else sum(p.numel() for p in model.parameters())
@@ -171,8 +188,22 @@ def run_case(env: Env, case: str, contender: str, args: Any) -> dict[str, Any]:
         result.update(plan_fields(ctx.plan), plan_report=ctx.plan_report())
         print(result["plan_report"], flush=True)
     if ctx is not None:
+        result["first_steps"] = list(getattr(ctx, "first_steps", []))
+        if result["first_steps"]:
+            print(first_steps_table(result["first_steps"]), flush=True)
         ctx.close()
     return result
+
+
+def first_steps_table(rows: list[dict[str, Any]]) -> str:
+    """The context's first steps (seconds per phase), as the report shows them."""
+    phases = [k for k in rows[0] if k.endswith("_s") and k not in ("wall_s", "device_s", "other_s")]
+    head = ["step", "kind", "wall_s", "device_s", *phases, "other_s"]
+    lines = ["  first steps (s): " + "  ".join(h.removesuffix("_s") for h in head)]
+    for r in rows:
+        lines.append("  " + "  ".join(r["kind"] if h == "kind" else fmt(r.get(h), ".3f" if h != "step" else "")
+                                     for h in head))
+    return "\n".join(lines)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -234,6 +265,32 @@ def t23_targets(cases: list[str], rows: list[dict[str, Any]], smoke: bool) -> li
                         "figure": f"device {dev['median_ms']:.0f} ms = {dev['x_ckpt']:.3f}x checkpointing's {ckpt['median_ms']:.0f} ms "
                                   f"(worst step {dev['worst_x_ckpt']:.3f}x; <= {T23_STEP}), peak {fmt(dev['peak_gib'], '.1f')} GiB "
                                   f"against {fmt(ckpt['peak_gib'], '.1f')}"})
+    return out
+
+
+def t14_targets(cases: list[str], contenders: list[str], results: dict[str, dict[str, Any]],
+                smoke: bool) -> list[dict[str, Any]]:
+    """T14 per (case, planned contender): every step (probe steps included) <= 1.5x the steady
+    step (the timed steps' median), and the first 5 steps together <= 6 steady steps."""
+    out = []
+    for case in cases:
+        for contender in (c for c in contenders if c in PLANNED):
+            res = results.get(f"{case}:{contender}", {})
+            steps, steady = res.get("steps", []), res.get("summary", {}).get("median_ms")
+            name = f"T14 {case} {contender}"
+            if not steady or len(steps) < T14_FIRST or any("error" in r for r in steps[:T14_FIRST]):
+                out.append({"target": name, "ok": False if not smoke else None,
+                            "figure": res.get("error") or f"not measured ({len(steps)} steps, steady {steady})"})
+                continue
+            worst = max(steps, key=lambda r: r.get("ms") or 0.0)
+            first = sum(r["ms"] for r in steps[:T14_FIRST]) / steady
+            ok = worst["ms"] / steady <= T14_STEP and first <= T14_SUM
+            shown = ", ".join(f"{r['ms'] / 1e3:.2f}" for r in steps[:T14_FIRST])
+            out.append({"target": name, "ok": None if smoke else ok, "max_x_steady": worst["ms"] / steady,
+                        "first_x_steady": first,
+                        "figure": f"steps {shown} s, steady {steady / 1e3:.2f} s: the worst (step {worst['step'] + 1}) "
+                                  f"{worst['ms'] / steady:.2f}x (<= {T14_STEP}), the first {T14_FIRST} {first:.2f} steady "
+                                  f"steps (<= {T14_SUM:g})"})
     return out
 
 
@@ -333,6 +390,8 @@ def parse(argv: list[str]) -> tuple[Any, Any]:
     parser.add_argument("--contenders", default=",".join(DEFAULT_CONTENDERS), help=f"comma-separated, from {', '.join(CONTENDERS)}")
     parser.add_argument("--optimizer", choices=("none", "adamw"), default="none", help="T23's steps (T24 always uses AdamW)")
     parser.add_argument("--alloc-conf", default=None, help="PYTORCH_CUDA_ALLOC_CONF for the workers (default: as inherited)")
+    parser.add_argument("--cap-gib", type=float, default=None,
+                        help="cap each worker's allocator at this many GiB (set_per_process_memory_fraction), e.g. 80")
     parser.add_argument("--recovery", action="store_true", help="run T24 (only) instead of T23")
     parser.add_argument("--recovery-seq", type=int, default=8192)
     parser.add_argument("--recovery-batch", type=int, default=4)
@@ -394,15 +453,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         ("x_ckpt", "x ckpt", ".3f"), ("worst_x_ckpt", "worst x ckpt", ".3f"), ("peak_gib", "peak GiB", ".2f"),
         ("reserved_gib", "reserved GiB", ".2f"), ("probe_steps", "probes", ""), ("plan", "plan", "")])
     targets = t23_targets(cases, rows, env.smoke)
+    t14 = t14_targets(cases, contenders, results, env.smoke)
     print()
-    for t in targets:
+    for t in targets + t14:
         print(f"  {t['target']:<16} {verdict(t['ok'])}  {t['figure']}")
     name = "device_everywhere"
     if cases != list(CASES):
         name += "_" + "+".join(cases)
     if contenders != list(DEFAULT_CONTENDERS):
         name += "_" + "+".join(contenders)
-    write_json(name, env, {"cases": cases, "contenders": contenders, "rows": rows, "targets": targets, "runs": results},
+    if args.cap_gib:
+        name += f"_cap{args.cap_gib:g}"
+    write_json(name, env, {"cases": cases, "contenders": contenders, "cap_gib": args.cap_gib, "rows": rows,
+                           "targets": targets, "t14": t14, "runs": results},
                meta=parent_meta(env, list(results.values())), path=out)
     return exit_status([label for label, r in results.items() if "error" in r])
 

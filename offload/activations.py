@@ -21,8 +21,8 @@ import torch
 
 from .api import ENGINE_OPTIONS, _check_bool, build_engine, check_option_values, check_unknown_options
 from .layers.args import (
-    COMPILED_FIRST, check_bytes_form, check_offload_count, check_plan, check_torchtune_options, default_budget, default_inputs,
-    dynamo_compiled_code, layer_list, prune_dead_hooks, second_forward_error,
+    COMPILED_FIRST, NO_LAYER_RAN, check_bytes_form, check_offload_count, check_plan, check_torchtune_options,
+    default_budget, default_inputs, dynamo_compiled_code, layer_list, prune_dead_hooks, second_forward_error,
 )
 from .engine.schedules.auto import ScheduleAuto
 from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
@@ -39,14 +39,6 @@ from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHo
 from .layers import model_form
 from .sizes import byte_count, byte_options
 
-
-# A `with` in which none of the layers ran, and no compiled code to blame (see the class notes).
-NO_LAYER_RAN = (
-    "offload: none of the {count} layers given to OffloadActivations ran inside this `with`. If it "
-    "held the backward (or the optimizer's step), put it around the forward only: `with oa: loss = "
-    "model(x)`, then `loss.backward()` (after the `with`, or inside that same one). Otherwise pass "
-    "the modules the forward really calls, in call order (e.g. model.model.layers)"
-)
 
 # Copies in flight before the oldest group is released: one group computing while the previous
 # one's copy finishes, as in v2's layer budget.
@@ -585,10 +577,15 @@ class OffloadActivations:
         return self.engine.stats() if self.engine is not None else disabled_stats(self._weight_modules)
 
     def report(self) -> str:
-        """A readable table of :attr:`stats`."""
+        """A readable table of :attr:`stats`; with plans, then what the first steps cost (:attr:`first_steps`)."""
         if self.engine is None:
             return DISABLED_REPORT
-        return self.engine.report()
+        return self.engine.report() + (self._planned.costs.table() if self._planned is not None else "")
+
+    @property
+    def first_steps(self) -> list[dict[str, Any]]:
+        """What each of the first steps cost, phase by phase, in seconds (:mod:`offload.planner.first_steps`)."""
+        return self._planned.costs.rows() if self._planned is not None else []
 
     def reserve(self, nbytes: int, *, background: bool = False) -> int:
         """Pin ``nbytes`` of host memory for offloaded groups now, so that the first step does

@@ -191,7 +191,7 @@ def run_gpu(args: argparse.Namespace, device: torch.device) -> bool:
         planned = offload.OffloadActivations(bench.layers, memory_budget_bytes=budget)
         label = f"planner @ {args.budget_fraction:.0%} of plain's peak"
         try:
-            # Steps 1-3 warm up, calibrate and probe; the 4th plans and follows the plan.
+            # The probe steps (two or three) come first; the plan is followed from the next on.
             rows.append(bench.run(label, expected, wrapper=planned, warmup=4, steps=args.steps))
         except offload.planner.BudgetError as exc:
             print(f"{label}: {exc}")

@@ -34,10 +34,11 @@ every rank plans that step again (the others at their own budgets), so no rank r
 ``BudgetError`` alone.
 
 **Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: its host
-regions are pinned in the background from then on, during the calibration step where one
-follows, and the measured step waits for them at its entry (pinning takes the driver's lock, and
-kernels launched late would be timed into its layers). Pinning is then part of the probe steps,
-and the first planned step does not stall on it. With plans per
+regions are pinned in the background from then on (during a calibration step where one follows),
+and the measured step waits for them at its entry (pinning takes the driver's lock, and kernels
+launched late would be timed into its layers). Pinning is then part of the probe steps, and the
+first planned step does not stall on it. What each of the first steps spent where is recorded
+(:mod:`offload.planner.first_steps`: ``OffloadActivations.first_steps`` and its report). With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 **Plans ahead** (``plan_ahead``, default on CUDA): a new bucket's steps follow a stand-in while its
 own plan is made and pinned in the background, all ranks switching together (:mod:`offload.planner.ahead`).
@@ -58,7 +59,8 @@ from .layers.short_probe import ShortStep
 from .planner.ahead_steps import AheadSteps
 from .planner.agree import agree_max, agree_planned_step, ranks_agree_enabled
 from .planner.budget import DEVICE
-from .planner.link import measure_link
+from .planner.first_steps import FirstSteps
+from .planner.link import Once, measure_link
 from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
     step_figures, use_expandable_segments
 from .planner.probe import ProbeStep
@@ -132,6 +134,7 @@ class PlannedSteps(AheadSteps):
         self._pinned_ahead = False
         self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
         self._init_ahead(plan_ahead)
+        self.costs = FirstSteps(lambda: engine.arena.counters.acquire_s)  # the first steps' one-off costs
         self._sequence: Optional[ProbeSequence] = None
         self._step_mark: Any = None
         self._entry_step: Optional[int] = None  # the engine step planned at the model's entry
@@ -158,7 +161,7 @@ class PlannedSteps(AheadSteps):
                 self._shape = shape.bucket()
                 self._plans[self._shape] = plan  # (not agreed: each rank may be given its own)
         elif budget is not None:
-            link = _Once(lambda: measure_link(device))
+            link = Once(lambda: self.costs.timed("link", lambda: measure_link(device)))
             self._sequence = ProbeSequence(
                 layers, probe_policy(device, engine.policy.min_offload_bytes, engine.policy.selection),
                 device, probe=probe, candidates=candidates, link=link,
@@ -169,8 +172,10 @@ class PlannedSteps(AheadSteps):
     def enter(self) -> bool:
         """A step's forward begins. Returns whether it is a probe step (then :attr:`probe` is
         its measured probe, begun, or None for a plain warm-up step)."""
+        self.costs.enter()
         self._close_previous_step()
         if self.profile is not None:
+            self.costs.kind("planned")
             self._check_out_of_memory()
             self._check_host_room()
             if self._ahead is not None:
@@ -185,11 +190,13 @@ class PlannedSteps(AheadSteps):
             return False
         if self._sequence is not None:
             self._probing = True
-            if self._pinned_ahead and self._sequence.todo[:1] == ["measure"]:
+            kind = "".join(self._sequence.todo[:1])
+            self.costs.kind("warm-up" if kind == "plain" else kind)
+            if self._pinned_ahead and kind == "measure":
                 # The blocks pinned ahead must be done before the measured step: pinning takes the
                 # driver's lock, and kernels launched late would be timed into its layers.
-                self.engine.arena.settle(wait=True)
-            self.probe = self._sequence.next_step()  # None: run plainly, unmeasured
+                self.costs.timed("pinning", lambda: self.engine.arena.settle(wait=True))
+            self.probe = self.costs.timed("allocator", self._sequence.next_step)  # None: run plainly, unmeasured
             if self.probe is not None:
                 self.probe.begin()
             return True
@@ -345,14 +352,20 @@ class PlannedSteps(AheadSteps):
         self.probe, self._probing, self._failed = None, False, None
         sequence = self._sequence
         assert sequence is not None
+        self.profile = self.costs.timed("probe", lambda: self._end_probe_step(sequence, probe, failed))
+        self._pin_ahead()
+
+    def _end_probe_step(self, sequence: ProbeSequence, probe: Optional[ProbeStep],
+                        failed: Optional[tuple[StepOutcome, BaseException]]) -> Optional[StepProfile]:
         if failed is None:
             if probe is not None:
                 probe.end_step()
+                if probe.step_start is not None and probe.step_end is not None:  # (synchronised: a cheap read)
+                    self.costs.device(probe.clock.ms(probe.step_start, probe.step_end) / 1e3)
             own, exc = sequence.judge(probe), None
         else:
             own, exc = failed
-        self.profile = sequence.advance(own, self._agree_outcome(own), exc, probe)
-        self._pin_ahead()
+        return sequence.advance(own, self._agree_outcome(own), exc, probe)
 
     def _agree_outcome(self, own: StepOutcome) -> StepOutcome:
         """The outcome of a probe step all ranks of the plan group move on by: the worst."""
@@ -392,12 +405,12 @@ class PlannedSteps(AheadSteps):
             # rather than split ones, and what stays reserved is known to be unusable. Only for
             # the first plan and after an out-of-memory step: it waits for the device, and a new
             # bucket's step would pay it on its critical path (issue 50 s2).
-            torch.cuda.empty_cache()
+            self.costs.timed("empty_cache", torch.cuda.empty_cache)
         self._host_figure = self.engine.arena.plan_host_bytes()
         try:
-            plan = choose(profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable,
-                          emptied=emptied, head=self.head, host_budget=self._host_figure,
-                          host_limited=self.engine.arena.plan_limited)
+            plan = self.costs.timed("search", lambda: choose(
+                profile, self.budget, self.device, cap_bytes=self._cap, expandable=self._expandable, emptied=emptied,
+                head=self.head, host_budget=self._host_figure, host_limited=self.engine.arena.plan_limited))
         except BudgetError as exc:
             if shape is None:
                 raise
@@ -489,8 +502,8 @@ class PlannedSteps(AheadSteps):
         self._pinned_ahead = True
         try:
             sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
-            plan = choose(sizing, self.budget, self.device, expandable=self._expandable,
-                          host_budget=self.engine.arena.plan_host_bytes())
+            plan = self.costs.timed("search", lambda: choose(sizing, self.budget, self.device, expandable=self._expandable,
+                                                             host_budget=self.engine.arena.plan_host_bytes()))
         except (BudgetError, ValueError):
             return  # the measured step decides; nothing to pin ahead
         self._pin(PlannedSchedule(plan, sizing).region_bytes())
@@ -576,21 +589,6 @@ class PlannedSteps(AheadSteps):
     def measured(self) -> Optional[dict[str, Any]]:
         """The last whole planned step's time (entry to next entry) and peak (``measure_peak``)."""
         return step_figures(*self._last_step) if self._last_step is not None else None
-
-
-class _Once:
-    """A callable that calls ``fn`` the first time and returns that result ever after (the host
-    link is measured once, for the pin-ahead plan and the profile alike)."""
-
-    __slots__ = ("fn", "value")
-
-    def __init__(self, fn: Callable[[], Any]) -> None:
-        self.fn, self.value = fn, None
-
-    def __call__(self) -> Any:
-        if self.value is None:
-            self.value = self.fn()
-        return self.value
 
 
 def _oom_count(device: torch.device) -> int:

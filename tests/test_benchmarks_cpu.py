@@ -354,6 +354,10 @@ def test_device_everywhere_cpu_smoke_runs_each_case_and_contender() -> None:
     assert rows["ckpt"]["x_ckpt"] == 1.0 and rows["device"]["x_ckpt"] > 0 and rows["device"]["plan"]
     (target,) = result["targets"]
     assert target["target"] == "T23 8b-16384" and target["ok"] is None, "no verdict on CPU numbers"
+    (t14,) = result["t14"]
+    assert t14["target"] == "T14 8b-16384 device" and t14["ok"] is None and t14["max_x_steady"] > 0
+    kinds = [r["kind"] for r in dev["first_steps"]]
+    assert kinds[-2:] == ["planned", "planned"] and "measure" in kinds, kinds
 
 
 def test_device_recovery_cpu_smoke_goes_on_after_the_failed_step() -> None:
@@ -384,6 +388,17 @@ def test_device_everywhere_verdicts_follow_the_targets() -> None:
     assert t23([1800.0] * 5) is True
     assert t23([1800.0] * 4 + [1920.0]) is False, "each step must be <= 0.95x checkpointing's"
     assert t23([1800.0] * 5, failed=1) is False, "an out-of-memory probe step misses T23"
+
+    def t14(ms: list[float], steady: float = 1000.0) -> Any:
+        steps = [{"step": i, "phase": "probe", "ms": m} for i, m in enumerate(ms)]
+        steps += [{"step": len(ms) + i, "phase": "timed", "ms": steady} for i in range(5)]
+        results = {"8b-16384:device": {"steps": steps, "summary": de.summarize(steps)}}
+        (target,) = de.t14_targets(["8b-16384"], ["ckpt", "device"], results, smoke=False)
+        return target["ok"]
+
+    assert t14([1400.0, 1400.0, 1200.0]) is True  # 5 first steps: 1.4 + 1.4 + 1.2 + 1 + 1 = 6.0 steady
+    assert t14([1400.0, 1400.0, 1300.0]) is False, "the first 5 steps must cost at most 6 steady steps"
+    assert t14([1600.0, 1000.0]) is False, "no step may take over 1.5x a steady step"
 
     def t24(errors: list[bool]) -> Any:
         steps = [{"phase": "capped", "ms": 1.0, "peak_bytes": GiB, **({"error": "out of memory"} if e else {})} for e in errors]

@@ -40,7 +40,8 @@ def test_help_fits_on_two_screens_of_what_matters() -> None:
     assert len(description) <= 40, f"the API overview takes {len(description)} lines"
     assert "inherited from builtins" not in text, "help(offload) dumps inherited dict/Exception methods"
     assert "class StepStats" not in text and "class CaptureError" not in text and "class BudgetError" not in text
-    assert len(lines) <= 450, f"help(offload) is {len(lines)} lines (658 before it was trimmed)"
+    # 450 after the trim; OffloadActivations.first_steps (issue 50) added three.
+    assert len(lines) <= 455, f"help(offload) is {len(lines)} lines (658 before it was trimmed)"
     assert "__getattr__(name" in text and "lazily imported subpackages" in text, \
         "the module __getattr__ shows up in help(offload) without its docstring"
 

@@ -207,10 +207,44 @@ def run(seq: ProbeSequence, layers: torch.nn.ModuleList, x: torch.Tensor, fail: 
 
 
 def test_auto_sizes_at_low_memory_then_probes_plainly_where_it_fits(model) -> None:
+    # No calibration step: the sizing step measured its middle layer's recompute, and the
+    # plain profile's recompute factors come from it (issue 50 s1).
     layers, x = model
-    profile, kinds = run(sequence(layers, limit=1 << 40), layers, x)
-    assert kinds == ["recompute", "plain+calibrate", "plain"] and profile.probe == "plain"
+    sized = []
+
+    def calibrated_sizing(seq: ProbeSequence) -> ProbeSequence:
+        # The host has no allocator to read peaks from (recompute_peak is None on the CPU): the
+        # sizing probe reports a recompute peak of its middle layer, as it does on CUDA.
+        next_step = seq.next_step
+
+        def patched() -> object:
+            probe = next_step()
+            if probe is not None and probe.mode == "recompute":
+                probe.recompute_peak = lambda: (probe.recompute_index, 3 << 20, 9.0)
+                sized.append(probe)
+            return probe
+
+        seq.next_step = patched
+        return seq
+
+    profile, kinds = run(calibrated_sizing(sequence(layers, limit=1 << 40)), layers, x)
+    assert kinds == ["recompute", "plain"] and profile.probe == "plain"
     assert "fits" in profile.probe_reason
+    (sizing,) = sized
+    ref = profile.layers[sizing.recompute_index]
+    additive = ref.saved_bytes + ref.cached_bytes + ref.backward_peak_bytes
+    assert profile.recompute_factor == min(1.5, max(0.5, (3 << 20) / additive)) != 1.0
+    assert profile.recompute_time_factor == min(1.5, max(0.3, (9.0 - ref.backward_ms) / ref.forward_ms))
+
+
+def test_auto_calibrates_where_the_middle_layer_is_called_twice(model) -> None:
+    layers, x = model
+    shared = torch.nn.ModuleList([layers[0], layers[1], layers[0]])  # the middle one is layers[1]: once
+    _, kinds = run(sequence(shared, limit=1 << 40), shared, x)
+    assert kinds == ["recompute", "plain"]
+    twice = torch.nn.ModuleList([layers[1], layers[0], layers[1], layers[0]])  # the middle, layers[1], twice
+    _, kinds = run(sequence(twice, limit=1 << 40), twice, x)
+    assert kinds == ["recompute", "plain+calibrate", "plain"]
 
 
 def test_auto_stays_at_low_memory_where_the_plain_step_would_not_fit(model) -> None:

@@ -156,10 +156,10 @@ def test_budget_plans_then_follows_on_gpu() -> None:
     # Room for half the activations at the head: half must go (offloaded or recomputed).
     budget = profile.base_bytes + profile.head_bytes + sum(l.saved_bytes for l in profile.layers) // 2
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True)
-    for step in range(6):  # warm-up, calibration, probe, then planned steps
+    for step in range(6):  # the sizing step, the measured plain step, then planned steps
         assert_bitwise(expected, oa_step(layers, x, oa))
-        assert (oa.plan is not None) == (step >= 3)
-        assert (oa.stats.get("offloaded_bytes", 0) > 0) == (step >= 3)
+        assert (oa.plan is not None) == (step >= 2)
+        assert (oa.stats.get("offloaded_bytes", 0) > 0) == (step >= 2)
     assert oa.measured is not None
     assert oa.measured["peak_bytes"] > 0
     print(oa.plan_report())
@@ -178,7 +178,7 @@ def test_device_budget_plans_under_what_the_gpu_gives() -> None:
     assert made.prediction.peak_bytes <= made.budget_bytes
     assert made.budget_reason.startswith("device (") and "held by others" in made.budget_reason
     oa = offload.OffloadActivations(layers, memory_budget_bytes="device")
-    for step in range(5):  # warm-up, calibration, probe, then planned steps
+    for step in range(5):  # the probe steps, then planned steps
         assert_bitwise(expected, oa_step(layers, x, oa))
     assert oa.plan is not None and oa.plan.prediction.peak_bytes <= oa.plan.budget_bytes
     assert "budget: device (" in oa.plan_report()

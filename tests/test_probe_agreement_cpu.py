@@ -78,10 +78,10 @@ def test_a_rank_whose_plain_step_fits_follows_another_onto_the_low_memory_probe(
 
 def test_another_ranks_out_of_memory_in_a_plain_step_moves_every_rank_to_low_memory(layers) -> None:
     seq = _sequence(layers, limit=1 << 40)
-    _done(seq, layers)  # sized: the plain probe follows
-    assert seq.todo == ["calibrate", "measure"]
-    probe = _run(seq, layers)  # the calibration step, fine here
-    seq.advance(seq.judge(probe), StepOutcome(Verdict.LOW_MEMORY), probe=probe)
+    _done(seq, layers)  # sized: the measured plain step follows (the sizing step calibrated)
+    assert seq.todo == ["measure"] and seq.mode == "plain"
+    probe = _run(seq, layers)  # the measured plain step, fine here
+    assert seq.advance(seq.judge(probe), StepOutcome(Verdict.LOW_MEMORY), probe=probe) is None  # its figures dropped
     assert seq.todo == ["measure"] and seq.mode == "recompute" and "another rank" in seq.reason
 
 

@@ -18,6 +18,7 @@ that the capture can end and the error raised is the one the caller sees.
 
 from __future__ import annotations
 
+from time import perf_counter
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -61,6 +62,7 @@ class CopyMixin:
     def _start_offload(self, group: Group) -> None:
         counters = group.counters
         kept_while_pinning = self.arena.counters.kept_while_pinning
+        started = perf_counter()
         try:
             region = self.arena.acquire(
                 group.nbytes, group.step, captured=group.captured,
@@ -70,6 +72,9 @@ class CopyMixin:
             # Join what this capture forked so that it can end and this error is the one seen.
             self._join_side_streams(counters)
             raise
+        # Microseconds when an idle block serves it; a block pinned on the spot, or one waited
+        # for, is what a first step pays for pinning (offload.planner.first_steps reads it).
+        self.arena.counters.acquire_s += perf_counter() - started
         if region is None:
             group.mark_kept()
             counters.groups_kept += 1

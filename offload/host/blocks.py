@@ -71,3 +71,4 @@ class ArenaCounters:
     node_refusals: int = 0        # of those, refused for the node's room (not the budget)
     peak_bytes_held: int = 0      # the most bytes_held + bytes_pending ever were
     trimmed_for_plan: int = 0     # idle blocks dropped to stay within the plans' bound
+    acquire_s: float = 0.0        # host seconds the engine spent in acquire (pinning on the spot, waiting)

@@ -165,6 +165,14 @@ def check_offload_count(name: str, value: Any, count: int, options: dict[str, An
         )
 
 
+# A `with` in which none of the layers ran, and no compiled code to blame (OffloadActivations' notes).
+NO_LAYER_RAN = (
+    "offload: none of the {count} layers given to OffloadActivations ran inside this `with`. If it "
+    "held the backward (or the optimizer's step), put it around the forward only: `with oa: loss = "
+    "model(x)`, then `loss.backward()` (after the `with`, or inside that same one). Otherwise pass "
+    "the modules the forward really calls, in call order (e.g. model.model.layers)"
+)
+
 COMPILED_FIRST = (
     "offload: the forward ran none of the {count} layers given to OffloadActivations, and "
     "torch.compile has compiled code in this process: code compiled before OffloadActivations "

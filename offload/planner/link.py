@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -58,3 +58,18 @@ def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3)
         h2d_gbps=nbytes / h2d_ms / 1e6,
         duplex_gbps=2 * nbytes / both_ms / 1e6,
     )
+
+
+class Once:
+    """A callable that calls ``fn`` the first time and returns that result ever after (the host
+    link is measured once, for the pin-ahead plan and the profile alike)."""
+
+    __slots__ = ("fn", "value")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn, self.value = fn, None
+
+    def __call__(self) -> Any:
+        if self.value is None:
+            self.value = self.fn()
+        return self.value

@@ -65,18 +65,19 @@ slowdowns) + stalls.
 from __future__ import annotations
 
 from collections import deque
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 from .layer_costs import (  # noqa: F401 - re-exported: the cost model's per-layer figures
     backward_cost_ms, cached_bytes, copied_at, copied_slots, forward_need_bytes, held_bytes, layer_slots, offloaded_bytes,
     resident_bytes, transient_bytes,
 )
-from .types import LayerPlan, Prediction, StepProfile
+from .types import LayerPlan, LayerProfile, Prediction, StepProfile
 
 PREFETCH_DEPTH = 2  # groups reloaded ahead of the layer backward is at (besides its own)
 
 # Group states in the simulation.
 _HELD, _IN_FLIGHT, _RELEASED, _RELOADING, _ORIGINALS, _FREED = range(6)
+_INF = float("inf")
 
 
 class _Link:
@@ -97,6 +98,23 @@ class _Link:
         self.queue.append((layer, nbytes))
         if len(self.queue) == 1:
             self.lat, self.left = self.latency, float(nbytes)
+
+    def advance(self, dt: float, rate: float, until: float, now: float) -> None:
+        """``dt`` ms pass at ``rate`` (bytes per ms); ``until``: when the running copy (or its
+        latency phase) would end. A copy that ends is marked done at ``now``."""
+        if until <= dt:  # this copy (or its latency phase) ends now
+            if self.lat > 0:
+                self.lat = 0.0
+                if self.left > 0:
+                    return
+            layer, _ = self.queue.popleft()
+            self.done_at[layer] = now
+            if self.queue:
+                self.lat, self.left = self.latency, float(self.queue[0][1])
+        elif self.lat > 0:
+            self.lat -= dt
+        else:
+            self.left -= dt * rate
 
 
 class _Sim:
@@ -119,62 +137,65 @@ class _Sim:
         self.stall = [0.0, 0.0]  # forward, backward
         self.phase = 0
         self.peak = -1
-        self.peak_at = ""
+        self.peak_at = ("", -1)  # where (a format taking the layer), the layer
 
-    def mark(self, mem: int, where: str) -> None:
+    def mark(self, mem: int, where: str, layer: int = -1) -> None:
+        """A peak candidate at ``where`` (formatted with ``layer`` once the simulation is over)."""
         if mem > self.peak:
-            self.peak, self.peak_at = mem, where
-
-    def _step(self, work: float) -> float:
-        """Advance to the next event (a copy ends, or ``work`` ms of compute is done if > 0);
-        return the compute work left."""
-        d, h = self.d2h, self.h2d
-        dq, hq = bool(d.queue), bool(h.queue)
-        if dq and hq:
-            rd, rh, slow = d.both, h.both, self.slow2
-        else:
-            rd, rh, slow = d.alone, h.alone, (self.slow1 if (dq or hq) else 1.0)
-        dt = work * slow if work > 0 else float("inf")
-        td = (d.lat if d.lat > 0 else d.left / rd) if dq else float("inf")
-        th = (h.lat if h.lat > 0 else h.left / rh) if hq else float("inf")
-        dt = min(dt, td, th)
-        if dt == float("inf"):
-            raise RuntimeError("simulation waits on a link that has nothing queued")  # a bug here
-        self.t += dt
-        if work > 0:
-            work = 0.0 if dt >= work * slow else work - dt / slow
-        else:
-            self.stall[self.phase] += dt
-        for link, active, rate, tl in ((d, dq, rd, td), (h, hq, rh, th)):
-            if not active:
-                continue
-            if tl <= dt:  # this copy (or its latency phase) ends now
-                if link.lat > 0:
-                    link.lat = 0.0
-                    if link.left > 0:
-                        continue
-                layer, _ = link.queue.popleft()
-                link.done_at[layer] = self.t
-                if link.queue:
-                    link.lat, link.left = link.latency, float(link.queue[0][1])
-            elif link.lat > 0:
-                link.lat -= dt
-            else:
-                link.left -= dt * rate
-        return work
+            self.peak, self.peak_at = mem, (where, layer)
 
     def compute(self, ms: float) -> None:
+        """``ms`` of compute, slower while copies run; each copy's end is an event."""
+        d, h = self.d2h, self.h2d
         work = ms
         while work > 0:
-            work = self._step(work)
+            dq, hq = bool(d.queue), bool(h.queue)
+            if not (dq or hq):  # nothing copies: full speed
+                self.t += work
+                return
+            # (Inline, and comparisons rather than min(): this is the simulation's innermost loop.)
+            if dq and hq:
+                rd, rh, slow = d.both, h.both, self.slow2
+            else:
+                rd, rh, slow = d.alone, h.alone, self.slow1
+            dt = full = work * slow
+            td = (d.lat if d.lat > 0 else d.left / rd) if dq else _INF
+            if td < dt:
+                dt = td
+            th = (h.lat if h.lat > 0 else h.left / rh) if hq else _INF
+            if th < dt:
+                dt = th
+            self.t = now = self.t + dt
+            work = 0.0 if dt >= full else work - dt / slow
+            if dq:
+                d.advance(dt, rd, td, now)
+            if hq:
+                h.advance(dt, rh, th, now)
+
+    def _stall(self) -> None:
+        """Compute waits until the next copy ends (the copies' rates as in :meth:`compute`)."""
+        d, h = self.d2h, self.h2d
+        dq, hq = bool(d.queue), bool(h.queue)
+        rd, rh = (d.both, h.both) if dq and hq else (d.alone, h.alone)
+        td = (d.lat if d.lat > 0 else d.left / rd) if dq else _INF
+        th = (h.lat if h.lat > 0 else h.left / rh) if hq else _INF
+        dt = td if td < th else th
+        if dt == _INF:
+            raise RuntimeError("simulation waits on a link that has nothing queued")  # a bug here
+        self.t = now = self.t + dt
+        self.stall[self.phase] += dt
+        if dq:
+            d.advance(dt, rd, td, now)
+        if hq:
+            h.advance(dt, rh, th, now)
 
     def wait(self, link: _Link, layer: int) -> None:
         while link.done_at[layer] is None:
-            self._step(0.0)
+            self._stall()
 
     def drain(self) -> None:
         while self.d2h.queue or self.h2d.queue:
-            self._step(0.0)
+            self._stall()
 
 
 def simulate(
@@ -194,11 +215,43 @@ def simulate(
     if budget_bytes is not None and (isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int)
                                      or budget_bytes <= 0):
         raise ValueError(f"budget_bytes must be a positive int or None, got {budget_bytes!r}")
+    made = simulate_figures(profile, [layer_figures(profile, l, lp) for l, lp in zip(profile.layers, layers)],
+                            budget_bytes)
+    assert made is not None  # (no limit to stop at)
+    return made
 
-    prof = profile.layers
-    off = [offloaded_bytes(l, lp) for l, lp in zip(prof, layers)]
-    pre = [held_bytes(l, lp) for l, lp in zip(prof, layers)]
-    trans = [transient_bytes(l, lp, profile.recompute_factor) for l, lp in zip(prof, layers)]
+
+class LayerFigures(NamedTuple):
+    """What the simulation reads of one layer under its action (the search computes them once
+    per layer and candidate, not once per simulated plan)."""
+
+    offloaded: int      # offloaded_bytes
+    held: int           # held_bytes
+    transient: int      # transient_bytes
+    forward_need: int   # forward_need_bytes
+    forward_ms: float
+    backward_ms: float  # backward_cost_ms
+    grad_bytes: int
+
+
+def layer_figures(profile: StepProfile, layer: LayerProfile, lp: LayerPlan) -> LayerFigures:
+    """The :class:`LayerFigures` of ``layer`` (one of ``profile``'s) under ``lp``."""
+    return LayerFigures(offloaded_bytes(layer, lp), held_bytes(layer, lp),
+                        transient_bytes(layer, lp, profile.recompute_factor), forward_need_bytes(layer),
+                        layer.forward_ms, backward_cost_ms(layer, lp, profile.recompute_time_factor), layer.grad_bytes)
+
+
+def simulate_figures(profile: StepProfile, figures: Sequence[LayerFigures], budget_bytes: Optional[int] = None,
+                     within: Optional[tuple[int, Optional[int]]] = None) -> Optional[Prediction]:
+    """:func:`simulate` from each layer's :func:`layer_figures`, unchecked (the search's inner
+    loop: its figures come from :func:`layer_figures`, its budget from its own check).
+    ``within``: (peak bytes, host bytes or None): stop and return None as soon as the plan's peak
+    or the bytes it copies to the host pass these (a search asking only whether it fits)."""
+    peak_limit, host_limit = within if within is not None else (None, None)
+    n = len(figures)
+    off = [f.offloaded for f in figures]
+    pre = [f.held for f in figures]
+    trans = [f.transient for f in figures]
     state = [_HELD] * n
     sim = _Sim(profile)
     base, budget = profile.base_bytes, budget_bytes
@@ -206,9 +259,13 @@ def simulate(
     inflight: deque[int] = deque()  # groups whose D2H was queued and that are not released, FIFO
     d2h_bytes = h2d_bytes = wasted = 0
 
+    d2h_done = sim.d2h.done_at
+
+    # (The calls below are made only where they have something to do: the checks before them
+    # are their loops' first tests, this being the search's innermost loop.)
     def release_finished(below: int) -> None:
         nonlocal held
-        while inflight and sim.d2h.done_at[inflight[0]] is not None and inflight[0] < below:
+        while inflight and d2h_done[inflight[0]] is not None and inflight[0] < below:
             j = inflight.popleft()
             state[j] = _RELEASED
             held -= off[j]
@@ -226,23 +283,31 @@ def simulate(
 
     sim.mark(base, "start of forward")
     sim.compute(profile.pre_ms)
-    for i, layer in enumerate(prof):
-        release_finished(n)
-        need = forward_need_bytes(layer)
-        if budget is not None:
+    for i, fig in enumerate(figures):
+        if inflight and d2h_done[inflight[0]] is not None:
+            release_finished(n)
+        need = fig.forward_need
+        if budget is not None and inflight and base + held + need > budget:
             force_release(need, n)
-        sim.mark(base + held + need, f"forward layer {i}")
-        sim.compute(layer.forward_ms)
+        if base + held + need > sim.peak:
+            sim.mark(base + held + need, "forward layer {}", i)
+            if peak_limit is not None and sim.peak > peak_limit:
+                return None
+        sim.compute(fig.forward_ms)
         held += pre[i]
         if off[i] > 0:
             sim.d2h.submit(i, off[i])
             d2h_bytes += off[i]
+            if host_limit is not None and d2h_bytes > host_limit:
+                return None
             inflight.append(i)
             state[i] = _IN_FLIGHT
     release_finished(n)
     if budget is not None:
         force_release(profile.head_bytes, n)
     sim.mark(base + held + profile.head_bytes, "end of forward")
+    if peak_limit is not None and sim.peak > peak_limit:
+        return None
     sim.compute(profile.head_ms)
 
     sim.phase = 1
@@ -257,14 +322,14 @@ def simulate(
             state[i] = _ORIGINALS
             wasted += off[i]
         # Groups >= i left in the FIFO are wasted ones: drop them as their copies end.
-        while inflight and state[inflight[0]] == _ORIGINALS and sim.d2h.done_at[inflight[0]] is not None:
+        while inflight and state[inflight[0]] == _ORIGINALS and d2h_done[inflight[0]] is not None:
             inflight.popleft()
         if state[i] == _RELEASED:
             sim.h2d.submit(i, off[i])
             h2d_bytes += off[i]
             held += off[i]
             state[i] = _RELOADING
-        if budget is not None:
+        if budget is not None and inflight and base + held + grads + trans[i] > budget:
             force_release(trans[i], i)
         for j in offl[max(0, below - PREFETCH_DEPTH):below][::-1]:
             if state[j] != _RELEASED:
@@ -277,10 +342,13 @@ def simulate(
             state[j] = _RELOADING
         if state[i] == _RELOADING:
             sim.wait(sim.h2d, i)
-        sim.mark(base + held + grads + trans[i], f"backward layer {i}")
-        sim.compute(backward_cost_ms(prof[i], layers[i], profile.recompute_time_factor))
+        if base + held + grads + trans[i] > sim.peak:
+            sim.mark(base + held + grads + trans[i], "backward layer {}", i)
+            if peak_limit is not None and sim.peak > peak_limit:
+                return None
+        sim.compute(figures[i].backward_ms)
         held -= pre[i]
-        grads += prof[i].grad_bytes
+        grads += figures[i].grad_bytes
         state[i] = _FREED
     sim.compute(profile.post_ms)
     sim.drain()
@@ -291,6 +359,6 @@ def simulate(
         backward_stall_ms=sim.stall[1],
         d2h_bytes=d2h_bytes,
         h2d_bytes=h2d_bytes,
-        peak_at=sim.peak_at,
+        peak_at=sim.peak_at[0].format(sim.peak_at[1]),
         wasted_d2h_bytes=wasted,
     )

@@ -116,12 +116,12 @@ class ProbeStep:
         self.layers = list(layers)
         self.mode = mode
         self.candidates = list(dict.fromkeys(candidates))
-        # Calibration (plain probes only: a recompute probe measures every layer's recompute):
-        # one layer (in the middle, called once) runs under checkpointing, so that its backward
-        # peak with recompute can be measured (see :func:`recompute_factor`).
+        # Calibration: one layer (in the middle, called once) runs under checkpointing, so that its
+        # backward peak and time with recompute are measured (:meth:`recompute_peak`); a recompute
+        # probe measures every layer's, and its middle one's calibrates a plain profile as well.
         self.calibrating = calibrate_recompute and mode == PLAIN_PROBE
         self.recompute_index: Optional[int] = None
-        if self.calibrating:
+        if self.calibrating or mode == RECOMPUTE_PROBE:
             middle = len(self.layers) // 2
             if self.layers.count(self.layers[middle]) == 1:
                 self.recompute_index = middle
@@ -397,7 +397,7 @@ class ProbeStep:
 
     def recompute_peak(self) -> Optional[tuple[int, int, float]]:
         """(layer, its backward peak in bytes and its backward ms, both with recompute) from a
-        calibration step, or None."""
+        calibration step or a low-memory one, or None."""
         i = self.recompute_index
         if i is None or i >= len(self.records) or not self.clock.cuda:
             return None

@@ -16,7 +16,9 @@ Strategy (deterministic):
          ``k`` kept at the end (their D2H would have no time before the head's peak), with the
          offloaded layers first (they reload last, when backward has run longest), spread among
          the recomputed ones, or after them; for each shape the largest ``k`` that fits is found
-         by bisection (keeping replaces a recompute, so it is never slower but holds more);
+         by galloping from the neighbouring ``o``'s (keeping replaces a recompute, so it is never
+         slower but holds more); every offload variant in the first shape, the best
+         ``SCREENED_VARIANTS`` (with their kept kind) in the others;
       2. a greedy descent from all-KEEP: repeatedly the single-layer change with the most peak
          bytes saved per ms added, until the plan fits; lazy (moves are ranked first by an
          estimate, and re-simulated only when they reach the top), so it also scales to
@@ -24,8 +26,10 @@ Strategy (deterministic):
       3. a local improvement of the few best plans found: every other action, and a swap with
          the next layer, at the layers where the action changes (inside a run of equal layers
          doing the same thing, a move anywhere is the same as a move at its ends).
-  Each stage has a budget counted in simulated layers, so N=16 plans in ~0.1-0.4 s and N=128 in
-  ~1.5-3 s (pure Python).
+  Each stage has a budget counted in simulated layers; a plan asked only whether it fits is
+  simulated until it passes a budget. LLAMA-8B-shaped layers with selective variants
+  (``benchmarks/plan_search.py``, one CPU core): N=16 in 0.02-0.07 s, N=32 in 0.04-0.2 s, N=128
+  in 0.17-0.63 s (pure Python).
 """
 
 from __future__ import annotations
@@ -33,19 +37,22 @@ from __future__ import annotations
 import heapq
 import math
 import warnings
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from ..engine.stats import format_bytes
-from .model import backward_cost_ms, held_bytes, offloaded_bytes, resident_bytes, simulate
+from .model import backward_cost_ms, held_bytes, layer_figures, offloaded_bytes, resident_bytes, simulate, simulate_figures
 from .types import Action, LayerPlan, LayerProfile, Plan, Prediction, StepProfile, slot_keys
 
-MAX_THRESHOLDS = 4         # partial-offload thresholds tried per layer (largest distinct sizes)
+MAX_THRESHOLDS = 4         # partial-offload thresholds tried per layer (largest distinct sizes) ...
+NEAR_THRESHOLD = 0.01      # ... but not one copying less than this fraction of the layer's bytes less than the next
 EXHAUSTIVE_LIMIT = 4096    # enumerate every plan when the space is no larger than this
 LOWEST_PEAK_TOLERANCE = 0.01  # lowest_peak: peaks within 1% of the lowest count as equal
 IMPROVE_STARTS = 3         # local improvement starts from this many of the best plans found
 IMPROVE_EVALS = 80_000     # its budget, in simulated layers (a simulation costs ~ N) ...
-IMPROVE_MAX = 1200         # ... and in simulations
+IMPROVE_MAX = 900          # ... and in simulations
 GREEDY_EVALS = 150_000     # its budget, in simulated layers
+SCREENED_VARIANTS = 3      # offload variants the families try in every shape (the best in the first)
+FAMILY_PATIENCE = 4        # a family stops after this many more offloaded layers that were no faster
 MIN_GAIN = 1e-4            # a move must save this fraction of the step (not chase float noise)
 # The cost model's error on a plan's peak, as a fraction of it. Measured on the H100 the model
 # predicted peaks within 3.5% (docs/benchmarks.md, LLAMA-1B/2B and hidden 8192); T11's 10% bounds
@@ -69,9 +76,8 @@ class BudgetError(ValueError):
 def _offload_candidates(slots: Sequence[int], keys: Sequence[int], selective: bool) -> list[LayerPlan]:
     """OFFLOAD of the slots whose largest tensor (``keys``) is >= each of the largest such
     sizes, then of everything (threshold 0)."""
-    out = []
+    made: list[tuple[int, int]] = []  # (threshold, bytes copied), fewest bytes first
     sizes = sorted({k for s, k in zip(slots, keys) if s > 0}, reverse=True)
-    seen: set[int] = set()
     for i, t in enumerate(sizes[:MAX_THRESHOLDS] + [0]):
         # The smallest size as a threshold offloads everything: spell that as 0 ("all"). The
         # others sit midway (geometric) between their size and the next smaller one: the same
@@ -79,10 +85,17 @@ def _offload_candidates(slots: Sequence[int], keys: Sequence[int], selective: bo
         # (plans are made for the top of a bucket of lengths).
         threshold = 0 if (t == 0 or t == sizes[-1]) else max(sizes[i + 1] + 1, math.isqrt(t * sizes[i + 1]))
         nbytes = sum(s for s, k in zip(slots, keys) if k >= threshold)
-        if nbytes > 0 and nbytes not in seen:
-            seen.add(nbytes)
-            out.append(LayerPlan(Action.OFFLOAD, threshold, selective=selective))
-    return out
+        if nbytes > 0 and (not made or nbytes > made[-1][1]):
+            made.append((threshold, nbytes))
+    # A threshold that copies nearly what the next one does (the small tensors between them)
+    # is dropped: it would cost the search a variant and a move per layer for a difference
+    # below what the cost model can tell.
+    near = NEAR_THRESHOLD * sum(slots)
+    kept: list[tuple[int, int]] = []
+    for threshold, nbytes in reversed(made):
+        if not kept or nbytes < kept[-1][1] - near:
+            kept.append((threshold, nbytes))
+    return [LayerPlan(Action.OFFLOAD, threshold, selective=selective) for threshold, _ in reversed(kept)]
 
 
 def layer_candidates(layer: LayerProfile) -> list[LayerPlan]:
@@ -107,24 +120,52 @@ class _Evaluator:
         self.profile, self.cands, self.budget, self.host = profile, cands, budget, host_budget
         self.memo: dict[Key, Prediction] = {}
         self.best: Optional[tuple[float, int, Key]] = None
+        # What the simulation reads of each layer under each candidate, worked out once.
+        self.figures = [[layer_figures(profile, layer, lp) for lp in c] for layer, c in zip(profile.layers, cands)]
+
+        self.over: set[Key] = set()  # keys known not to fit, not simulated to their end
 
     def __call__(self, key: Key) -> Prediction:
         pred = self.memo.get(key)
         if pred is None:
-            plans = [c[k] for c, k in zip(self.cands, key)]
-            pred = self.memo[key] = simulate(self.profile, plans, self.budget)
-            if self.ok(pred):
-                rank = (pred.step_ms, pred.peak_bytes, key)
-                if self.best is None or rank < self.best:
-                    self.best = rank
+            pred = self._simulate(key, None)
+            assert pred is not None
+            self.over.discard(key)
         return pred
+
+    def _simulate(self, key: Key, within: Optional[tuple[int, Optional[int]]]) -> Optional[Prediction]:
+        figures = [row[k] for row, k in zip(self.figures, key)]
+        pred = simulate_figures(self.profile, figures, self.budget, within)
+        if pred is None:
+            self.over.add(key)
+            return None
+        self.memo[key] = pred
+        if self.ok(pred):
+            rank = (pred.step_ms, pred.peak_bytes, key)
+            if self.best is None or rank < self.best:
+                self.best = rank
+        return pred
+
+    def seen(self) -> int:
+        """How many plans were judged (the stages' budgets count these)."""
+        return len(self.memo) + len(self.over)
 
     def ok(self, pred: Prediction) -> bool:
         """Whether a predicted plan fits both budgets."""
         return pred.peak_bytes <= self.budget and (self.host is None or pred.d2h_bytes <= self.host)
 
+    def fitting(self, key: Key) -> Optional[Prediction]:
+        """The key's prediction if it fits, else None (a plan that does not is simulated only as
+        far as the point where it passes a budget)."""
+        pred = self.memo.get(key)
+        if pred is None:
+            if key in self.over:
+                return None
+            pred = self._simulate(key, (self.budget, self.host))
+        return pred if pred is not None and self.ok(pred) else None
+
     def fits(self, key: Key) -> bool:
-        return self.ok(self(key))
+        return self.fitting(key) is not None
 
 
 # ------------------------------------------------------------------------------------- families
@@ -182,28 +223,64 @@ def _search_families(ev: _Evaluator) -> None:
         variants = min(variants, 3)
     # Kept layers plainly, and (where layers have candidates) selectively.
     keeps = [0, 1] if any(len(c) > 1 and c[1].selective for c in cands) else [0]
-    for v, shape, keep in ((v, s, k) for v in range(max(variants, 1)) for s in shapes for k in keeps):
-        best_step, since_best = float("inf"), 0
-        for o in _o_grid(n):
-            # Largest k that fits: keeping is never slower than recomputing, only bigger.
-            if not ev.fits(_family(cands, offs, o, 0, v, shape, keep)):
-                step = float("inf")
-            else:
-                lo, hi = 0, n - o
-                while lo < hi:
-                    mid = (lo + hi + 1) // 2
-                    if ev.fits(_family(cands, offs, o, mid, v, shape, keep)):
-                        lo = mid
-                    else:
-                        hi = mid - 1
-                step = ev(_family(cands, offs, o, lo, v, shape, keep)).step_ms
-            if step < best_step:
-                best_step, since_best = step, 0
-            else:
-                since_best += 1
-                # Past the link's capacity more offload only adds stalls: stop this shape.
-                if best_step < float("inf") and since_best >= 4:
-                    break
+    # Every variant in the first shape; the other shapes only for the variants that did best
+    # there (where one offload variant beats another, it does so in every shape: the shapes
+    # differ in where the offloaded layers sit, the variants in what each copies).
+    first = {(v, keep): _family_best(ev, offs, v, shapes[0], keep) for v in range(max(variants, 1)) for keep in keeps}
+    for v, keep in sorted(first, key=lambda vk: (first[vk], vk))[:SCREENED_VARIANTS]:
+        for shape in shapes[1:]:
+            _family_best(ev, offs, v, shape, keep)
+
+
+def _family_best(ev: _Evaluator, offs: list[list[int]], v: int, shape: str, keep: int) -> float:
+    """Judge the family of (variant ``v``, ``shape``, ``keep``) along ``o``: the fastest step found."""
+    cands = ev.cands
+    n = len(cands)
+    best_step, since_best, guess = float("inf"), 0, 0
+    for o in _o_grid(n):
+        # Largest k that fits: keeping is never slower than recomputing, only bigger.
+        fits = lambda k: ev.fits(_family(cands, offs, o, k, v, shape, keep))  # noqa: E731
+        k = _largest(fits, n - o, guess)
+        if k is None:
+            step = float("inf")
+        else:
+            guess = k
+            step = ev(_family(cands, offs, o, k, v, shape, keep)).step_ms
+        if step < best_step:
+            best_step, since_best = step, 0
+        else:
+            since_best += 1
+            # Past the link's capacity more offload only adds stalls: stop this shape.
+            if best_step < float("inf") and since_best >= FAMILY_PATIENCE:
+                break
+    return best_step
+
+
+def _largest(fits: Callable[[int], bool], top: int, guess: int) -> Optional[int]:
+    """The largest ``k`` in ``[0, top]`` for which ``fits(k)`` (true up to some ``k``, false
+    above: keeping one more layer only adds memory), or None if not even 0 does. Galloping from
+    ``guess`` (the answer at the neighbouring family member, a layer or two away): a few
+    simulations where a bisection over ``[0, top]`` takes log2(top) + 2."""
+    guess = min(max(guess, 0), top)
+    if fits(guess):
+        lo, step = guess, 1  # fits at lo; find the first that does not
+        while lo + step <= top and fits(lo + step):
+            lo, step = lo + step, step * 2
+        hi = min(top, lo + step - 1)  # lo + step fails (or is past top)
+    else:
+        hi, step = guess - 1, 1  # fails above hi; find one that fits
+        while hi >= 0 and not fits(max(0, hi - step + 1)):
+            hi, step = hi - step, step * 2
+        if hi < 0:
+            return None
+        lo = max(0, hi - step + 1)
+    while lo < hi:  # fits at lo, fails above hi
+        mid = (lo + hi + 1) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 # ---------------------------------------------------------------------------------- local moves
@@ -239,7 +316,7 @@ def _greedy(ev: _Evaluator, profile: StepProfile, max_evals: int) -> None:
     cands = ev.cands
     cur = [0] * len(cands)
     now = ev(tuple(cur))
-    version, start = 0, len(ev.memo)
+    version, start = 0, ev.seen()
     heap: list[tuple[float, int, int, int]] = []  # (-ratio, layer, candidate, version seen)
     for i, layer in enumerate(profile.layers):
         keep = cands[i][0]
@@ -249,7 +326,7 @@ def _greedy(ev: _Evaluator, profile: StepProfile, max_evals: int) -> None:
             saved += (held_bytes(layer, keep) - held_bytes(layer, lp)) / 8  # breaks ties toward R
             cost = max(_estimate_cost_ms(profile, i, lp), 1e-3)
             heapq.heappush(heap, (-saved / cost, i, c, -1))
-    while heap and now.peak_bytes > ev.budget and len(ev.memo) - start < max_evals:
+    while heap and now.peak_bytes > ev.budget and ev.seen() - start < max_evals:
         neg, i, c, seen = heapq.heappop(heap)
         if c <= cur[i]:
             continue  # the layer has moved past this action already
@@ -275,9 +352,9 @@ def _improve(ev: _Evaluator, key: Key, max_evals: int) -> None:
     """Best-improvement local search (other action at a boundary layer, or a swap there)."""
     cands = ev.cands
     n = len(key)
-    start = len(ev.memo)
+    start = ev.seen()
     cur = key
-    while len(ev.memo) - start < max_evals:
+    while ev.seen() - start < max_evals:
         now = ev(cur)
         best = None
         bar = now.step_ms * (1 - MIN_GAIN)  # starts fit; a move must fit and beat this
@@ -286,10 +363,10 @@ def _improve(ev: _Evaluator, key: Key, max_evals: int) -> None:
             if i + 1 < n and cur[i] != cur[i + 1] and max(cur[i], cur[i + 1]) < min(len(cands[i]), len(cands[i + 1])):
                 moves.append(cur[:i] + (cur[i + 1], cur[i]) + cur[i + 2:])
             for m in moves:
-                if len(ev.memo) - start >= max_evals:
+                if ev.seen() - start >= max_evals:
                     break
-                p = ev(m)
-                if ev.ok(p) and p.step_ms < bar and (best is None or (p.step_ms, m) < best):
+                p = ev.fitting(m)
+                if p is not None and p.step_ms < bar and (best is None or (p.step_ms, m) < best):
                     best = (p.step_ms, m)
         if best is None:
             return

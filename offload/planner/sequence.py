@@ -7,8 +7,10 @@ A plan is made from one measured probe step (:mod:`offload.planner.probe`) after
     1. A low-memory step (every layer checkpointed) sizes the model: it counts what each layer
        saves, so the cost model can predict the plain step's peak without running it.
     2. If that prediction, plus the model's error (``PEAK_MODEL_ERROR``), fits what the device
-       can give (:mod:`offload.planner.budget`), the plain probe follows: a calibration step
-       (plain, one layer recomputed), then the measured plain step. It is the most exact.
+       can give (:mod:`offload.planner.budget`), the measured plain step follows, the most exact.
+       The sizing step measured its middle layer's recompute (the recompute's memory and time
+       factors), which a calibration step (plain, one layer recomputed) would; only where that
+       layer is called more than once does a calibration step come first.
     3. Otherwise the measured step is a low-memory one too. Two steps in all.
     On CPU there is no device memory to run out of: the plain probe runs directly.
 ``"plain"``
@@ -150,6 +152,7 @@ class ProbeSequence:
         # The low-memory sizing step's figures (no link measured), once it ran: enough to
         # pin a plan's host blocks ahead of the measured step's plan.
         self.sizing: Optional[StepProfile] = None
+        self.grow = False  # the measured plain step comes right after the sizing step
         if probe == AUTO and device_limit is None:  # no device memory to run out of (CPU)
             probe = PLAIN_PROBE
         self.mode = probe
@@ -169,10 +172,28 @@ class ProbeSequence:
         kind = self.todo[0]
         if kind == "plain" and self.mode == PLAIN_PROBE:
             return None
+        if kind == "measure" and self.grow:
+            self._grow_allocator()
         mode = PLAIN_PROBE if kind == "calibrate" or (kind == "measure" and self.mode == PLAIN_PROBE) \
             else RECOMPUTE_PROBE
         return ProbeStep(self.layers, self.policy, self.device, calibrate_recompute=kind == "calibrate",
                          mode=mode, candidates=self.candidates)
+
+    def _grow_allocator(self) -> None:
+        # The measured plain step is the first plain one: the caching allocator would grow to the
+        # plain peak inside it, mapping memory between its kernels (timed into its layers), as
+        # the calibration step it replaces did for it. Grow it now to the sizing step's
+        # prediction of that peak: one block, freed at once (the allocator keeps it). Out of
+        # memory here is the measured step's to find (it then moves to the low-memory probe).
+        self.grow = False
+        if self.sizing is None or self.device.type != "cuda":
+            return
+        extra = self.sizing.plain_peak_bytes - torch.cuda.memory_allocated(self.device)
+        try:
+            if extra > 0:
+                torch.empty(extra, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            pass
 
     def judge(self, probe: Optional[ProbeStep], exc: Optional[BaseException] = None) -> StepOutcome:
         """This rank's outcome of the step ``probe`` ran (None: a plain warm-up), ``exc`` what it
@@ -250,7 +271,13 @@ class ProbeSequence:
                     f"low-memory probe: on another rank of the plan group the plain step would not fit its "
                     f"device (here {own.why})")
             else:
-                self.mode, self.todo = PLAIN_PROBE, ["calibrate", "measure"]
+                # The sizing step measured its middle layer's recompute as a calibration step
+                # would (docs/design.md, "The first steps"): the measured plain step comes next,
+                # on an allocator grown to its peak first (:meth:`_grow_allocator`).
+                self.recompute_peak = probe.recompute_peak() if probe is not None else None
+                calibrated = probe is not None and probe.recompute_index is not None
+                self.mode, self.todo = PLAIN_PROBE, ["measure"] if calibrated else ["calibrate", "measure"]
+                self.grow = calibrated
                 self.reason = f"plain probe: {own.why}"
         elif kind == "measure" and probe is not None:
             return replace(probe.profile(self.link(), recompute_peak=self.recompute_peak), probe_reason=self.reason)

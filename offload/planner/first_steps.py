@@ -1,0 +1,150 @@
+"""What the first steps of a planning context cost, phase by phase (issue 50 s1, T14).
+
+A context that plans runs probe steps first (:mod:`offload.planner.sequence`), then its first
+planned step makes the plan. Each of those steps pays one-off costs on top of the step itself:
+
+``probe``
+    the probe's end of step: waiting for the device at its end, reading its per-layer events and
+    building the profile from them (:meth:`~offload.planner.probe.ProbeStep.end_step`,
+    :meth:`~offload.planner.sequence.ProbeSequence.advance`);
+``search``
+    the plan search (:func:`offload.planner.make.choose`): the plan pinned ahead from the sizing
+    step's figures, and the plan of the first planned step;
+``link``
+    measuring the host link (once);
+``empty_cache``
+    giving the allocator's cached blocks back before the device is read for a plan;
+``pinning``
+    waiting for host blocks: those pinned ahead, waited for before the measured step, and those
+    a step's copies had to pin (or wait for) on the spot;
+``allocator``
+    growing the caching allocator to the plain step's predicted peak before the measured plain
+    step, where no calibration step did it (:mod:`offload.planner.sequence`).
+
+Every figure is host seconds from ``time.perf_counter`` around the phase (no device
+synchronisation of its own). A step's ``wall_s`` runs from its ``with``'s entry to the next
+step's, so the costs paid at a step's entry (closing the previous probe step, making the plan)
+are that step's, as a loop that times each step sees them; ``other_s`` is the rest of the wall
+(the step's own forward and backward, the probe's per-layer hooks, the loop's own work). The
+probe steps also carry ``device_s``: the step's span on the device, from the probe's own events.
+
+The records stop after :data:`PLANNED_STEPS` planned steps: the first pins what the plan pins
+beyond what was pinned ahead, the second shows whether anything is left.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+__all__ = ["FirstSteps", "StepCosts", "PHASES", "PLANNED_STEPS"]
+
+PHASES = ("probe", "search", "link", "empty_cache", "pinning", "allocator")
+PLANNED_STEPS = 2
+
+
+@dataclass
+class StepCosts:
+    """One step's one-off costs (seconds); ``kind``: the probe step's kind (``"size"``,
+    ``"calibrate"``, ``"measure"``, ``"warm-up"``) or ``"planned"``."""
+
+    step: int
+    kind: str
+    wall_s: Optional[float] = None   # entry to the next step's entry (None: not over yet)
+    device_s: Optional[float] = None  # a probe step's span on the device (its events)
+    phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain data: ``step``, ``kind``, ``wall_s``, ``device_s``, ``<phase>_s`` for each of
+        :data:`PHASES`, and ``other_s`` (the wall less the phases; None while the step runs)."""
+        spent = sum(self.phases.values())
+        return {"step": self.step, "kind": self.kind, "wall_s": self.wall_s, "device_s": self.device_s,
+                **{f"{name}_s": seconds for name, seconds in self.phases.items()},
+                "other_s": None if self.wall_s is None else self.wall_s - spent}
+
+
+class FirstSteps:
+    """The records of the first steps of one context. ``pinned()``: the seconds its arena has
+    spent acquiring host blocks so far (``ArenaCounters.acquire_s``), read at each step's entry.
+    ``now``: the clock (a test's own, to check what is charged where)."""
+
+    def __init__(self, pinned: Callable[[], float], now: Callable[[], float] = time.perf_counter) -> None:
+        self.steps: list[StepCosts] = []
+        self._pinned, self._now = pinned, now
+        self._open: Optional[StepCosts] = None
+        self._closed: Optional[StepCosts] = None  # the step before the one recorded now
+        self._started = 0.0
+        self._pinned_at_start = 0.0
+        self._planned = 0
+        self._inside = 0.0  # seconds the phases timed inside the current one took
+
+    def enter(self) -> None:
+        """A step's ``with`` is entered: the previous step is over (its wall time and the host
+        blocks its copies acquired), and this one is recorded if still among the first."""
+        now = self._now()
+        self._close(now)
+        if self._planned >= PLANNED_STEPS:
+            return
+        self._open = StepCosts(len(self.steps) + 1, "")
+        self._started, self._pinned_at_start = now, self._pinned()
+        self.steps.append(self._open)
+
+    def kind(self, kind: str) -> None:
+        """Name the step being recorded: a probe kind, or ``"planned"``."""
+        if self._open is not None:
+            self._open.kind = kind
+            self._planned += kind == "planned"
+
+    def add(self, phase: str, seconds: float) -> None:
+        """Charge ``seconds`` of ``phase`` (one of :data:`PHASES`) to the step being recorded."""
+        if self._open is not None:
+            self._open.phases[phase] += seconds
+
+    def timed(self, phase: str, fn: Callable[[], Any]) -> Any:
+        """``fn()``, its time charged to ``phase``, less what phases timed inside it took (the
+        link measured while the probe's figures are read is the link's, not the probe's)."""
+        started, outer = self._now(), self._inside
+        self._inside = 0.0
+        try:
+            return fn()
+        finally:
+            spent = self._now() - started
+            self.add(phase, spent - self._inside)
+            self._inside = outer + spent
+
+    def device(self, seconds: float) -> None:
+        """The last step's span on the device, as its probe measured it (read when the step is
+        closed, at the next one's entry)."""
+        if self._closed is not None:
+            self._closed.device_s = seconds
+
+    def _close(self, now: float) -> None:
+        step, self._open = self._open, None
+        self._closed = step
+        if step is None:
+            return
+        step.wall_s = now - self._started
+        # The blocks its copies pinned (or waited for) on the spot; the wait for those pinned
+        # ahead was charged at its entry.
+        step.phases["pinning"] += max(0.0, self._pinned() - self._pinned_at_start)
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Each recorded step as :meth:`StepCosts.as_dict`."""
+        return [step.as_dict() for step in self.steps]
+
+    def table(self) -> str:
+        """The short "first steps" table of the report ('' before any step was recorded)."""
+        if not self.steps:
+            return ""
+        head = f"{'step':>4}  {'kind':<9} {'wall':>7} {'device':>7} " + " ".join(f"{n:>11}" for n in PHASES) + "   other"
+        lines = ["first steps (seconds; the one-off costs of planning: offload.planner.first_steps):", head]
+        for row in self.rows():
+            lines.append(f"{row['step']:>4}  {row['kind']:<9} {_cell(row['wall_s'], 'running'):>7} "
+                         f"{_cell(row['device_s']):>7} " + " ".join(f"{row[n + '_s']:>11.3f}" for n in PHASES)
+                         + f" {_cell(row['other_s']):>7}")
+        return "\n\n" + "\n".join(lines)
+
+
+def _cell(value: Optional[float], blank: str = "") -> str:
+    return blank if value is None else f"{value:.3f}"
