@@ -33,12 +33,12 @@ step, fits. A warning and the plan's ``budget_reason`` say what happened. Under 
 every rank plans that step again (the others at their own budgets), so no rank raises a
 ``BudgetError`` alone.
 
-**Host blocks ahead.** With plans ahead, nothing is pinned during the probe steps: the first
-plan's steps follow a stand-in that copies nothing to the host while its blocks are pinned in the
-background (:meth:`AheadSteps._first_options`). Without, the sizing step's figures give a plan's
-shape: its host regions are pinned from then on, and the measured step waits for them at its
-entry (pinning takes the driver's lock: kernels launched late would be timed into its layers). What each of the first steps spent where is recorded
-(:mod:`offload.planner.first_steps`: ``OffloadActivations.first_steps`` and its report). With plans per
+**Host blocks ahead.** The sizing step's figures give a plan's host regions, pinned from then on
+and waited for at the measured step's entry (pinning takes the driver's lock: kernels launched
+late would be timed into its layers); with plans ahead, only where no stand-in would fit: else the
+first plan's steps follow one that copies little while its blocks pin in the background
+(:meth:`AheadSteps._first_options`), and no probe step waits. What each first step spent where:
+:mod:`offload.planner.first_steps` (``OffloadActivations.first_steps`` and its report). With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 **Plans ahead** (``plan_ahead``, default on CUDA): a new bucket's steps follow a stand-in while its
 own plan is made and pinned in the background, all ranks switching together (:mod:`offload.planner.ahead`).

@@ -193,10 +193,12 @@ class AheadSteps:
 
     def _least_copying(self, at: Any, idle: Optional[int] = None, emptied: bool = False) -> Optional[Plan]:
         # The fastest plan of profile ``at`` under the budget that copies no more than ``idle``
-        # bytes (the idle blocks held), else no more than every layer recomputed copies; None
-        # where neither fits. ``emptied``: as for choose (the first plan's _make emptied the cache).
+        # bytes (the idle blocks held), else no more than every layer recomputed copies (and the
+        # host room); None where neither fits. ``emptied``: as for choose (the first plan's _make
+        # emptied the cache).
         device = self.engine.transport.device
-        least = simulate(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), None).d2h_bytes
+        least = min(simulate(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), None).d2h_bytes,
+                    self.engine.arena.plan_host_bytes())
         for host in dict.fromkeys(h for h in (idle, least) if h is not None):
             try:
                 return self.costs.timed("search", lambda: choose(
