@@ -4,8 +4,9 @@ made off the critical path (issue 50 s2).
 A bucket's own plan costs a search (0.45 s for 16 layers, 2 s for 32 with selective variants)
 and the pinning of its new host blocks (0.5 to 1.1 s on the H200): on its first step that was 2-5x
 the bucket's steady step. Instead, once a first plan is in force (the one after the probe steps
-is made on the calling thread: nothing can stand in for it), a step of a bucket new to the plan
-group:
+is made on the calling thread; its blocks may be pinned behind a stand-in too, an entry "made" at
+once and ready when pinned: :meth:`offload.planner.ahead_steps.AheadSteps._first_options`), a step
+of a bucket new to the plan group:
 
 - follows a **stand-in** found with no search and no new pinning (:func:`stand_ins`): the plan of
   the smallest bucket already planned that covers it (same batch, longer: its blocks are pinned,
