@@ -14,6 +14,13 @@ the plain peak) and depths timed; the CPU test of the search's quality
 
     python benchmarks/plan_search.py                  # 32, 64 and 128 layers, ~10 s
     python benchmarks/plan_search.py --layers 32 --repeat 5
+    python benchmarks/plan_search.py --contention      # a background search beside a busy step
+
+``--contention``: what a search on a background thread (a new bucket's own plan, made while a
+stand-in step runs) costs a host-bound step on the main thread, with and without
+:class:`offload.planner.ahead.Yielding`: a step stand-in (pure Python work of about 150 ms
+alone, a short step's host time) is timed alone, beside a 32-layer search, and beside the same
+search giving way; the search's own wall time is reported too (``plan_search_contention.json``).
 
 Prints one row per case (seconds per search, the plan's predicted step) and writes
 ``benchmarks/results/plan_search.json`` (``--out``). Target: <= 0.2 s for 32 layers.
@@ -128,12 +135,62 @@ def run(case: dict[str, Any], repeat: int) -> dict[str, Any]:
             "budget_bytes": case["budget"], "plan": plan.describe()}
 
 
+def _busy_step(units: int) -> float:
+    """A host-bound step's stand-in: ``units`` slices of pure Python work; its wall seconds."""
+    start = time.perf_counter()
+    for _ in range(units):
+        total = 0
+        for i in range(2000):
+            total += i * i
+    return time.perf_counter() - start
+
+
+def contention(repeat: int) -> dict[str, Any]:
+    """The step stand-in's time alone, beside a background search, and beside one that gives way
+    (medians of ``repeat``), and the search's wall time in each."""
+    import threading
+
+    from offload.planner.ahead import Yielding
+
+    case = cases((32,))[2]  # 32 layers, budget 0.50
+    units = max(1, int(0.15 / max(_busy_step(20) / 20, 1e-6)))  # about 150 ms of work alone
+    out: dict[str, Any] = {"case": case["name"], "alone_s": statistics.median(_busy_step(units) for _ in range(repeat))}
+    for name, pause in (("beside_search", None), ("beside_yielding_search", "yield")):
+        steps, searches = [], []
+        for _ in range(repeat):
+            done: dict[str, float] = {}
+
+            def search() -> None:
+                start = time.perf_counter()
+                best_plan(case["profile"], case["budget"], pause=Yielding() if pause else None)
+                done["s"] = time.perf_counter() - start
+
+            worker = threading.Thread(target=search)
+            worker.start()
+            steps.append(_busy_step(units))
+            worker.join()
+            searches.append(done["s"])
+        out[name + "_s"] = statistics.median(steps)
+        out[name.replace("beside_", "") + "_wall_s"] = statistics.median(searches)
+    return out
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="32,64,128", help="depths, comma-separated")
     parser.add_argument("--repeat", type=int, default=3, help="searches per case (the median is reported)")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "plan_search.json"))
+    parser.add_argument("--contention", action="store_true", help="time a busy step beside a background search")
     args = parser.parse_args(argv)
+    if args.contention:
+        row = contention(args.repeat)
+        print(f"step alone {row['alone_s']:.3f} s; beside a search {row['beside_search_s']:.3f} s (search "
+              f"{row['search_wall_s']:.3f} s); beside a search giving way {row['beside_yielding_search_s']:.3f} s "
+              f"(search {row['yielding_search_wall_s']:.3f} s)", flush=True)
+        out = Path(args.out).with_name("plan_search_contention.json")
+        out.write_text(json.dumps({"host": platform.processor() or platform.machine(),
+                                   "python": platform.python_version(), **row}, indent=1))
+        return 0
     depths = tuple(int(d) for d in args.layers.split(","))
     rows = []
     for case in cases(depths):

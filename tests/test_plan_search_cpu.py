@@ -147,3 +147,54 @@ def test_thresholds_copying_nearly_the_same_are_dropped() -> None:
         assert min(gaps) >= NEAR_THRESHOLD * sum(source.slot_bytes), (selective, copied)
     # LLAMA's layer: of the five thresholds each kind had, the near ones are gone.
     assert len(layer_candidates(layer)) == 10
+
+
+@pytest.mark.parametrize("name", ["32 layers, budget 0.50", "32 layers, budget 0.50, host 15%"])
+def test_a_search_that_gives_way_makes_the_same_plan(name: str) -> None:
+    # A background search pauses between simulations (offload.planner.ahead.Yielding): the pause
+    # is called, and the plan is the one the search makes without it.
+    from offload.planner.ahead import Yielding
+
+    case = CASES[name]
+    calls = []
+    plain = best_plan(case["profile"], case["budget"], host_budget=case.get("host"))
+    paused = best_plan(case["profile"], case["budget"], host_budget=case.get("host"), pause=lambda: calls.append(1))
+    assert calls and paused == plain
+    yielding = Yielding(work_s=0.0)  # gives way before every simulation
+    again = best_plan(case["profile"], case["budget"], host_budget=case.get("host"), pause=yielding)
+    assert again == plain and yielding.yields == len(calls)
+
+
+def test_yielding_gives_way_only_after_its_work_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    import offload.planner.ahead as ahead
+
+    slept = []
+    monkeypatch.setattr(ahead.time, "sleep", lambda s: slept.append(s))
+    clock = iter([0.0, 0.0005, 0.0011, 0.0011, 0.0015, 0.0030, 0.0030])
+    monkeypatch.setattr(ahead.time, "perf_counter", lambda: next(clock))
+    pause = ahead.Yielding(work_s=1e-3, sleep_s=1e-4)  # reads 0.0
+    pause()  # 0.5 ms of work: on
+    pause()  # 1.1 ms: gives way (and restarts its slice at 1.1 ms)
+    pause()  # 0.4 ms since: on
+    pause()  # 1.9 ms since: gives way
+    assert slept == [1e-4, 1e-4] and pause.yields == 2
+
+
+def test_a_plan_made_ahead_gives_way_to_the_steps_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    # make_ahead (the background making of a new bucket's plan) pauses with a Yielding unless told
+    # otherwise, and makes the plan the search makes on the main thread.
+    import offload.planner.ahead as ahead
+    from offload.planner.shapes import StepShape
+
+    made_pauses = []
+
+    class Counting(ahead.Yielding):
+        def __call__(self) -> None:
+            made_pauses.append(1)
+
+    monkeypatch.setattr(ahead, "Yielding", Counting)
+    case = CASES["32 layers, budget 0.50"]
+    made = ahead.make_ahead(case["profile"], StepShape(*case["profile"].shape), case["budget"], None, None,
+                            1 << 50, "")
+    assert made_pauses, "the background search never gave way"
+    assert made.plan.layers == best_plan(case["profile"], case["budget"]).layers

@@ -127,7 +127,8 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
 def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None, *,
            cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False,
            head: Optional[HeadInfo] = None, host_budget: Optional[int] = None,
-           host_limited: Optional[Callable[[int, int], None]] = None) -> Plan:
+           host_limited: Optional[Callable[[int, int], None]] = None,
+           pause: Optional[Callable[[], None]] = None) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
     is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now, with
     ``expandable`` segments' headroom if :func:`use_expandable_segments` turned them on).
@@ -138,17 +139,19 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
     plan may copy to the host (a context's: ``HostArena.plan_host_bytes``, the least of its cap,
     the process's budget and the node's room). ``host_limited(wanted, planned)`` is called when
     that figure made the plan copy ``planned`` bytes where, unbounded, it would copy ``wanted``.
+    ``pause``: called before each plan the search simulates (a search on a background thread
+    hands the interpreter back to the step's thread there: :class:`offload.planner.ahead.Yielding`).
 
     The plan's ``budget_reason`` says which budget was used and why, and the host figure when it
     bound the plan.
     """
     made = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
-                   emptied=emptied, head=head, host_budget=host_budget)
+                   emptied=emptied, head=head, host_budget=host_budget, pause=pause)
     if host_budget is None or host_budget >= _most_copied(profile):
         return made  # the host figure cannot bind: no plan copies more
     try:
         free = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
-                       emptied=emptied, head=head, host_budget=None)
+                       emptied=emptied, head=head, host_budget=None, pause=pause)
     except BudgetError:
         return made
     wanted, planned = free.prediction.d2h_bytes, made.prediction.d2h_bytes
@@ -167,7 +170,7 @@ def _most_copied(profile: StepProfile) -> int:
 
 def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device], *,
             cap_bytes: Optional[int], expandable: bool, emptied: bool, head: Optional[HeadInfo],
-            host_budget: Optional[int]) -> Plan:
+            host_budget: Optional[int], pause: Optional[Callable[[], None]] = None) -> Plan:
     # choose(), but for the host figure's note.
     if cap_bytes is not None and memory_budget_bytes != LOWEST:
         if memory_budget_bytes == DEVICE:
@@ -178,21 +181,21 @@ def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[
             cap_bytes = None
         if cap_bytes is not None:
             made = _choose(profile, cap_bytes, device, cap_bytes=None, expandable=False, emptied=False, head=head,
-                           host_budget=host_budget)
+                           host_budget=host_budget, pause=pause)
             return dataclasses.replace(made, budget_reason=f"{memory_budget_bytes!r}, capped at {format_bytes(cap_bytes)}")
 
     def best(budget: int) -> Plan:
-        return choose_tiled(profile, lambda p: best_plan(p, budget, host_budget=host_budget), head)
+        return choose_tiled(profile, lambda p: best_plan(p, budget, host_budget=host_budget, pause=pause), head)
 
     if memory_budget_bytes == LOWEST:
         # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that
         # much headroom before it must stall on forced releases. Untiled where that fits the
         # device (tiling changes the sums); the lowest tiled plan where it does not.
-        made = lowest_peak(profile, tolerance=LOWEST_TOLERANCE, host_budget=host_budget)
+        made = lowest_peak(profile, tolerance=LOWEST_TOLERANCE, host_budget=host_budget, pause=pause)
         if device is not None and device.type == "cuda" and profile.device == "cuda" and profile.shape is not None \
                 and made.prediction.peak_bytes > read_device_budget(device, expandable, emptied).budget_bytes:
             variant, tile_tokens, head_tokens = lowest_tiled(profile, head)
-            made = mark_lowest(lowest_peak(variant, tolerance=LOWEST_TOLERANCE, host_budget=host_budget),
+            made = mark_lowest(lowest_peak(variant, tolerance=LOWEST_TOLERANCE, host_budget=host_budget, pause=pause),
                                profile, head, tile_tokens, head_tokens)
         return dataclasses.replace(made, budget_reason=f"lowest (the lowest predicted peak, up to "
                                                        f"{LOWEST_TOLERANCE:.0%} more for speed)")
@@ -208,7 +211,7 @@ def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[
             reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
         return dataclasses.replace(made, budget_reason=reason)
     if memory_budget_bytes is None:
-        made = best_plan(profile, profile.plain_peak_bytes, host_budget=host_budget)
+        made = best_plan(profile, profile.plain_peak_bytes, host_budget=host_budget, pause=pause)
         return dataclasses.replace(made, budget_reason="none given (the plain step's peak)")
     made = best(int(memory_budget_bytes))
     reason = "memory_budget_bytes"

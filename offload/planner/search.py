@@ -116,8 +116,9 @@ class _Evaluator:
     host budget: every offloaded byte is held on the host until its layer's backward)."""
 
     def __init__(self, profile: StepProfile, cands: list[list[LayerPlan]], budget: int,
-                 host_budget: Optional[int] = None) -> None:
+                 host_budget: Optional[int] = None, pause: Optional[Callable[[], None]] = None) -> None:
         self.profile, self.cands, self.budget, self.host = profile, cands, budget, host_budget
+        self.pause = pause  # called before each simulation (a background search lets the step's thread run)
         self.memo: dict[Key, Prediction] = {}
         self.best: Optional[tuple[float, int, Key]] = None
         # What the simulation reads of each layer under each candidate, worked out once.
@@ -134,6 +135,8 @@ class _Evaluator:
         return pred
 
     def _simulate(self, key: Key, within: Optional[tuple[int, Optional[int]]]) -> Optional[Prediction]:
+        if self.pause is not None:
+            self.pause()
         figures = [row[k] for row, k in zip(self.figures, key)]
         pred = simulate_figures(self.profile, figures, self.budget, within)
         if pred is None:
@@ -414,9 +417,10 @@ def _floor(profile: StepProfile, cands: list[list[LayerPlan]], host_budget: Opti
 def _search(
     profile: StepProfile, cands: list[list[LayerPlan]], budget: int, seeds: Sequence[Key],
     host_budget: Optional[int] = None,
+    pause: Optional[Callable[[], None]] = None,
 ) -> _Evaluator:
     """Run the search stages at ``budget``; the evaluator returned holds the best fitting key."""
-    ev = _Evaluator(profile, cands, budget, host_budget)
+    ev = _Evaluator(profile, cands, budget, host_budget, pause)
     for s in seeds:
         ev(s)
     size = 1
@@ -448,7 +452,7 @@ def _enumerate(ev: _Evaluator, i: int, prefix: Key) -> None:
 
 
 def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK_MODEL_ERROR,
-              host_budget: Optional[int] = None) -> Plan:
+              host_budget: Optional[int] = None, pause: Optional[Callable[[], None]] = None) -> Plan:
     """The fastest predicted plan whose predicted peak is at most ``budget_bytes``.
 
     When no plan fits but the budget is within ``model_error`` (a fraction) of the lowest peak
@@ -471,7 +475,7 @@ def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK
                 f"Raise the budget to at least {_exact(floor)} to silence this.",
                 UserWarning, stacklevel=2,
             )
-            return lowest_peak(profile, tolerance=0.0, model_error=model_error, host_budget=host_budget)
+            return lowest_peak(profile, tolerance=0.0, model_error=model_error, host_budget=host_budget, pause=pause)
         raise BudgetError(
             f"no plan fits a memory budget of {_exact(budget)}: the lowest peak reachable is "
             f"{_exact(floor)}, {format_bytes(floor - budget)} more (weights, optimizer state and "
@@ -479,7 +483,7 @@ def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK
             f"the budget to at least {format_bytes(floor)}, or shrink the step: a shorter "
             f"sequence, a smaller batch, or more GPUs (fewer layers or a smaller shard on each)."
         )
-    ev = _search(profile, cands, budget, seeds=[floor_key], host_budget=host_budget)
+    ev = _search(profile, cands, budget, seeds=[floor_key], host_budget=host_budget, pause=pause)
     if ev.best is None:  # the floor plan fits any budget >= its floor: a bug if not
         raise RuntimeError(f"best_plan: the floor plan does not fit {budget} bytes")
     key = ev.best[2]
@@ -492,7 +496,8 @@ def _exact(nbytes: int) -> str:
 
 
 def lowest_peak(profile: StepProfile, tolerance: float = LOWEST_PEAK_TOLERANCE,
-                model_error: float = PEAK_MODEL_ERROR, host_budget: Optional[int] = None) -> Plan:
+                model_error: float = PEAK_MODEL_ERROR, host_budget: Optional[int] = None,
+                pause: Optional[Callable[[], None]] = None) -> Plan:
     """The plan with the lowest predicted peak; among peaks within ``tolerance`` (a fraction) of
     it, the fastest. The plan's budget is that lowest peak plus the tolerance.
 
@@ -517,7 +522,7 @@ def lowest_peak(profile: StepProfile, tolerance: float = LOWEST_PEAK_TOLERANCE,
     if floor > certain and within_host:
         return _to_plan(profile, recompute, max(1, rec_peak))
     budget = max(1, int(floor * (1 + tolerance)) if not within_host else min(int(floor * (1 + tolerance)), certain))
-    ev = _search(profile, cands, budget, seeds=[floor_key], host_budget=host_budget)
+    ev = _search(profile, cands, budget, seeds=[floor_key], host_budget=host_budget, pause=pause)
     if ev.best is None:  # the floor plan fits any budget >= its floor: a bug if not
         raise RuntimeError(f"lowest_peak: the floor plan does not fit {budget} bytes")
     key = ev.best[2]
