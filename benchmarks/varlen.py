@@ -186,13 +186,16 @@ def run_contender(env: Env, contender: str, args: Any, grads_file: Optional[Path
 
 def bucket_fields(ctx: Any) -> dict[str, Any]:
     """Of the planned step just run under ``ctx``: its bucket's length, whether the bucket was new
-    (its first step), its plan's kind ("own" or "stand-in") and the seconds its plan took on the
-    step's thread (``PlannedSteps.last_plan``)."""
+    (its first step), its plan's kind ("own" or "stand-in"), the seconds its plan took on the
+    step's thread (``PlannedSteps.last_plan``), and the host blocks the step allocated and what
+    the arena held after it (a step that pinned is slower: the driver's lock)."""
     last = getattr(getattr(ctx, "_planned", None), "last_plan", None) or {}
     if not last:
         return {}
+    stats = ctx.stats
     return {"bucket": last["bucket"][1], "new_bucket": last["new"], "plan_kind": last["plan"],
-            "oneoff_s": last["seconds"]}
+            "oneoff_s": last["seconds"], "pinned_allocations": stats.get("pinned_allocations"),
+            "pinned_bytes_held": stats.get("pinned_bytes_held")}
 
 
 def bucket_table(results: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
