@@ -174,3 +174,12 @@ class Boom(torch.nn.Module):
         if self.armed:
             raise RuntimeError("boom")
         return y
+
+
+def peak_of(fn: Callable[[], Any]) -> tuple[Any, int]:
+    """``fn()``'s result and the CUDA allocator's peak while it ran (synchronised around it)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, torch.cuda.max_memory_allocated()

@@ -22,7 +22,7 @@ import offload
 from offload.planner import PEAK_MODEL_ERROR
 from offload.planner.shapes import StepShape
 
-from _util import assert_bitwise, make_gpt_layers, oa_step, train_step
+from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -36,14 +36,6 @@ def gpt(n: int = 6) -> nn.ModuleList:
 def batch(length: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(2, length, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
-
-
-def peak_of(fn) -> tuple[object, int]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated()
 
 
 def wait_ready(oa, timeout_s: float = 60.0) -> None:

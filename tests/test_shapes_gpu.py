@@ -22,7 +22,7 @@ from torch import nn
 import offload
 from offload.planner import PEAK_MODEL_ERROR
 
-from _util import assert_bitwise, make_gpt_layers, oa_step, sleepy, train_step
+from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, sleepy, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -37,14 +37,6 @@ def gpt(n: int = 6) -> nn.ModuleList:
 def batch(length: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(2, length, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
-
-
-def peak_of(fn) -> tuple[object, int]:
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, torch.cuda.max_memory_allocated()
 
 
 @pytest.mark.parametrize("delay", [False, True])
