@@ -183,3 +183,25 @@ def peak_of(fn: Callable[[], Any]) -> tuple[Any, int]:
     out = fn()
     torch.cuda.synchronize()
     return out, torch.cuda.max_memory_allocated()
+
+
+def recompute_plan_peak(layers: torch.nn.ModuleList, x: torch.Tensor) -> tuple[int, int, str]:
+    """A plan recomputing every layer but the last, made from ``profile_step`` of ``layers`` at
+    ``x``: its measured peak above the base, its predicted one, and its description (one warm step
+    first: allocator and pinned blocks)."""
+    import gc
+
+    from offload.planner import Action, LayerPlan, plan_for
+
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
+    made = plan_for(profile, [LayerPlan(Action.RECOMPUTE)] * (len(layers) - 1) + [LayerPlan(Action.KEEP)])
+    oa = offload.OffloadActivations(layers, plan=made)
+    oa_step(layers, x, oa)
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    oa_step(layers, x, oa)
+    torch.cuda.synchronize()
+    base, measured = made.profile.base_bytes, torch.cuda.max_memory_allocated()
+    oa.close()
+    return measured - base, made.prediction.peak_bytes - base, made.describe()

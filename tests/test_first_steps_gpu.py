@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import offload
-from offload.planner import Action, LayerPlan, plan_for
 from offload.planner.first_steps import PHASES
-from _util import assert_bitwise, make_gpt_layers, oa_step, train_step
+from _util import assert_bitwise, make_gpt_layers, oa_step, recompute_plan_peak, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -84,17 +83,5 @@ def test_recompute_plan_peak_is_still_predicted_within_ten_percent() -> None:
     # middle layer calibrated the recompute.
     clean_device()
     layers, x = setup(seq=1024)
-    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
-    made = plan_for(profile, [LayerPlan(Action.RECOMPUTE)] * (len(layers) - 1) + [LayerPlan(Action.KEEP)])
-    oa = offload.OffloadActivations(layers, plan=made)
-    oa_step(layers, x, oa)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    oa_step(layers, x, oa)
-    torch.cuda.synchronize()
-    base = made.profile.base_bytes
-    measured = torch.cuda.max_memory_allocated() - base
-    predicted = made.prediction.peak_bytes - base
-    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted, made.describe())
-    oa.close()
+    measured, predicted, described = recompute_plan_peak(layers, x)
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted, described)

@@ -14,10 +14,9 @@ import torch
 from torch import nn
 
 import offload
-from offload.models import run_layers
 from offload.planner import Action, LayerPlan, plan_for
 
-from _util import Delayed, assert_bitwise, make_gpt_layers, oa_step, sleepy, train_step
+from _util import Delayed, assert_bitwise, make_gpt_layers, oa_step, recompute_plan_peak, sleepy, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -110,19 +109,8 @@ def test_recompute_plan_peak_is_predicted_within_ten_percent() -> None:
     # its layer's backward, where the plain step frees tensors one by one; see the README.)
     clean_device()
     layers, x = gpt(), tokens(seq=1024)
-    profile = offload.planner.profile_step(layers, lambda: train_step(layers, x))
-    made = plan_for(profile, [LayerPlan(Action.RECOMPUTE)] * (len(layers) - 1) + [LayerPlan(Action.KEEP)])
-    oa = offload.OffloadActivations(layers, plan=made)
-    oa_step(layers, x, oa)
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    oa_step(layers, x, oa)
-    torch.cuda.synchronize()
-    base = made.profile.base_bytes
-    measured = torch.cuda.max_memory_allocated() - base
-    predicted = made.prediction.peak_bytes - base
-    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted, made.describe())
+    measured, predicted, described = recompute_plan_peak(layers, x)
+    assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted, described)
 
 
 class _Checkpointed(nn.Module):
