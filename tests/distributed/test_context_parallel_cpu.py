@@ -80,8 +80,10 @@ def _sharding(meshes: Any) -> dict[str, Any]:
         local = {k: shard.inputs[k].tolist() for k in ("input_ids", "labels", "shift_labels", "position_ids")}
         mask = shard.inputs["attention_mask"].tolist()
         num_items = int(shard.num_items_in_batch)
+        kernels = {"efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+                   "math": torch.backends.cuda.math_sdp_enabled(), "flash": torch.backends.cuda.flash_sdp_enabled()}
     unchanged = all(torch.equal(before[k], batch[k]) for k in batch)
-    return {"local": local, "mask": mask, "num_items": num_items, "unchanged": unchanged}
+    return {"local": local, "mask": mask, "num_items": num_items, "unchanged": unchanged, "kernels": kernels}
 
 
 class _HeadLoss(torch.nn.Module):
@@ -394,6 +396,11 @@ def test_offload_trainer_refuses_fp8_layers_under_the_trainers_context_paralleli
         offload.integrations.hf.offload_trainer(trainer)
     config.cp_enabled = False
     offload.integrations.hf.offload_trainer(trainer).close()  # without context parallelism: offloaded
+
+
+def test_inside_the_cp_context_sdpa_may_not_take_the_efficient_or_math_kernel(ranks: list[dict[str, Any]]) -> None:
+    for kernels in (r["kernels"] for r in _get(ranks, "sharding")):
+        assert kernels == {"efficient": False, "math": False, "flash": True}, kernels
 
 
 def test_the_ring_runs_only_on_the_kernels_it_is_sound_on() -> None:
