@@ -40,8 +40,8 @@ int node_of_address(const void* p);
 class PinnedHostBuffer {
  public:
   // Throws std::runtime_error (naming the call and the size) when the host refuses; nothing is
-  // left allocated then. `touch_threads` <= 0 picks one per 64 MiB, at most 8 (the
-  // host's other threads still run Python and autograd meanwhile). `numa_node` >= 0: place the
+  // left allocated then. `touch_threads` <= 0 picks one per 4 MiB, at most half
+  // the cores and 16 (the host's other threads still run Python and autograd meanwhile). `numa_node` >= 0: place the
   // pages on that node (see prefer_node; cuMemHostAlloc gets it through the calling thread's
   // policy for the duration of the call). A node the kernel refuses is not an error: the
   // buffer is allocated without it, and numa_node() is -1 with numa_error() saying why.
