@@ -33,12 +33,12 @@ step, fits. A warning and the plan's ``budget_reason`` say what happened. Under 
 every rank plans that step again (the others at their own budgets), so no rank raises a
 ``BudgetError`` alone.
 
-**Host blocks ahead.** The low-memory sizing step's figures already give a plan's shape: its host
-regions are pinned in the background from then on (during a calibration step where one follows),
-and the measured step waits for them at its entry (pinning takes the driver's lock, and kernels
-launched late would be timed into its layers). Pinning is then part of the probe steps, and the
-first planned step does not stall on it. What each of the first steps spent where is recorded
-(:mod:`offload.planner.first_steps`: ``OffloadActivations.first_steps`` and its report). With plans per
+**Host blocks ahead.** The sizing step's figures give a plan's host regions, pinned from then on
+and waited for at the measured step's entry (pinning takes the driver's lock: kernels launched
+late would be timed into its layers); with plans ahead, only where no stand-in would fit: else the
+first plan's steps follow one that copies little while its blocks pin in the background
+(:meth:`AheadSteps._first_options`), and no probe step waits. What each first step spent where:
+:mod:`offload.planner.first_steps` (``OffloadActivations.first_steps`` and its report). With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 **Plans ahead** (``plan_ahead``, default on CUDA): a new bucket's steps follow a stand-in while its
 own plan is made and pinned in the background, all ranks switching together (:mod:`offload.planner.ahead`).
@@ -268,7 +268,7 @@ class PlannedSteps(AheadSteps):
         step = self.engine.step
         self._step_index = step.index if step is not None else None
         started = time.perf_counter()
-        ahead = self._ahead if self.budget != LOWEST else None  # ("lowest" reads the device to tile)
+        ahead = self._plans_ahead()
         # One collective: the bucket all plan for, any rank's out of memory, plans ahead ready or failed.
         behind, failed_at = ahead.values() if ahead is not None else (0, 0)
         bucket, ran_out, behind, failed_at = agree_planned_step(shape.bucket(), self._ran_out, behind, failed_at,
@@ -303,6 +303,9 @@ class PlannedSteps(AheadSteps):
                 plan = self._make(profile_at(profile, bucket), bucket, shape)
             except BudgetError as exc:
                 failed = exc
+            else:  # the first plan: a stand-in while its blocks are pinned, where they are not held
+                options = self._first_options(ahead, bucket, plan)
+                standing = options[1]
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
         # holds: decide together, so no rank raises alone while the others wait in a collective.
         if together:
@@ -506,7 +509,8 @@ class PlannedSteps(AheadSteps):
                                                              host_budget=self.engine.arena.plan_host_bytes()))
         except (BudgetError, ValueError):
             return  # the measured step decides; nothing to pin ahead
-        self._pin(PlannedSchedule(plan, sizing).region_bytes())
+        if not self._stand_in_fits(sizing):  # (else pinned behind the first plan's stand-in, none waited for)
+            self._pin(PlannedSchedule(plan, sizing).region_bytes())
 
     def _check_out_of_memory(self) -> None:
         # The allocator's count, read at each planned step's entry (tens of microseconds): the

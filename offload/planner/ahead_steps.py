@@ -18,10 +18,17 @@ from ..engine.schedules.planned import PlannedSchedule
 from .agree import agree_max
 from .ahead import Made, PlansAhead, StandIn, make_ahead, stand_ins
 from .budget import DEVICE
+from .actions import Action
+from .make import LOWEST, choose
+from .model import simulate
+from .scaling import profile_at
 from .search import BudgetError
 from .shapes import StepShape
+from .types import LayerPlan, Plan
 
-__all__ = ["AheadSteps", "check_plan_ahead"]
+__all__ = ["AheadSteps", "check_plan_ahead", "FIRST_STAND_IN"]
+
+FIRST_STAND_IN = "few host blocks (keep and recompute)"
 
 
 def check_plan_ahead(api: str, value: Any) -> Union[None, bool, tuple[int, ...]]:
@@ -53,6 +60,8 @@ class AheadSteps:
     _step_index: Optional[int]
     _shape: Optional[StepShape]
     _expandable: bool
+    costs: Any  # offload.planner.first_steps.FirstSteps
+    _pin: Callable[[list[int]], None]
 
     def _init_ahead(self, plan_ahead: Union[bool, tuple[int, ...]]) -> None:
         arena = self.engine.arena
@@ -61,6 +70,8 @@ class AheadSteps:
             lambda: arena.settle() or arena.counters.bytes_pending == 0) if plan_ahead is not False else None
         # Lengths whose buckets are planned ahead as soon as a first plan is in force.
         self._known = plan_ahead if isinstance(plan_ahead, tuple) else ()
+        self._first: Optional[Made] = None  # the first plan, made on this thread, while its stand-in is agreed
+        self._made_at: Optional[int] = None  # the step it was made at (the log's)
         # The last planned step's bucket, whether it was new, its plan ("own" or "stand-in") and
         # the seconds its plan took on this thread (benchmarks/varlen.py records them).
         self.last_plan: dict[str, Any] = {}
@@ -76,6 +87,8 @@ class AheadSteps:
         seconds = time.perf_counter() - started
         self.last_plan = {"bucket": (bucket.batch, bucket.length), "new": new, "seconds": seconds,
                           "plan": "stand-in" if standing is not None else "own"}
+        if standing is not None:
+            self.costs.label("stand-in")  # (the first steps' table: not one of its planned steps)
         return seconds if new else 0.0
 
     # -- plans made ahead (offload.planner.ahead) --------------------------------------------------
@@ -112,13 +125,23 @@ class AheadSteps:
             self._group, "plan fits")  # type: ignore[attr-defined]
         if standing is not None and not (cover_unfit and lowest_unfit):
             standing = options[1] if cover_unfit else options[0]
+        elif self._first is not None:
+            standing = None  # the first plan's stand-in: on every rank or on none (PlansAhead's entries agree)
+        if failed_any:
+            self._first = None  # raised: nothing is started
         return bool(failed_any), standing
 
     def _start_ahead(self, ahead: Optional[PlansAhead], bucket: StepShape, standing: Optional[StandIn],
                      ahead_now: bool) -> None:
         # On every rank alike: a new bucket's stand-in with its own plan made behind it, or its
-        # plan made now; after the first plan (again after an out-of-memory step or a new
-        # budget), the known lengths' buckets queued at its batch.
+        # plan made now; the first plan's stand-in while its blocks are pinned; after the first
+        # plan (again after an out-of-memory step or a new budget), the known lengths' buckets
+        # queued at its batch.
+        first, self._first = self._first, None
+        if first is not None and standing is not None:
+            self._made_at = self._step_index
+            self._pin(self._regions(standing.plan))  # (its few blocks first: the pinner's queue is in order)
+            ahead.start(bucket, self._step_index, standing, None, first)  # type: ignore[union-attr]
         if ahead_now:
             ahead.start(bucket, self._step_index, standing,  # type: ignore[union-attr]
                         self._maker(bucket) if standing is not None else None)
@@ -126,6 +149,71 @@ class AheadSteps:
             for top in dict.fromkeys(StepShape(bucket.batch, n).bucket() for n in self._known):
                 if top not in self._agreed and top not in ahead.on_main and all(e.bucket != top for e in ahead.started):
                     ahead.start(top, None, None, self._maker(top))
+
+    def _plans_ahead(self) -> Optional[PlansAhead]:
+        # The plans made ahead in force now ("lowest" reads the device to tile: planned on this thread).
+        return self._ahead if self.budget != LOWEST else None
+
+    def _needs_pinning(self, plan: Plan) -> bool:
+        """Whether ``plan``'s host regions are not all served by blocks held (idle or being
+        pinned): a pinned arena would pin them on the step's critical path. (A test's fake
+        pinner replaces this and :attr:`PlansAhead._pinned`: the CPU arena pins nothing.)"""
+        arena = self.engine.arena
+        sizes = self._regions(plan)
+        return bool(arena.pinned and sizes and arena.unserved(sizes))
+
+    @staticmethod
+    def _regions(plan: Plan) -> list[int]:
+        return PlannedSchedule(plan, plan.profile).region_bytes()
+
+    def _first_options(self, ahead: Optional[PlansAhead], bucket: StepShape,
+                       own: Plan) -> tuple[None, Optional[StandIn]]:
+        # The first plan (after the probe steps, an out-of-memory step or a new budget), made on
+        # this thread: where its host blocks are not held, its steps follow a stand-in until they
+        # are pinned in the background, and every rank switches together (PlansAhead's readiness
+        # agreement). Pinning ~150 GiB at ~5 GB/s is 30 s: off the critical path (issue 50 s1,
+        # T14). The stand-in copies what the idle blocks held hold, else no more than every layer
+        # recomputed copies (a recomputed layer's inputs go to the host too: ~1/20 of the own
+        # plan's bytes on LLAMA shapes), its blocks pinned first, as its copies come. None where
+        # nothing needs pinning, or no such plan fits, or it would copy as much as the own plan.
+        self._first = None
+        if ahead is None or self._agreed or bucket in ahead.on_main:
+            return None, None
+        self._first = Made(own, self._host_figure or 0, None, 0.0, background=False)
+        if not self._needs_pinning(own):
+            return None, None
+        arena = self.engine.arena
+        idle = max(0, arena.counters.bytes_held - arena.counters.bytes_in_use)
+        emptied = self.engine.transport.device.type == "cuda" and (self.budget == DEVICE or self._cap is not None)
+        plan = self._least_copying(profile_at(self.profile, bucket), idle, emptied)
+        if plan is None or plan.prediction.d2h_bytes >= own.prediction.d2h_bytes:
+            return None, None  # the own plan at once, as without plans ahead
+        reason = f"a stand-in while this plan's host blocks are pinned: {FIRST_STAND_IN}; {plan.budget_reason}"
+        return None, StandIn(dataclasses.replace(plan, budget_reason=reason), FIRST_STAND_IN, bucket)
+
+    def _least_copying(self, at: Any, idle: Optional[int] = None, emptied: bool = False) -> Optional[Plan]:
+        # The fastest plan of profile ``at`` under the budget that copies no more than ``idle``
+        # bytes (the idle blocks held), else no more than every layer recomputed copies (and the
+        # host room); None where neither fits. ``emptied``: as for choose (the first plan's _make
+        # emptied the cache).
+        device = self.engine.transport.device
+        least = min(simulate(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), None).d2h_bytes,
+                    self.engine.arena.plan_host_bytes())
+        for host in dict.fromkeys(h for h in (idle, least) if h is not None):
+            try:
+                return self.costs.timed("search", lambda: choose(
+                    at, self.budget, device, cap_bytes=self._cap, expandable=self._expandable, emptied=emptied,
+                    head=self.head, host_budget=host, note_host=False))
+            except (BudgetError, ValueError):
+                pass
+        return None
+
+    def _stand_in_fits(self, sizing: Any) -> bool:
+        """Whether, on the sizing step's figures, the first plan could follow a stand-in while its
+        blocks are pinned (plans ahead): then nothing is pinned beside the probe steps, and the
+        measured step waits for nothing; else its blocks are pinned ahead, as without."""
+        return self._plans_ahead() is not None and sizing.shape is not None and \
+            self._least_copying(sizing) is not None
 
     def _maker(self, bucket: StepShape) -> Callable[[], Made]:
         budget, reason = self._budget_read()
@@ -141,8 +229,9 @@ class AheadSteps:
         self._host_figure = made.host_bytes
         if made.limited is not None:
             self.engine.arena.plan_limited(*made.limited)
+        where = f"in the background in {made.seconds:.2f} s" if made.background else f"at step {self._made_at}"
         self._ahead.log.append(f"step {self._step_index}: {bucket} follows its own plan from here "  # type: ignore[union-attr]
-                               f"(made in the background in {made.seconds:.2f} s, its blocks pinned)")
+                               f"(made {where}, its blocks pinned)")
 
     def _raise_failed_ahead(self, ahead: PlansAhead, bucket: StepShape, shape: StepShape) -> None:
         # A making failed on some rank: every rank raises here, before any layer ran, and the

@@ -9,13 +9,15 @@ planned step makes the plan. Each of those steps pays one-off costs on top of th
     :meth:`~offload.planner.sequence.ProbeSequence.advance`);
 ``search``
     the plan search (:func:`offload.planner.make.choose`): the plan pinned ahead from the sizing
-    step's figures, and the plan of the first planned step;
+    step's figures (without plans ahead), and the plan of the first planned step (with plans
+    ahead, its stand-in's too);
 ``link``
     measuring the host link (once);
 ``empty_cache``
     giving the allocator's cached blocks back before the device is read for a plan;
 ``pinning``
-    waiting for host blocks: those pinned ahead, waited for before the measured step, and those
+    waiting for host blocks: those pinned ahead, waited for before the measured step (without
+    plans ahead), and those
     a step's copies had to pin (or wait for) on the spot;
 ``allocator``
     growing the caching allocator to the plain step's predicted peak before the measured plain
@@ -29,7 +31,9 @@ are that step's, as a loop that times each step sees them; ``other_s`` is the re
 probe steps also carry ``device_s``: the step's span on the device, from the probe's own events.
 
 The records stop after :data:`PLANNED_STEPS` planned steps: the first pins what the plan pins
-beyond what was pinned ahead, the second shows whether anything is left.
+beyond what was pinned ahead, the second shows whether anything is left. With plans ahead, the
+first plan's steps may follow a stand-in while its blocks are pinned in the background (kind
+``"stand-in"``, not counted among them; ``ahead_log`` says when the own plan came).
 """
 
 from __future__ import annotations
@@ -95,6 +99,14 @@ class FirstSteps:
         if self._open is not None:
             self._open.kind = kind
             self._planned += kind == "planned"
+
+    def label(self, kind: str) -> None:
+        """Name the step being recorded again: a planned step that followed a stand-in
+        (``"stand-in"``) is not counted among the :data:`PLANNED_STEPS` recorded, so the records
+        go on to the steps of the plan it stood in for."""
+        if self._open is not None and self._open.kind != kind:
+            self._planned -= self._open.kind == "planned"
+            self._open.kind = kind
 
     def add(self, phase: str, seconds: float) -> None:
         """Charge ``seconds`` of ``phase`` (one of :data:`PHASES`) to the step being recorded."""

@@ -127,7 +127,7 @@ def probe_policy(device: torch.device, min_offload_bytes: int, selection: str = 
 def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device] = None, *,
            cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False,
            head: Optional[HeadInfo] = None, host_budget: Optional[int] = None,
-           host_limited: Optional[Callable[[int, int], None]] = None,
+           host_limited: Optional[Callable[[int, int], None]] = None, note_host: bool = True,
            pause: Optional[Callable[[], None]] = None) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
     is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now, with
@@ -138,7 +138,8 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
     head where no untiled plan fits (:mod:`offload.planner.tiling`). ``host_budget``: bytes a
     plan may copy to the host (a context's: ``HostArena.plan_host_bytes``, the least of its cap,
     the process's budget and the node's room). ``host_limited(wanted, planned)`` is called when
-    that figure made the plan copy ``planned`` bytes where, unbounded, it would copy ``wanted``.
+    that figure made the plan copy ``planned`` bytes where, unbounded, it would copy ``wanted``
+    (``note_host=False``: not worked out, which saves the second search that takes).
     ``pause``: called before each plan the search simulates (a search on a background thread
     hands the interpreter back to the step's thread there: :class:`offload.planner.ahead.Yielding`).
 
@@ -147,7 +148,7 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
     """
     made = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
                    emptied=emptied, head=head, host_budget=host_budget, pause=pause)
-    if host_budget is None or host_budget >= _most_copied(profile):
+    if not note_host or host_budget is None or host_budget >= _most_copied(profile):
         return made  # the host figure cannot bind: no plan copies more
     try:
         free = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,

@@ -1,8 +1,9 @@
 """Plans made ahead under a process group (issue 50 s2), on two gloo processes: every rank switches
 from a new bucket's stand-in to its own plan at the same step, even when one rank's background
 making is slowed on purpose (the switch changes what a rank recomputes, so its collectives under
-FSDP), a making that failed on one rank is raised at the bucket's next step on both, and where
-one rank cannot follow the covering bucket's plan both follow the other stand-in. Each rank's
+FSDP), a making that failed on one rank is raised at the bucket's next step on both, where
+one rank cannot follow the covering bucket's plan both follow the other stand-in, and the first
+plan's stand-in gives way on both at the same step when one rank's pinning is slowed (issue 50 s1). Each rank's
 gradients are bitwise its plain run's at every step.
 
 A collective one rank never joins fails within the group's short timeout, and the processes are
@@ -144,6 +145,34 @@ def _stand_in_case(rank: int) -> dict[str, Any]:
     return out
 
 
+def _first_case(rank: int) -> dict[str, Any]:
+    # The first plan's blocks, pinned by a fake slow pinner (the CPU arena pins nothing): rank 1's
+    # take DELAY_S, rank 0's none. Both follow the stand-in, then switch at the same step.
+    layers = _layers()
+    oa = _context(layers)
+    planned = oa._planned
+    planned._needs_pinning = lambda plan: bool(planned._regions(plan))
+    asked: list[float] = []
+
+    def pinned() -> bool:
+        asked.append(asked[0] if asked else time.monotonic())
+        return rank == 0 or time.monotonic() > asked[0] + DELAY_S
+
+    planned._ahead._pinned = pinned
+    out: dict[str, Any] = {"kinds": [], "ready_here": [], "bitwise": []}
+    for step in range(3):  # the probe steps
+        out["bitwise"].append(_step(layers, oa, rank, step, 16))
+    for step in range(3, 3 + STEPS):
+        if step > 3:
+            planned._ahead.poll()  # what the step's entry does: this rank's own readiness, before the step
+            out["ready_here"].append(planned._ahead.started[0].ready)
+        out["bitwise"].append(_step(layers, oa, rank, step, 16))
+        out["kinds"].append(planned.last_plan["plan"])
+        time.sleep(PAUSE_S)
+    out["log"] = planned.ahead_log()
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -151,7 +180,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two ranks share CI's two cores
     results: dict[str, Any] = {}
     real, real_stand_ins = ahead.choose, ahead_steps.stand_ins
-    for name, case in (("switch", _switch_case), ("failure", _failure_case), ("stand_in", _stand_in_case)):
+    for name, case in (("switch", _switch_case), ("failure", _failure_case), ("stand_in", _stand_in_case),
+                       ("first", _first_case)):
         try:
             results[name] = case(rank)
         except Exception as exc:  # noqa: BLE001  (recorded: the test says which rank failed how)
@@ -197,3 +227,16 @@ def test_ranks_follow_the_stand_in_every_rank_can_follow(results: list[dict[str,
     assert [c["kind"] for c in cases] == ["stand-in", "stand-in"], cases
     assert cases[0]["shape"] == cases[1]["shape"] == [2, 25], f"the ranks follow stand-ins of other shapes: {cases}"
     assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
+
+
+def test_ranks_switch_from_the_first_plans_stand_in_at_the_same_step(results: list[dict[str, Any]]) -> None:
+    # Issue 50 s1: the first plan's blocks pinned behind a stand-in, rank 1's pinning slowed.
+    cases = [r["first"] for r in results]
+    assert all("error" not in c for c in cases), cases
+    kinds = [c["kinds"] for c in cases]
+    assert kinds[0] == kinds[1], f"the ranks switched at different steps: {kinds}"
+    assert kinds[0][0] == "stand-in" and kinds[0][-1] == "own", kinds
+    switch = kinds[0].index("own")
+    assert switch >= 2 and cases[0]["ready_here"][0], (cases[0]["ready_here"], kinds[0])  # rank 0 waited for 1
+    assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
+    assert cases[0]["log"] == cases[1]["log"], [c["log"] for c in cases]

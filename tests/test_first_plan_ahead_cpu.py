@@ -1,0 +1,156 @@
+"""The first plan's host blocks off the critical path (issue 50 s1, T14), on the CPU with a fake
+slow pinner (the CPU arena pins nothing): with ``plan_ahead``, nothing is pinned ahead during the
+probe steps (so the measured step never waits for it); the first plan is made on the calling
+thread, and where its blocks are not held its steps follow a stand-in that copies nothing to the
+host (its predicted peak within the budget) until they are pinned, then its own plan, bit for bit
+on every step; the first steps' table and ``ahead_log`` say so. Where the plan needs no pinning,
+or ``plan_ahead`` is off, the first plan runs at once. The ranks' side (both switch at the same
+step with one rank's pinning delayed) is in ``tests/distributed/test_plan_ahead_ranks_cpu.py``."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import offload
+from offload import plan_steps
+from offload.engine.schedules.planned import PlannedSchedule
+from offload.planner.actions import Action
+from offload.planner.ahead_steps import FIRST_STAND_IN
+from offload.planner.types import LayerPlan
+from offload.planner.model import simulate
+from offload.planner.search import BudgetError
+
+from _util import assert_bitwise, make_gpt_layers, make_mlp_layers, oa_step, plain_reference, train_step
+
+LENGTH = 16
+
+
+@pytest.fixture(autouse=True)
+def _deterministic():
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
+def _x(step: int) -> torch.Tensor:
+    return torch.randn(2, LENGTH, 64, generator=torch.Generator().manual_seed(step))
+
+
+def copies(plan: Any) -> bool:
+    return bool(PlannedSchedule(plan, plan.profile).region_bytes())
+
+
+def fake_slow_pinner(oa: Any) -> tuple[threading.Event, list[Any]]:
+    """The context's arena as a pinned one whose pinning takes until the returned event is set:
+    a plan that copies needs pinning, and what was asked is pinned once the event is set."""
+    planned, gate, asked = oa._planned, threading.Event(), []
+    planned._needs_pinning = copies
+    real_pin = planned._pin
+    planned._pin = lambda sizes: (asked.append(list(sizes)), real_pin(sizes))
+    if planned._ahead is not None:
+        planned._ahead._pin = lambda plan: asked.append(PlannedSchedule(plan, plan.profile).region_bytes())
+        planned._ahead._pinned = gate.is_set
+    return gate, asked
+
+
+def _context(layers: torch.nn.ModuleList, budget: Any, **kw: Any) -> Any:
+    return offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0, **kw)
+
+
+def _budget(layers: torch.nn.ModuleList) -> int:
+    # Above the lowest peak, below the plain one: the own plan offloads, keep and recompute fit too.
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, _x(0)), device="cpu", min_offload_bytes=0)
+    return (offload.planner.lowest_peak(profile).prediction.peak_bytes + profile.plain_peak_bytes) // 2
+
+
+def test_the_first_plan_runs_a_stand_in_until_its_blocks_are_pinned_bit_for_bit() -> None:
+    layers = make_gpt_layers(4)
+    budget = _budget(layers)
+    oa = _context(layers, budget, plan_ahead=True)
+    gate, asked = fake_slow_pinner(oa)
+    planned, kinds = oa._planned, []
+    for step in range(7):
+        if step == 5:
+            gate.set()  # the blocks are pinned now: the next step switches
+        x = _x(step)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+        if planned.profile is not None and step >= 3:
+            kinds.append(planned.last_plan["plan"])
+            if kinds[-1] == "stand-in":
+                # Copies no more than every layer recomputed would (its inputs), and its predicted
+                # peak fits the budget.
+                stand_in = oa.plan
+                recomputed = simulate(stand_in.profile, [LayerPlan(Action.RECOMPUTE)] * 4, None).d2h_bytes
+                assert stand_in.prediction.d2h_bytes <= recomputed
+                assert simulate(stand_in.profile, stand_in.layers, budget).peak_bytes <= budget
+                assert FIRST_STAND_IN in stand_in.budget_reason
+    assert kinds == ["stand-in", "stand-in", "own", "own"], kinds
+    own = oa.plan
+    assert own.prediction.d2h_bytes > stand_in.prediction.d2h_bytes
+    # The stand-in's few blocks asked first (the pinner's queue is in order), then the own plan's,
+    # both at the first planned step; then each plan's as it is followed (served by those).
+    regions = PlannedSchedule(own, own.profile).region_bytes()
+    assert asked[:2] == [PlannedSchedule(stand_in, stand_in.profile).region_bytes(), regions], asked
+    assert asked[-1] == regions
+    assert not planned._pinned_ahead  # nothing pinned during the probe steps
+    log = "\n".join(planned.ahead_log())
+    assert f"step 4: batch 2 x length {LENGTH} (new) follows a stand-in, {FIRST_STAND_IN}" in log, log
+    assert "step 6: batch 2 x length" in log and "follows its own plan from here (made at step 4" in log, log
+    rows = oa.first_steps
+    assert [r["kind"] for r in rows][-4:] == ["stand-in", "stand-in", "planned", "planned"], rows
+    assert "stand-in" in oa.report().split("first steps")[1]
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_first_plan_runs_at_once_without_plans_ahead_or_pinning(ahead: bool) -> None:
+    # plan_ahead=False: today's behaviour, whatever pinning takes; plan_ahead on, with a plan whose
+    # blocks need no pinning (the real CPU arena): no stand-in either.
+    layers = make_gpt_layers(4)
+    oa = _context(layers, _budget(layers), plan_ahead=ahead)
+    if not ahead:
+        fake_slow_pinner(oa)
+    for step in range(4):
+        x = _x(step)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+    assert oa._planned.last_plan["plan"] == "own" and copies(oa.plan)
+    assert oa._planned.ahead_log() == []
+
+
+def test_no_plan_fits_is_raised_at_the_first_planned_step() -> None:
+    layers = make_gpt_layers(4)
+    oa = _context(layers, 1, plan_ahead=True)
+    fake_slow_pinner(oa)
+    with pytest.raises(BudgetError):
+        for step in range(4):
+            oa_step(layers, _x(step), oa)
+    assert oa._planned.plan is None and oa._planned._ahead.started == []
+
+
+@pytest.mark.parametrize("ahead", [True, False])
+def test_the_measured_step_waits_for_nothing_pinned_ahead(monkeypatch: pytest.MonkeyPatch, ahead: bool) -> None:
+    # The auto probe with a device limit (as a GPU gives one): the sizing step, then the measured
+    # one. With plans ahead, where a stand-in fits the sizing step's figures, nothing is pinned
+    # ahead (so nothing is waited for at the measured step's entry).
+    real = plan_steps.ProbeSequence
+    monkeypatch.setattr(plan_steps, "ProbeSequence",
+                        lambda *a, **kw: real(*a, **{**kw, "device_limit": lambda: 1 << 50}))
+    torch.manual_seed(0)
+    layers = make_mlp_layers(4, width=64)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes=1 << 40,
+                                    plan_ahead=ahead)
+    pins: list[Any] = []
+    real_pin = oa._planned._pin
+    oa._planned._pin = lambda sizes: (pins.append(oa._planned.profile), real_pin(sizes))
+    for _ in range(4):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    rows = oa.first_steps
+    assert [r["kind"] for r in rows][:2] == ["size", "measure"], rows
+    assert rows[1]["search_s"] > 0 and oa._planned._pinned_ahead  # the sizing figures' plan (a stand-in fits)
+    assert (None in pins) is not ahead, pins  # pinned during the probe steps only without plans ahead
