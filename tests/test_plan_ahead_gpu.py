@@ -103,19 +103,30 @@ def test_a_new_bucket_under_device_does_not_empty_the_cache(monkeypatch, plan_ah
 
 
 def test_the_first_plan_follows_a_stand_in_until_its_blocks_are_pinned() -> None:
-    # Issue 50 s1 (T14): under a budget where the first plan offloads, nothing is pinned beside the
-    # probe steps (the measured step waits for nothing), the first planned step follows a stand-in
-    # that copies no more than every layer recomputed would while the plan's blocks pin in the
-    # background, and a later step switches; bit for bit, every planned peak within the budget.
-    layers, n = gpt(), 1024
-    expected = train_step(layers, batch(n, n))
-    assert_bitwise(expected, train_step(layers, batch(n, n)))
-    profile = offload.planner.profile_step(layers, lambda: train_step(layers, batch(n, n)))
-    budget = (offload.planner.lowest_peak(profile).prediction.peak_bytes + profile.plain_peak_bytes) // 2
+    # Issue 50 s1 (T14): where the first plan's host blocks are not held when it is made (here the
+    # measured step's idle blocks are dropped, and pinning is slowed to 0.2 s a block, as on a
+    # fresh VM's first touch), its first steps follow a stand-in that copies no more than every
+    # layer recomputed would while its blocks pin in the background, and a later step switches;
+    # bit for bit, every planned peak within the budget.
+    layers = gpt()
+    plain = {}
+    for n in (1024, 2048):
+        expected = train_step(layers, batch(n, n))
+        assert_bitwise(expected, train_step(layers, batch(n, n)))
+        plain[n] = peak_of(lambda: train_step(layers, batch(n, n)))[1]
+    n, budget = 2048, (plain[2048] + plain[1024]) // 2  # the budget of the stream test above
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
+    arena = oa.engine.arena
+    pin = arena.allocate
+
+    def slow_pin(nbytes: int):
+        time.sleep(0.2)
+        return pin(nbytes)
+
+    arena.allocate = slow_pin
     kinds = []
-    for step in range(6):
-        if step == 4:
+    for step in range(7):
+        if step == 5:
             ahead = oa._planned._ahead
             deadline = time.monotonic() + 60
             while not ahead.started[0].ready:  # the first plan's blocks pinned (what a step's entry polls)
@@ -124,13 +135,14 @@ def test_the_first_plan_follows_a_stand_in_until_its_blocks_are_pinned() -> None
                 time.sleep(0.01)
         got, peak = peak_of(lambda: oa_step(layers, batch(n, n), oa))
         assert_bitwise(expected, got)
-        if step >= 3:
+        if step == 1:
+            arena.free_idle()  # the measured step's blocks do not serve the plan (as at LLAMA scale)
+        if step >= 2:
             kinds.append(oa._planned.last_plan["plan"])
             assert peak <= budget * (1 + PEAK_MODEL_ERROR), (step, peak, budget, oa.plan.describe())
+    assert oa.plan.prediction.d2h_bytes > 0, oa.plan.describe()  # the own plan offloads: it needs blocks
     assert kinds[0] == "stand-in" and kinds[-1] == "own", (kinds, oa._planned.ahead_log(), oa.plan.describe())
     rows = oa.first_steps
     assert "measure" in [r["kind"] for r in rows] and "stand-in" in [r["kind"] for r in rows], rows
-    measured = next(r for r in rows if r["kind"] == "measure")
-    assert measured["pinning_s"] < 0.05, measured  # nothing pinned ahead to wait for
     assert "follows its own plan from here (made at step" in "\n".join(oa._planned.ahead_log())
     oa.close()
