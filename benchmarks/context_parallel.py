@@ -54,6 +54,8 @@ from workers import spawn_ranks  # noqa: E402
 from workloads import hf_checkpointing, llama_1b, llama_8b_shape, train_norms_only  # noqa: E402
 
 import offload  # noqa: E402
+from offload.layers.model_form import head_info  # noqa: E402
+from cp_long_step import LayerClock, extrapolate, layer_weight_bytes, per_layer_ms, preflight_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTENDERS = ("plain", "hf_ckpt", "ours", "ours_1gpu")
@@ -66,6 +68,10 @@ CASES = {  # case: (spec maker, base frozen, length, steps)
 }
 TIMEOUT_S = 300
 MORE_FOR_A_PLAN = 6  # steps past --steps a planned contender may take to show a planned step
+# Cases whose first batch is too long to probe: `ours` probes at this length (global tokens)
+# first, and its first full-length step is planned from that profile (see the module notes).
+PROBE_LENGTH = {"T29": 65536}
+PROGRESS = {"T29": 4}  # layers between rank 0's progress lines (0: none)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,6 +82,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the case's)")
     p.add_argument("--steps", type=int, default=None, help="steps per contender (default: the case's)")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) for the CP contenders; cp = nproc")
+    p.add_argument("--probe-length", type=int, default=None,
+                   help="planned contenders probe at this many tokens first (default: T29's 65536; 0: at --length)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="preflight: the case with this many decoder layers, one full-length step, extrapolated")
+    p.add_argument("--progress", type=int, default=None,
+                   help="rank 0 prints a line every this many layers in forward and backward (default: T29's 4)")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/context_parallel_<case>.json)")
     p.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
                    help="a tiny Llama on 2 gloo processes (the figures mean nothing)")
@@ -94,6 +106,9 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, int, in
     if args.smoke:  # float32: what gloo reduces on every torch
         spec = dataclasses.replace(spec, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, vocab=128,
                                    dtype=torch.float32)
+    args.full_layers = spec.layers  # what a preflight extrapolates to
+    if args.layers:
+        spec = dataclasses.replace(spec, layers=args.layers)
     model, _ = spec.build(device, init_in_dtype=True)  # the same weights on every rank
     if args.smoke:
         model.config._attn_implementation = "eager"  # the CPU has no ring kernel
@@ -101,11 +116,15 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, int, in
     return model, spec.seq, trainable
 
 
-def _context(contender: str, model: Any, smoke: bool) -> Optional[Any]:
+def _context(contender: str, model: Any, smoke: bool, probe_length: int) -> Optional[Any]:
     if not contender.startswith("ours"):
         return None
     budget: Any = 1 << 30 if smoke else "device"  # on the CPU a byte budget plans as "device" does on CUDA
     kw: dict[str, Any] = {"device": "cpu", "min_offload_bytes": 0} if smoke else {}
+    if probe_length:
+        # The full-length bucket is new after the short one's: its own plan at once, not a
+        # stand-in while it is made in the background (a preflight measures the plan itself).
+        kw["plan_ahead"] = False
     return offload.OffloadActivations(model.model.layers, model=model, memory_budget_bytes=budget, **kw)
 
 
@@ -113,6 +132,19 @@ def _phase(oa: Optional[Any]) -> str:
     if oa is None:
         return "-"
     return "planned" if oa.plan is not None else "probe"
+
+
+def _probe_length(args: argparse.Namespace) -> int:
+    """Global tokens `ours` probes at before its full-length steps (0: it probes at full length)."""
+    if args.probe_length is not None:
+        return args.probe_length
+    return 0 if args.smoke else PROBE_LENGTH.get(args.case, 0)
+
+
+def _progress(args: argparse.Namespace) -> int:
+    if args.progress is not None:
+        return args.progress
+    return 1 if args.layers else PROGRESS.get(args.case, 0)
 
 
 def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int:
@@ -126,6 +158,7 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
     records: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
+    preflight: Optional[dict[str, Any]] = None
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -133,44 +166,82 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
         model, length, info["trainable_params"] = _build(args, device)
         for module in [*model.model.layers, model]:
             fully_shard(module, mesh=meshes.fsdp)
-        oa = _context(contender, model, args.smoke)
+        short = _probe_length(args) if contender.startswith("ours") else 0
+        oa = _context(contender, model, args.smoke, short)
+        layers = list(model.model.layers)
+        every = _progress(args)
+        clock = LayerClock(layers, device, every) if rank == 0 and (every or args.layers) else None
         vocab = model.config.vocab_size
         ckpt = hf_checkpointing(model) if contender == "hf_ckpt" else contextlib.nullcontext()
-        steps = args.steps or CASES[args.case][3]
+        steps = args.steps or (1 if args.layers else CASES[args.case][3])
+        run = _Runner(contender, model, meshes, oa, vocab, device, clock, rank == 0)
         with ckpt:
+            # Probe steps (and one planned step) at the short length, so that the first step at
+            # the full length is a planned one: no full-length probe step.
+            while short and oa is not None and oa.plan is None and len(records) < MORE_FOR_A_PLAN:
+                if run.step(records, len(records), short):
+                    break
             for i in range(steps + (MORE_FOR_A_PLAN if oa is not None else 0)):
                 # A planned contender goes on past --steps until a step ran under its plan.
-                if i >= steps and any(r.get("phase") == "planned" for r in records):
+                if i >= steps and any(r.get("phase") == "planned" and r["length"] == length for r in records):
                     break
-                records.append(_step(i, model, meshes, oa, vocab, length, device))
-                r = records[-1]
-                if rank == 0:
-                    shown = r.get("error") or f"{r['ms'] / 1e3:.2f} s, peak {r['peak_bytes'] / 2**30:.2f} GiB"
-                    print(f"{contender} step {i}: {length} tokens on {meshes.cp.size()} ranks, {shown}, {r['phase']}",
-                          flush=True)
-                if "error" in r:
+                if run.step(records, len(records), length):
                     break
         info["plan"] = oa.plan.describe() if oa is not None and oa.plan is not None else None
+        if args.layers and oa is not None and oa.plan is not None and not any("error" in r for r in records):
+            preflight = extrapolate(oa.plan, args.full_layers, layer_weight_bytes(layers[-1]),
+                                    oa.engine.arena.plan_host_bytes(), head_info(model))
     except Exception as exc:  # noqa: BLE001 - a failure outside a step is this contender's result
         traceback.print_exc()
         info["error"] = f"{type(exc).__name__}: {exc}"[:600]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
+    if args.layers:
+        info["preflight"] = [None] * dist.get_world_size()
+        dist.all_gather_object(info["preflight"], preflight)
     if rank == 0:
         record_path.write_text(json.dumps({"ranks": gathered, **info}))
     dist.destroy_process_group()
     return 0
 
 
+@dataclasses.dataclass
+class _Runner:
+    """One contender's steps on this rank (rank 0 prints each)."""
+
+    contender: str
+    model: Any
+    meshes: Any
+    oa: Optional[Any]
+    vocab: int
+    device: torch.device
+    clock: Optional[LayerClock]
+    prints: bool
+
+    def step(self, records: list[dict[str, Any]], i: int, length: int) -> bool:
+        """Run step ``i`` at ``length`` tokens, append its record; whether it failed."""
+        label = f"{self.contender} step {i}"
+        if self.clock is not None:
+            self.clock.start(label)
+        r = _step(i, self.model, self.meshes, self.oa, self.vocab, length, self.device, self.clock)
+        records.append(r)
+        if self.prints:
+            shown = r.get("error") or f"{r['ms'] / 1e3:.2f} s, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+            host = f", host {r['host_bytes'] / 2**30:.2f} GiB" if r.get("host_bytes") is not None else ""
+            print(f"{label}: {length} tokens on {self.meshes.cp.size()} ranks, {shown}{host}, {r['phase']}",
+                  flush=True)
+        return "error" in r
+
+
 def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length: int,
-          device: torch.device) -> dict[str, Any]:
+          device: torch.device, clock: Optional[LayerClock] = None) -> dict[str, Any]:
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(1000 + i)  # the same batch on every CP rank
     ids = torch.randint(0, vocab, (1, length), generator=g).to(device)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    record: dict[str, Any] = {"step": i}
+    record: dict[str, Any] = {"step": i, "length": length}
     start = time.perf_counter()
     try:
         # The smoke's eager attention would be refused (context_parallel patches SDPA only).
@@ -184,11 +255,16 @@ def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length
         if cuda:
             torch.cuda.synchronize(device)
         record["ms"] = (time.perf_counter() - start) * 1e3
+        if clock is not None:
+            clock.finish()
+            record["layer_ms"] = per_layer_ms(clock.marks, clock.count)
     except Exception as exc:  # noqa: BLE001 - recorded; FSDP2 cannot go on past it
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     record.setdefault("phase", _phase(oa))
     record["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if oa is not None:
+        record["host_bytes"] = oa.stats["host_peak_bytes"]  # the most this rank's arena held at once
     model.zero_grad(set_to_none=True)
     return record
 
@@ -201,19 +277,29 @@ def run_argv(argv: list[str]) -> int:
 
 
 # -- the parent ------------------------------------------------------------------------------------
-def summarize(contender: str, result: dict[str, Any]) -> dict[str, Any]:
-    """Median steady step (slowest rank, past the first step and any probe), peak, planning cost."""
+def summarize(contender: str, result: dict[str, Any], length: int) -> dict[str, Any]:
+    """Median steady step (slowest rank, past the first step and any probe, at the full
+    ``length``), peak, planning cost, and a preflight's per-layer figures."""
     ranks = result.get("ranks") or [[]]
     steps = [[r[i] for r in ranks] for i in range(min(len(r) for r in ranks))]
     ok = [s for s in steps if not any("error" in r for r in s)]
     ms = [max(r["ms"] for r in s) for s in ok]
-    steady = [m for s, m in zip(ok, ms) if s[0]["step"] >= 1 and s[0]["phase"] in ("-", "planned")]
+    full = [s for s in ok if s[0]["length"] == length]
+    steady = [m for s, m in zip(ok, ms) if s[0]["step"] >= 1 and s[0]["phase"] in ("-", "planned")
+              and s[0]["length"] == length]
     median = sorted(steady)[len(steady) // 2] if steady else None
     before_plan = [m for s, m in zip(ok, ms) if s[0]["phase"] == "probe"]
     planning = (sum(before_plan) - len(before_plan) * median) / median if median and before_plan else None
     errors = [r["error"] for s in steps for r in s if "error" in r] + ([result["error"]] if "error" in result else [])
     return {"contender": contender, "steps_finished": len(ok), "median_steady_ms": median,
+            "full_length_steps": len(full),
+            # The first step at the full length: a planned one, not a probe step (T29's condition).
+            "first_full_phase": full[0][0]["phase"] if full else None,
+            "full_ms": [max(r["ms"] for r in s) for s in full],
+            "layer_ms": [s[0].get("layer_ms") for s in full],
+            "host_bytes": [max(r.get("host_bytes") or 0 for r in s) for s in full],
             "peak_bytes": max((r["peak_bytes"] for s in steps for r in s), default=0),
+            "preflight": result.get("preflight"),
             "planning_steps": planning, "losses": [s[0].get("loss") for s in ok], "errors": errors[:3],
             "plan": result.get("plan"), "trainable_params": result.get("trainable_params")}
 
@@ -244,8 +330,9 @@ def verdicts(case: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     """The case's target, PASS or MISS with the figures."""
     ours = rows.get("ours")
     if case == "T29" and ours:
-        return [f"T29 one step of the LLAMA-8B shape on 2 GPUs: {'PASS' if ours['steps_finished'] else 'MISS'} "
-                f"({ours['steps_finished']} steps, peak {ours['peak_bytes'] / 2**30:.1f} GiB)"]
+        return [f"T29 one step of the LLAMA-8B shape on 2 GPUs: {'PASS' if ours['full_length_steps'] else 'MISS'} "
+                f"({ours['full_length_steps']} steps at the full length, the first one {ours['first_full_phase']}; "
+                f"{ours['full_ms']} ms, peak {ours['peak_bytes'] / 2**30:.1f} GiB)"]
     if case == "T30" and ours and rows.get("ours_1gpu") and ours["median_steady_ms"] and rows["ours_1gpu"]["median_steady_ms"]:
         ratio = ours["median_steady_ms"] / rows["ours_1gpu"]["median_steady_ms"]
         return [f"T30 2-GPU step / 1-GPU step <= 0.6: {'PASS' if ratio <= 0.6 else 'MISS'} ({ratio:.2f})"]
@@ -264,6 +351,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     case = "smoke" if args.smoke else args.case
     argv = [a for a in argv if a not in ("--smoke", "--cpu-smoke")] + (["--smoke", "--case", "smoke"] if args.smoke else [])
     contenders = args.contenders.split(",") if args.contenders else _default_contenders(case)
+    length = args.length or CASES[case][2]
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for contender in contenders:
@@ -271,14 +359,24 @@ def main(argv: Optional[list[str]] = None) -> int:
             nproc = 1 if contender == "ours_1gpu" else args.nproc
             code = spawn_ranks(run_argv, nproc, [*argv, "--worker", f"{contender},{path}"])
             result = json.loads(path.read_text()) if path.exists() else {"error": f"the ranks exited with {code}"}
-            rows[contender] = summarize(contender, result)
+            rows[contender] = summarize(contender, result, length)
             print(f"{contender}: {rows[contender]}", flush=True)
-    lines = verdicts(case, rows)
+    lines = verdicts(case, rows) if not args.layers else []
+    if args.layers:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        full = dataclasses.replace(CASES[case][0]()).layers if not args.smoke else 2
+        for contender, row in rows.items():
+            lines += [f"{contender} {line}" for line in
+                      preflight_report(row, args.layers, full, length, args.nproc, memory.total, memory.available)]
     for line in lines:
         print(line)
-    out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"context_parallel_{case}.json"
+    name = f"context_parallel_{case}" + (f"_preflight{args.layers}" if args.layers else "")
+    out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"case": case, "length": args.length or CASES[case][2], "nproc": args.nproc, "rows": list(rows.values()),
+    payload = {"case": case, "length": length, "nproc": args.nproc, "layers": args.layers,
+               "probe_length": _probe_length(args), "rows": list(rows.values()),
                "verdicts": lines, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}
