@@ -27,8 +27,49 @@ step time and peak per contender. The NCCL timeout is 300 s: a hang shows as an 
 
     python benchmarks/context_parallel.py --case T31                  # every contender, 2 GPUs
     python benchmarks/context_parallel.py --case T30 --contenders ours,ours_1gpu
-    python benchmarks/context_parallel.py --case T29 --contenders ours --steps 2
+    python benchmarks/context_parallel.py --case T29 --contenders ours --steps 1
     python benchmarks/context_parallel.py --smoke                     # 2 gloo processes on the CPU
+
+**A step that takes minutes (T29).** ``ours`` runs no probe step at the full length: the first
+full-length call is probed short inside it (``offload.layers.model_form``; under FSDP2 since
+issue 51, the probe steps run ahead of FSDP2's root hook) and runs planned; that step's phase is
+``"probed short, planned"``. ``--probe-length L`` instead runs the probe steps (and one planned
+step) at ``L`` global tokens first; the full-length bucket's plan is then made from that profile
+(``offload.planner.scaling``), at once (plans ahead off). ``--progress K`` (T29's default 4):
+rank 0 prints a line every ``K`` layers in forward and backward (elapsed s, layer index),
+flushed (``benchmarks/cp_long_step.py``). ``--layers N`` is the **preflight**: the same case with
+``N`` decoder layers, one full-length step, and its extrapolation to the whole model: the step
+from the measured layer time, and the planner's own plan for all layers at this length (device
+budget, host room: GPU peak and host bytes a rank, the node's RAM shared by its ranks), ending in
+``verdict: GO`` or ``verdict: NO-GO (why, and the length that would fit)``; ``--time-left-s S``
+makes a step longer than ``S`` a NO-GO.
+
+**T29 in one dedicated device session** (``run``, kind ``nvidia-h200-x2``; 30 min of device time,
+a machine held at most 30 min, 10 min a command, warm 30 s after a call; one step is ~20-25 min
+by FLOPs). Call 1 (``timeout_s`` 600) builds, runs the preflight (about 2 min; with the
+``--probe-length`` fallback if the short probe fails on the GPU) and, on GO, starts the full run
+detached (``setsid``: it outlives the call while the machine is held)::
+
+    pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail /tmp/build.log; exit 1; }
+    mkdir -p /tmp/t29; P=""; T="python benchmarks/context_parallel.py --case T29 --contenders ours"
+    $T --layers 2 --time-left-s 1260 --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1 \
+      || { P="--probe-length 65536"; $T --layers 2 --time-left-s 1200 $P --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1; }
+    grep -E "^ours (step|preflight|[0-9]+ layers|host|verdict)|Error" /tmp/t29/pre.txt | tail -14
+    cp /tmp/t29/pre.txt /tmp/t29/pre.json $OUT/
+    if grep -q "verdict: GO" /tmp/t29/pre.txt; then
+      setsid nohup $T --steps 1 $P --out /tmp/t29/T29.json > /tmp/t29/log 2>&1 < /dev/null & echo started
+    fi
+
+Then, back to back (within 30 s of each other, or the machine goes back and the run with it),
+calls that wait up to ~9.5 min each and show the log's tail (``timeout_s`` 600)::
+
+    for i in $(seq 57); do grep -qE "^wrote|Traceback" /tmp/t29/log && break; sleep 10; done
+    tail -6 /tmp/t29/log; cp /tmp/t29/log /tmp/t29/T29.json /tmp/t29/T29.png $OUT/ 2>/dev/null; true
+
+The log shows ``ours step 0: forward layer 8/32, 301.2 s``-style lines as the step goes; the run
+is over at ``wrote ...`` (the JSON and PNG come back in ``$OUT``: put them in
+``benchmarks/results/context_parallel_T29.json``). On NO-GO, the preflight's lines say why (no
+plan fits the GPU and host, the node's RAM, or the time left) and which ``--length`` would fit.
 """
 
 from __future__ import annotations
@@ -68,10 +109,10 @@ CASES = {  # case: (spec maker, base frozen, length, steps)
 }
 TIMEOUT_S = 300
 MORE_FOR_A_PLAN = 6  # steps past --steps a planned contender may take to show a planned step
-# Cases whose first batch is too long to probe: `ours` probes at this length (global tokens)
-# first, and its first full-length step is planned from that profile (see the module notes).
-PROBE_LENGTH = {"T29": 65536}
 PROGRESS = {"T29": 4}  # layers between rank 0's progress lines (0: none)
+# A step's phase: at the `with`'s entry no plan ("probe") or one ("planned"), and a first long
+# batch probed short inside its own call, then run planned.
+SHORT = "probed short, planned"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -82,10 +123,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the case's)")
     p.add_argument("--steps", type=int, default=None, help="steps per contender (default: the case's)")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) for the CP contenders; cp = nproc")
-    p.add_argument("--probe-length", type=int, default=None,
-                   help="planned contenders probe at this many tokens first (default: T29's 65536; 0: at --length)")
+    p.add_argument("--probe-length", type=int, default=0,
+                   help="planned contenders run their probe steps at this many tokens first (e.g. 65536; "
+                        "default 0: the first full-length call is probed short inside it)")
     p.add_argument("--layers", type=int, default=None,
                    help="preflight: the case with this many decoder layers, one full-length step, extrapolated")
+    p.add_argument("--time-left-s", type=float, default=None,
+                   help="preflight: the seconds a full step may take (its verdict is NO-GO past them)")
+    p.add_argument("--short-probe-tokens", type=int, default=None,
+                   help="the short probe's tokens (offload.layers.model_form.SHORT_PROBE_TOKENS; for the CPU smoke)")
     p.add_argument("--progress", type=int, default=None,
                    help="rank 0 prints a line every this many layers in forward and backward (default: T29's 4)")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/context_parallel_<case>.json)")
@@ -134,13 +180,6 @@ def _phase(oa: Optional[Any]) -> str:
     return "planned" if oa.plan is not None else "probe"
 
 
-def _probe_length(args: argparse.Namespace) -> int:
-    """Global tokens `ours` probes at before its full-length steps (0: it probes at full length)."""
-    if args.probe_length is not None:
-        return args.probe_length
-    return 0 if args.smoke else PROBE_LENGTH.get(args.case, 0)
-
-
 def _progress(args: argparse.Namespace) -> int:
     if args.progress is not None:
         return args.progress
@@ -156,6 +195,8 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    if args.short_probe_tokens:
+        offload.layers.model_form.SHORT_PROBE_TOKENS = args.short_probe_tokens
     records: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
     preflight: Optional[dict[str, Any]] = None
@@ -166,7 +207,7 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
         model, length, info["trainable_params"] = _build(args, device)
         for module in [*model.model.layers, model]:
             fully_shard(module, mesh=meshes.fsdp)
-        short = _probe_length(args) if contender.startswith("ours") else 0
+        short = args.probe_length if contender.startswith("ours") else 0
         oa = _context(contender, model, args.smoke, short)
         layers = list(model.model.layers)
         every = _progress(args)
@@ -174,7 +215,7 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
         vocab = model.config.vocab_size
         ckpt = hf_checkpointing(model) if contender == "hf_ckpt" else contextlib.nullcontext()
         steps = args.steps or (1 if args.layers else CASES[args.case][3])
-        run = _Runner(contender, model, meshes, oa, vocab, device, clock, rank == 0)
+        run = _Runner(contender, model, meshes, oa, vocab, device, clock, rank == 0, dist.get_world_size())
         with ckpt:
             # Probe steps (and one planned step) at the short length, so that the first step at
             # the full length is a planned one: no full-length probe step.
@@ -183,7 +224,7 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
                     break
             for i in range(steps + (MORE_FOR_A_PLAN if oa is not None else 0)):
                 # A planned contender goes on past --steps until a step ran under its plan.
-                if i >= steps and any(r.get("phase") == "planned" and r["length"] == length for r in records):
+                if i >= steps and any(r.get("phase") in ("planned", SHORT) and r["length"] == length for r in records):
                     break
                 if run.step(records, len(records), length):
                     break
@@ -217,12 +258,13 @@ class _Runner:
     device: torch.device
     clock: Optional[LayerClock]
     prints: bool
+    cp: int
 
     def step(self, records: list[dict[str, Any]], i: int, length: int) -> bool:
         """Run step ``i`` at ``length`` tokens, append its record; whether it failed."""
         label = f"{self.contender} step {i}"
         if self.clock is not None:
-            self.clock.start(label)
+            self.clock.start(label, length // self.cp)
         r = _step(i, self.model, self.meshes, self.oa, self.vocab, length, self.device, self.clock)
         records.append(r)
         if self.prints:
@@ -250,14 +292,23 @@ def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length
             with oa if oa is not None else contextlib.nullcontext():
                 record["phase"] = _phase(oa)  # at the entry: the plan in force for this step
                 loss = model(**shard.inputs).loss
+                if record["phase"] == "probe" and oa is not None and oa.plan is not None:
+                    # Planned at its model entry. If it began as a probe step (the first steps'
+                    # record says so), the call was probed short inside it first; else it is
+                    # the first planned step, counted with the probe steps (T32, as before).
+                    kinds = [row["kind"] for row in oa.first_steps]
+                    record["phase"] = SHORT if kinds and kinds[-1] != "planned" else "probe"
             (loss * shard.loss_scale).backward()
         record["loss"] = offload.parallel.global_loss(loss, meshes.cp, meshes.dp).item()
         if cuda:
             torch.cuda.synchronize(device)
         record["ms"] = (time.perf_counter() - start) * 1e3
         if clock is not None:
-            clock.finish()
+            end = clock.finish()
             record["layer_ms"] = per_layer_ms(clock.marks, clock.count)
+            first = next((t for phase, _, t in clock.marks if phase == "fwd"), None)
+            # From the first layer's entry on: without a short probe run inside the call.
+            record["clock_ms"] = 1e3 * (end - first) if first is not None else None
     except Exception as exc:  # noqa: BLE001 - recorded; FSDP2 cannot go on past it
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -288,7 +339,7 @@ def summarize(contender: str, result: dict[str, Any], length: int) -> dict[str, 
     steady = [m for s, m in zip(ok, ms) if s[0]["step"] >= 1 and s[0]["phase"] in ("-", "planned")
               and s[0]["length"] == length]
     median = sorted(steady)[len(steady) // 2] if steady else None
-    before_plan = [m for s, m in zip(ok, ms) if s[0]["phase"] == "probe"]
+    before_plan = [m for s, m in zip(ok, ms) if s[0]["phase"] in ("probe", SHORT)]
     planning = (sum(before_plan) - len(before_plan) * median) / median if median and before_plan else None
     errors = [r["error"] for s in steps for r in s if "error" in r] + ([result["error"]] if "error" in result else [])
     return {"contender": contender, "steps_finished": len(ok), "median_steady_ms": median,
@@ -297,6 +348,7 @@ def summarize(contender: str, result: dict[str, Any], length: int) -> dict[str, 
             "first_full_phase": full[0][0]["phase"] if full else None,
             "full_ms": [max(r["ms"] for r in s) for s in full],
             "layer_ms": [s[0].get("layer_ms") for s in full],
+            "clock_ms": [s[0].get("clock_ms") for s in full],
             "host_bytes": [max(r.get("host_bytes") or 0 for r in s) for s in full],
             "peak_bytes": max((r["peak_bytes"] for s in steps for r in s), default=0),
             "preflight": result.get("preflight"),
@@ -369,14 +421,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         full = dataclasses.replace(CASES[case][0]()).layers if not args.smoke else 2
         for contender, row in rows.items():
             lines += [f"{contender} {line}" for line in
-                      preflight_report(row, args.layers, full, length, args.nproc, memory.total, memory.available)]
+                      preflight_report(row, args.layers, full, length, args.nproc, memory.total, memory.available,
+                                                       args.time_left_s)]
     for line in lines:
         print(line)
     name = f"context_parallel_{case}" + (f"_preflight{args.layers}" if args.layers else "")
     out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"case": case, "length": length, "nproc": args.nproc, "layers": args.layers,
-               "probe_length": _probe_length(args), "rows": list(rows.values()),
+               "probe_length": args.probe_length, "rows": list(rows.values()),
                "verdicts": lines, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

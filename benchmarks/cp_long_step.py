@@ -5,7 +5,9 @@
   output's gradient is computed then) on the compute stream, and prints a line every ``every``
   layers, flushed, so a log file shows the step alive. The marks wait for the compute stream only
   (not the offload copies' side streams, whose overlap they would otherwise undo): a layer of a
-  long step runs for tens of seconds, the wait costs nothing beside it.
+  long step runs for tens of seconds, the wait costs nothing beside it. Its hooks are marked
+  ``offload_probe_observer`` (they compute nothing), so the planner's short probe still runs with
+  them on (``offload.layers.short_probe``); the probe's calls, cut to a few tokens, are not marked.
 - :func:`per_layer_ms` turns the marks into one decoder layer's forward + backward time.
 - :func:`extrapolate` answers for the whole model what a preflight of ``N`` layers measured: the
   planner's own profile of the step (measured at a short length and scaled to this one, see
@@ -51,15 +53,16 @@ class LayerClock:
         self.device, self.every, self.say, self.count = device, every, say, len(layers)
         self.marks: list[tuple[str, int, float]] = []
         self.label = ""
+        self.tokens = 0  # the step's tokens a sequence on this rank: other calls are the probe's
         self._t0: Optional[float] = None
         self._handles = []
         for index, layer in enumerate(layers):
-            self._handles.append(layer.register_forward_pre_hook(self._entry(index)))
+            self._handles.append(layer.register_forward_pre_hook(self._entry(index), with_kwargs=True))
             self._handles.append(layer.register_forward_hook(self._exit(index)))
 
-    def start(self, label: str) -> None:
-        """A step begins (``label`` heads its lines)."""
-        self.label, self.marks = label, []
+    def start(self, label: str, tokens: int) -> None:
+        """A step of ``tokens`` tokens a sequence (this rank's) begins (``label`` heads its lines)."""
+        self.label, self.marks, self.tokens = label, [], tokens
         self._t0 = self._now()
 
     def finish(self) -> float:
@@ -88,26 +91,29 @@ class LayerClock:
             self.say(f"{self.label}: {word} layer {index}/{self.count}, {elapsed:.1f} s")
         return elapsed
 
-    def _timing(self) -> bool:
+    def _timing(self, hidden: Optional[torch.Tensor]) -> bool:
         # Not a checkpoint's recompute in backward (the layer's forward runs again there), not
-        # outside a step started here (evaluation, the short probe of another context).
-        return self._t0 is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+        # outside a step started here, not the short probe's calls (cut to fewer tokens).
+        return (self._t0 is not None and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1
+                and hidden is not None and hidden.dim() >= 2 and hidden.shape[1] == self.tokens)
 
     def _entry(self, index: int) -> Callable[..., None]:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._timing():
+        def hook(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            if self._timing(_first_tensor(args) if args else kwargs.get("hidden_states")):
                 self._mark("fwd", index)
+        hook.offload_probe_observer = True  # type: ignore[attr-defined]
         return hook
 
     def _exit(self, index: int) -> Callable[..., None]:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            if not self._timing():
+            if not self._timing(_first_tensor(output)) or ("fwd", index) not in {(p, i) for p, i, _ in self.marks}:
                 return
             self._mark("fwd_end", index)
             hidden = _first_tensor(output)
             if hidden is not None and hidden.requires_grad:
                 # Its gradient is computed when backward reaches this layer: the layer's backward starts.
                 hidden.register_hook(self._backward(index))
+        hook.offload_probe_observer = True  # type: ignore[attr-defined]
         return hook
 
     def _backward(self, index: int) -> Callable[[torch.Tensor], None]:
@@ -181,39 +187,61 @@ def _gib(n: float) -> str:
 
 
 def preflight_report(row: dict[str, Any], layers: int, full_layers: int, length: int, ranks: int,
-                     node_total: int, node_available: int) -> list[str]:
+                     node_total: int, node_available: int, time_left_s: Optional[float] = None) -> list[str]:
     """The preflight's lines: what its full-length step measured, and the whole model's step
     (from the measured layer, and the planner's plan), GPU peak and host bytes a rank against
-    the node's memory (its ``ranks`` share it), with what to change where it does not fit."""
+    the node's memory (its ``ranks`` share it), with what to change where it does not fit; the
+    last line ``verdict: GO`` or ``verdict: NO-GO (why)``, the step within ``time_left_s`` if given."""
+    lines: list[str] = []
+    problems: list[str] = []
+    step_s = _preflight_lines(row, layers, full_layers, length, ranks, node_total, node_available, lines, problems)
+    if time_left_s is not None and step_s > time_left_s:
+        problems.append(f"a step of ~{step_s / 60:.1f} min is past the {time_left_s / 60:.1f} min left")
+    return lines + ["verdict: GO" if not problems else f"verdict: NO-GO ({'; '.join(p[:200] for p in problems)})"]
+
+
+def _preflight_lines(row: dict[str, Any], layers: int, full_layers: int, length: int, ranks: int,
+                     node_total: int, node_available: int, lines: list[str], problems: list[str]) -> float:
+    # Appends the lines and what stands in the way; returns the longest estimate of a whole step (s).
     if not row.get("full_ms"):
-        return [f"preflight: no step at {length} tokens finished: {row.get('errors')}"]
+        problems.append(f"no step at {length} tokens finished: {row.get('errors')}")
+        lines.append(f"preflight: {problems[-1]}")
+        return 0.0
     step, layer, host = row["full_ms"][-1], row["layer_ms"][-1], row["host_bytes"][-1]
-    lines = [f"preflight, {layers} of {full_layers} layers, {length} tokens on {ranks} ranks (measured): step "
-             f"{step / 1e3:.1f} s, a layer {layer / 1e3 if layer else float('nan'):.1f} s (forward + backward), "
+    # From the first layer on where the clock ran: a first call probed short inside is not counted.
+    step = (row.get("clock_ms") or [None])[-1] or step
+    lines += [f"preflight, {layers} of {full_layers} layers, {length} tokens on {ranks} ranks (measured): step "
+             f"{step / 1e3:.3g} s from the first layer on, a layer {layer / 1e3 if layer else float('nan'):.3g} s (forward + backward), "
              f"GPU peak {_gib(row['peak_bytes'])} a rank, host {_gib(host)} a rank; first full-length step: "
              f"{row.get('first_full_phase')}"]
+    est = 0.0
     if layer:
         est = step + (full_layers - layers) * layer
-        lines.append(f"{full_layers} layers from the measured layer: a step of ~{est / 1e3:.0f} s ({est / 6e4:.1f} min)"
+        lines.append(f"{full_layers} layers from the measured layer: a step of ~{est / 1e3:.3g} s ({est / 6e4:.1f} min)"
                      + (", past one 10-min command: run it detached" if est > 6e5 else ""))
     found = [p for p in row.get("preflight") or [] if p]
     if not found:
-        return lines + ["(no plan to extrapolate from: see the errors)"]
+        problems.append("no plan to extrapolate from: see the errors")
+        return est / 1e3
     fits = min((p.get("fits_length") or 0) for p in found)
     if any("error" in p for p in found):
         error = next(p["error"] for p in found if "error" in p)
-        return lines + [f"{full_layers} layers, the planner: NO PLAN FITS ({error}); it would fit at "
-                        f"{fits} tokens a rank ({fits * ranks} in all): --length {fits * ranks // (2 * ranks) * 2 * ranks}"]
+        shorter = f"it fits at --length {fits * ranks // (2 * ranks) * 2 * ranks}" if fits else "nor at any length"
+        problems.append(f"{full_layers} layers, the planner: NO PLAN FITS ({error}); {shorter}")
+        lines.append(problems[-1])
+        return est / 1e3
     worst = max(found, key=lambda p: p["step_ms"])
     peak = max(p["peak_bytes"] for p in found)
     node = sum(p["host_bytes"] for p in found) * (ranks // len(found))
     first = found[0]
     lines.append(f"{full_layers} layers, the planner (this length, budget {_gib(first['budget_bytes'])} and host room "
-                 f"{_gib(first['host_budget_bytes'] or 0)} a rank): step ~{worst['step_ms'] / 1e3:.0f} s, GPU peak "
+                 f"{_gib(first['host_budget_bytes'] or 0)} a rank): step ~{worst['step_ms'] / 1e3:.3g} s, GPU peak "
                  f"{_gib(peak)} a rank, host {_gib(max(p['host_bytes'] for p in found))} a rank, plan {worst['plan']}; "
-                 f"(its preflight plan predicted {first['preflight_predicted_ms'] / 1e3:.1f} s, measured {step / 1e3:.1f})")
+                 f"(its preflight plan predicted {first['preflight_predicted_ms'] / 1e3:.3g} s, measured {step / 1e3:.3g})")
     verdict = "fits" if node <= node_available else "DOES NOT FIT"
     lines.append(f"host on the node: {_gib(node)} for {ranks} ranks, of {_gib(node_total)} RAM ({_gib(node_available)} "
                  f"available now): {verdict}" + ("" if node <= node_available else
                  f"; free host memory, or shorten to --length {fits * ranks} (the longest that fits a rank: {fits})"))
-    return lines
+    if node > node_available:
+        problems.append(lines[-1])
+    return max(est, worst["step_ms"]) / 1e3
