@@ -48,7 +48,7 @@ from ..forwards.instance import check_own_forward
 from ..planner.shapes import StepShape
 from ..planner.tiling import LOGIT_BYTES, HeadInfo
 from ..tiling.causal_lm import TiledCausalLMForward, head_support
-from .short_probe import ShortStep
+from .short_probe import ShortStep, is_fsdp2_root
 
 # A probe of a long first batch runs at most this many tokens ...
 SHORT_PROBE_TOKENS = 32768
@@ -228,15 +228,6 @@ def uninstall(owner: ModelCaller, model: torch.nn.Module) -> None:
         if current.hook is not None:
             current.hook.remove()
             current.hook = None
-
-
-def is_fsdp2_root(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is an FSDP2 module (``fully_shard``), whose hooks unshard it per call."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without distributed
-        return False
-    return isinstance(model, FSDPModule)
 
 
 def check_model(model: Any, layers: list[torch.nn.Module]) -> torch.nn.Module:

@@ -53,7 +53,7 @@ import torch
 
 from ..planner.shapes import StepShape
 
-__all__ = ["ShortStep", "cut_dims"]
+__all__ = ["ShortStep", "cut_dims", "is_fsdp2_root"]
 
 # Scalars and options a call may carry beside its tensors: passed through as they are.
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -110,7 +110,8 @@ def _is_known(hook: Any) -> bool:
     return str(getattr(owner, "__module__", "") or type(owner).__module__).startswith(_KNOWN_HOOKS)
 
 
-def _fsdp2_root(model: torch.nn.Module) -> bool:
+def is_fsdp2_root(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 module (``fully_shard``), whose hooks unshard it per call."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without distributed
@@ -125,7 +126,7 @@ def _hook_problem(model: torch.nn.Module, through_module: bool) -> str:
         if any(not _is_known(h) for h in getattr(nn_module, f"_global_{kind}_hooks").values()):
             return (f"a global module {kind.replace('_', ' ')} hook is registered (torch.nn.modules.module."
                     "register_module_..._hook): it is shared with every module, so the probe cannot hide it")
-    if not through_module and _fsdp2_root(model):
+    if not through_module and is_fsdp2_root(model):
         return (f"{type(model).__name__} is an FSDP2 root whose hooks ran before the probe could (fully_shard "
                 "was applied after OffloadActivations(..., model=) was made): make the context after fully_shard")
     for name, module in model.named_modules():
