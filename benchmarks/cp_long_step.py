@@ -211,7 +211,8 @@ def _preflight_lines(row: dict[str, Any], layers: int, full_layers: int, length:
     # From the first layer on where the clock ran: a first call probed short inside is not counted.
     step = (row.get("clock_ms") or [None])[-1] or step
     lines += [f"preflight, {layers} of {full_layers} layers, {length} tokens on {ranks} ranks (measured): step "
-             f"{step / 1e3:.3g} s from the first layer on, a layer {layer / 1e3 if layer else float('nan'):.3g} s (forward + backward), "
+             f"{step / 1e3:.3g} s from the first layer on, a layer "
+             f"{layer / 1e3 if layer else float('nan'):.3g} s (forward + backward), "
              f"GPU peak {_gib(row['peak_bytes'])} a rank, host {_gib(host)} a rank; first full-length step: "
              f"{row.get('first_full_phase')}"]
     est = 0.0
@@ -237,7 +238,8 @@ def _preflight_lines(row: dict[str, Any], layers: int, full_layers: int, length:
     lines.append(f"{full_layers} layers, the planner (this length, budget {_gib(first['budget_bytes'])} and host room "
                  f"{_gib(first['host_budget_bytes'] or 0)} a rank): step ~{worst['step_ms'] / 1e3:.3g} s, GPU peak "
                  f"{_gib(peak)} a rank, host {_gib(max(p['host_bytes'] for p in found))} a rank, plan {worst['plan']}; "
-                 f"(its preflight plan predicted {first['preflight_predicted_ms'] / 1e3:.3g} s, measured {step / 1e3:.3g})")
+                 f"(its preflight plan predicted {first['preflight_predicted_ms'] / 1e3:.3g} s, "
+                 f"measured {step / 1e3:.3g})")
     verdict = "fits" if node <= node_available else "DOES NOT FIT"
     lines.append(f"host on the node: {_gib(node)} for {ranks} ranks, of {_gib(node_total)} RAM ({_gib(node_available)} "
                  f"available now): {verdict}" + ("" if node <= node_available else

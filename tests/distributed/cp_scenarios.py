@@ -183,7 +183,8 @@ def _short_probe(device: torch.device, meshes: Any) -> dict[str, Any]:
     finally:
         model_form.SHORT_PROBE_TOKENS = was
     return {"planned": planned, "warnings": [str(w.message)[:300] for w in caught if "probe" in str(w.message)],
-            "bitwise": [a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1])) for a, b in zip(got, plain)]}
+            "bitwise": [a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+                        for a, b in zip(got, plain)]}
 
 
 RUNNERS: dict[str, Callable[[torch.device, Any], dict[str, Any]]] = {"cp_t31": _t31, "cp_lengths": _lengths,
@@ -223,7 +224,8 @@ def problems(name: str, ranks: list[dict[str, Any]]) -> list[str]:
                 out.append(f"{where}: with OffloadActivations the CP step's gradients differ from without")
         elif name == "cp_short_probe":
             if r["warnings"] or r["planned"] != [True, True]:
-                out.append(f"{where}: the first call was not probed short and run planned ({r['planned']}): {r['warnings']}")
+                out.append(f"{where}: the first call was not probed short and run planned ({r['planned']}): "
+                           f"{r['warnings']}")
             if not all(r["bitwise"]):
                 out.append(f"{where}: steps after the short probe differ from the plain CP steps: {r['bitwise']}")
         else:
