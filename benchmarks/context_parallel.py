@@ -222,7 +222,9 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
             while short and oa is not None and oa.plan is None and len(records) < MORE_FOR_A_PLAN:
                 if run.step(records, len(records), short):
                     break
-            for i in range(steps + (MORE_FOR_A_PLAN if oa is not None else 0)):
+            # Not for a step of minutes (T29, a preflight): --steps full-length steps, planned or not.
+            extra = MORE_FOR_A_PLAN if oa is not None and args.case != "T29" and not args.layers else 0
+            for i in range(steps + extra):
                 # A planned contender goes on past --steps until a step ran under its plan.
                 if i >= steps and any(r.get("phase") in ("planned", SHORT) and r["length"] == length for r in records):
                     break
