@@ -27,8 +27,49 @@ step time and peak per contender. The NCCL timeout is 300 s: a hang shows as an 
 
     python benchmarks/context_parallel.py --case T31                  # every contender, 2 GPUs
     python benchmarks/context_parallel.py --case T30 --contenders ours,ours_1gpu
-    python benchmarks/context_parallel.py --case T29 --contenders ours --steps 2
+    python benchmarks/context_parallel.py --case T29 --contenders ours --steps 1
     python benchmarks/context_parallel.py --smoke                     # 2 gloo processes on the CPU
+
+**A step that takes minutes (T29).** ``ours`` runs no probe step at the full length: the first
+full-length call is probed short inside it (``offload.layers.model_form``; under FSDP2 since
+issue 51, the probe steps run ahead of FSDP2's root hook) and runs planned; that step's phase is
+``"probed short, planned"``. ``--probe-length L`` instead runs the probe steps (and one planned
+step) at ``L`` global tokens first; the full-length bucket's plan is then made from that profile
+(``offload.planner.scaling``), at once (plans ahead off). ``--progress K`` (T29's default 4):
+rank 0 prints a line every ``K`` layers in forward and backward (elapsed s, layer index),
+flushed (``benchmarks/cp_long_step.py``). ``--layers N`` is the **preflight**: the same case with
+``N`` decoder layers, one full-length step, and its extrapolation to the whole model: the step
+from the measured layer time, and the planner's own plan for all layers at this length (device
+budget, host room: GPU peak and host bytes a rank, the node's RAM shared by its ranks), ending in
+``verdict: GO`` or ``verdict: NO-GO (why, and the length that would fit)``; ``--time-left-s S``
+makes a step longer than ``S`` a NO-GO.
+
+**T29 in one dedicated device session** (``run``, kind ``nvidia-h200-x2``; 30 min of device time,
+a machine held at most 30 min, 10 min a command, warm 30 s after a call; one step is ~20-25 min
+by FLOPs). Call 1 (``timeout_s`` 600) builds, runs the preflight (about 2 min; with the
+``--probe-length`` fallback if the short probe fails on the GPU) and, on GO, starts the full run
+detached (``setsid``: it outlives the call while the machine is held)::
+
+    pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail /tmp/build.log; exit 1; }
+    mkdir -p /tmp/t29; P=""; T="python benchmarks/context_parallel.py --case T29 --contenders ours"
+    $T --layers 2 --time-left-s 1260 --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1 \
+      || { P="--probe-length 65536"; $T --layers 2 --time-left-s 1200 $P --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1; }
+    grep -E "^ours (step|preflight|[0-9]+ layers|host|verdict)|Error" /tmp/t29/pre.txt | tail -14
+    cp /tmp/t29/pre.txt /tmp/t29/pre.json $OUT/
+    if grep -q "verdict: GO" /tmp/t29/pre.txt; then
+      setsid nohup $T --steps 1 $P --out /tmp/t29/T29.json > /tmp/t29/log 2>&1 < /dev/null & echo started
+    fi
+
+Then, back to back (within 30 s of each other, or the machine goes back and the run with it),
+calls that wait up to ~9.5 min each and show the log's tail (``timeout_s`` 600)::
+
+    for i in $(seq 57); do grep -qE "^wrote|Traceback" /tmp/t29/log && break; sleep 10; done
+    tail -6 /tmp/t29/log; cp /tmp/t29/log /tmp/t29/T29.json /tmp/t29/T29.png $OUT/ 2>/dev/null; true
+
+The log shows ``ours step 0: forward layer 8/32, 301.2 s``-style lines as the step goes; the run
+is over at ``wrote ...`` (the JSON and PNG come back in ``$OUT``: put them in
+``benchmarks/results/context_parallel_T29.json``). On NO-GO, the preflight's lines say why (no
+plan fits the GPU and host, the node's RAM, or the time left) and which ``--length`` would fit.
 """
 
 from __future__ import annotations
@@ -54,6 +95,8 @@ from workers import spawn_ranks  # noqa: E402
 from workloads import hf_checkpointing, llama_1b, llama_8b_shape, train_norms_only  # noqa: E402
 
 import offload  # noqa: E402
+from offload.layers.model_form import head_info  # noqa: E402
+from cp_long_step import LayerClock, extrapolate, layer_weight_bytes, per_layer_ms, preflight_report  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTENDERS = ("plain", "hf_ckpt", "ours", "ours_1gpu")
@@ -66,6 +109,10 @@ CASES = {  # case: (spec maker, base frozen, length, steps)
 }
 TIMEOUT_S = 300
 MORE_FOR_A_PLAN = 6  # steps past --steps a planned contender may take to show a planned step
+PROGRESS = {"T29": 4}  # layers between rank 0's progress lines (0: none)
+# A step's phase: at the `with`'s entry no plan ("probe") or one ("planned"), and a first long
+# batch probed short inside its own call, then run planned.
+SHORT = "probed short, planned"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -76,6 +123,17 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=None, help="tokens per sequence (default: the case's)")
     p.add_argument("--steps", type=int, default=None, help="steps per contender (default: the case's)")
     p.add_argument("--nproc", type=int, default=2, help="GPUs (processes) for the CP contenders; cp = nproc")
+    p.add_argument("--probe-length", type=int, default=0,
+                   help="planned contenders run their probe steps at this many tokens first (e.g. 65536; "
+                        "default 0: the first full-length call is probed short inside it)")
+    p.add_argument("--layers", type=int, default=None,
+                   help="preflight: the case with this many decoder layers, one full-length step, extrapolated")
+    p.add_argument("--time-left-s", type=float, default=None,
+                   help="preflight: the seconds a full step may take (its verdict is NO-GO past them)")
+    p.add_argument("--short-probe-tokens", type=int, default=None,
+                   help="the short probe's tokens (offload.layers.model_form.SHORT_PROBE_TOKENS; for the CPU smoke)")
+    p.add_argument("--progress", type=int, default=None,
+                   help="rank 0 prints a line every this many layers in forward and backward (default: T29's 4)")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default benchmarks/results/context_parallel_<case>.json)")
     p.add_argument("--smoke", "--cpu-smoke", dest="smoke", action="store_true",
                    help="a tiny Llama on 2 gloo processes (the figures mean nothing)")
@@ -94,6 +152,9 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, int, in
     if args.smoke:  # float32: what gloo reduces on every torch
         spec = dataclasses.replace(spec, hidden=64, intermediate=128, layers=2, heads=2, kv_heads=1, vocab=128,
                                    dtype=torch.float32)
+    args.full_layers = spec.layers  # what a preflight extrapolates to
+    if args.layers:
+        spec = dataclasses.replace(spec, layers=args.layers)
     model, _ = spec.build(device, init_in_dtype=True)  # the same weights on every rank
     if args.smoke:
         model.config._attn_implementation = "eager"  # the CPU has no ring kernel
@@ -101,11 +162,15 @@ def _build(args: argparse.Namespace, device: torch.device) -> tuple[Any, int, in
     return model, spec.seq, trainable
 
 
-def _context(contender: str, model: Any, smoke: bool) -> Optional[Any]:
+def _context(contender: str, model: Any, smoke: bool, probe_length: int) -> Optional[Any]:
     if not contender.startswith("ours"):
         return None
     budget: Any = 1 << 30 if smoke else "device"  # on the CPU a byte budget plans as "device" does on CUDA
     kw: dict[str, Any] = {"device": "cpu", "min_offload_bytes": 0} if smoke else {}
+    if probe_length:
+        # The full-length bucket is new after the short one's: its own plan at once, not a
+        # stand-in while it is made in the background (a preflight measures the plan itself).
+        kw["plan_ahead"] = False
     return offload.OffloadActivations(model.model.layers, model=model, memory_budget_bytes=budget, **kw)
 
 
@@ -113,6 +178,12 @@ def _phase(oa: Optional[Any]) -> str:
     if oa is None:
         return "-"
     return "planned" if oa.plan is not None else "probe"
+
+
+def _progress(args: argparse.Namespace) -> int:
+    if args.progress is not None:
+        return args.progress
+    return 1 if args.layers else PROGRESS.get(args.case, 0)
 
 
 def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int:
@@ -124,8 +195,11 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
     if cuda:
         torch.cuda.set_device(device)
     dist.init_process_group("cpu:gloo,cuda:nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=TIMEOUT_S))
+    if args.short_probe_tokens:
+        offload.layers.model_form.SHORT_PROBE_TOKENS = args.short_probe_tokens
     records: list[dict[str, Any]] = []
     info: dict[str, Any] = {}
+    preflight: Optional[dict[str, Any]] = None
     try:
         from torch.distributed.fsdp import fully_shard
 
@@ -133,44 +207,85 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
         model, length, info["trainable_params"] = _build(args, device)
         for module in [*model.model.layers, model]:
             fully_shard(module, mesh=meshes.fsdp)
-        oa = _context(contender, model, args.smoke)
+        short = args.probe_length if contender.startswith("ours") else 0
+        oa = _context(contender, model, args.smoke, short)
+        layers = list(model.model.layers)
+        every = _progress(args)
+        clock = LayerClock(layers, device, every) if rank == 0 and (every or args.layers) else None
         vocab = model.config.vocab_size
         ckpt = hf_checkpointing(model) if contender == "hf_ckpt" else contextlib.nullcontext()
-        steps = args.steps or CASES[args.case][3]
+        steps = args.steps or (1 if args.layers else CASES[args.case][3])
+        run = _Runner(contender, model, meshes, oa, vocab, device, clock, rank == 0, dist.get_world_size())
         with ckpt:
-            for i in range(steps + (MORE_FOR_A_PLAN if oa is not None else 0)):
-                # A planned contender goes on past --steps until a step ran under its plan.
-                if i >= steps and any(r.get("phase") == "planned" for r in records):
+            # Probe steps (and one planned step) at the short length, so that the first step at
+            # the full length is a planned one: no full-length probe step.
+            while short and oa is not None and oa.plan is None and len(records) < MORE_FOR_A_PLAN:
+                if run.step(records, len(records), short):
                     break
-                records.append(_step(i, model, meshes, oa, vocab, length, device))
-                r = records[-1]
-                if rank == 0:
-                    shown = r.get("error") or f"{r['ms'] / 1e3:.2f} s, peak {r['peak_bytes'] / 2**30:.2f} GiB"
-                    print(f"{contender} step {i}: {length} tokens on {meshes.cp.size()} ranks, {shown}, {r['phase']}",
-                          flush=True)
-                if "error" in r:
+            # Not for a step of minutes (T29, a preflight): --steps full-length steps, planned or not.
+            extra = MORE_FOR_A_PLAN if oa is not None and args.case != "T29" and not args.layers else 0
+            for i in range(steps + extra):
+                # A planned contender goes on past --steps until a step ran under its plan.
+                if i >= steps and any(r.get("phase") in ("planned", SHORT) and r["length"] == length for r in records):
+                    break
+                if run.step(records, len(records), length):
                     break
         info["plan"] = oa.plan.describe() if oa is not None and oa.plan is not None else None
+        if args.layers and oa is not None and oa.plan is not None and not any("error" in r for r in records):
+            preflight = extrapolate(oa.plan, args.full_layers, layer_weight_bytes(layers[-1]),
+                                    oa.engine.arena.plan_host_bytes(), head_info(model))
     except Exception as exc:  # noqa: BLE001 - a failure outside a step is this contender's result
         traceback.print_exc()
         info["error"] = f"{type(exc).__name__}: {exc}"[:600]
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, records)
+    if args.layers:
+        info["preflight"] = [None] * dist.get_world_size()
+        dist.all_gather_object(info["preflight"], preflight)
     if rank == 0:
         record_path.write_text(json.dumps({"ranks": gathered, **info}))
     dist.destroy_process_group()
     return 0
 
 
+@dataclasses.dataclass
+class _Runner:
+    """One contender's steps on this rank (rank 0 prints each)."""
+
+    contender: str
+    model: Any
+    meshes: Any
+    oa: Optional[Any]
+    vocab: int
+    device: torch.device
+    clock: Optional[LayerClock]
+    prints: bool
+    cp: int
+
+    def step(self, records: list[dict[str, Any]], i: int, length: int) -> bool:
+        """Run step ``i`` at ``length`` tokens, append its record; whether it failed."""
+        label = f"{self.contender} step {i}"
+        if self.clock is not None:
+            self.clock.start(label, length // self.cp)
+        r = _step(i, self.model, self.meshes, self.oa, self.vocab, length, self.device, self.clock)
+        records.append(r)
+        if self.prints:
+            shown = r.get("error") or f"{r['ms'] / 1e3:.2f} s, peak {r['peak_bytes'] / 2**30:.2f} GiB"
+            host = f", host {r['host_bytes'] / 2**30:.2f} GiB" if r.get("host_bytes") is not None else ""
+            print(f"{label}: {length} tokens on {self.meshes.cp.size()} ranks, {shown}{host}, {r['phase']}",
+                  flush=True)
+        return "error" in r
+
+
 def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length: int,
-          device: torch.device) -> dict[str, Any]:
+          device: torch.device, clock: Optional[LayerClock] = None) -> dict[str, Any]:
     cuda = device.type == "cuda"
     g = torch.Generator().manual_seed(1000 + i)  # the same batch on every CP rank
     ids = torch.randint(0, vocab, (1, length), generator=g).to(device)
     if cuda:
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
-    record: dict[str, Any] = {"step": i}
+    record: dict[str, Any] = {"step": i, "length": length}
     start = time.perf_counter()
     try:
         # The smoke's eager attention would be refused (context_parallel patches SDPA only).
@@ -179,16 +294,30 @@ def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length
             with oa if oa is not None else contextlib.nullcontext():
                 record["phase"] = _phase(oa)  # at the entry: the plan in force for this step
                 loss = model(**shard.inputs).loss
+                if record["phase"] == "probe" and oa is not None and oa.plan is not None:
+                    # Planned at its model entry. If it began as a probe step (the first steps'
+                    # record says so), the call was probed short inside it first; else it is
+                    # the first planned step, counted with the probe steps (T32, as before).
+                    kinds = [row["kind"] for row in oa.first_steps]
+                    record["phase"] = SHORT if kinds and kinds[-1] != "planned" else "probe"
             (loss * shard.loss_scale).backward()
         record["loss"] = offload.parallel.global_loss(loss, meshes.cp, meshes.dp).item()
         if cuda:
             torch.cuda.synchronize(device)
         record["ms"] = (time.perf_counter() - start) * 1e3
+        if clock is not None:
+            end = clock.finish()
+            record["layer_ms"] = per_layer_ms(clock.marks, clock.count)
+            first = next((t for phase, _, t in clock.marks if phase == "fwd"), None)
+            # From the first layer's entry on: without a short probe run inside the call.
+            record["clock_ms"] = 1e3 * (end - first) if first is not None else None
     except Exception as exc:  # noqa: BLE001 - recorded; FSDP2 cannot go on past it
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
     record.setdefault("phase", _phase(oa))
     record["peak_bytes"] = torch.cuda.max_memory_allocated(device) if cuda else 0
+    if oa is not None:
+        record["host_bytes"] = oa.stats["host_peak_bytes"]  # the most this rank's arena held at once
     model.zero_grad(set_to_none=True)
     return record
 
@@ -201,19 +330,30 @@ def run_argv(argv: list[str]) -> int:
 
 
 # -- the parent ------------------------------------------------------------------------------------
-def summarize(contender: str, result: dict[str, Any]) -> dict[str, Any]:
-    """Median steady step (slowest rank, past the first step and any probe), peak, planning cost."""
+def summarize(contender: str, result: dict[str, Any], length: int) -> dict[str, Any]:
+    """Median steady step (slowest rank, past the first step and any probe, at the full
+    ``length``), peak, planning cost, and a preflight's per-layer figures."""
     ranks = result.get("ranks") or [[]]
     steps = [[r[i] for r in ranks] for i in range(min(len(r) for r in ranks))]
     ok = [s for s in steps if not any("error" in r for r in s)]
     ms = [max(r["ms"] for r in s) for s in ok]
-    steady = [m for s, m in zip(ok, ms) if s[0]["step"] >= 1 and s[0]["phase"] in ("-", "planned")]
+    full = [s for s in ok if s[0]["length"] == length]
+    steady = [m for s, m in zip(ok, ms) if s[0]["step"] >= 1 and s[0]["phase"] in ("-", "planned")
+              and s[0]["length"] == length]
     median = sorted(steady)[len(steady) // 2] if steady else None
-    before_plan = [m for s, m in zip(ok, ms) if s[0]["phase"] == "probe"]
+    before_plan = [m for s, m in zip(ok, ms) if s[0]["phase"] in ("probe", SHORT)]
     planning = (sum(before_plan) - len(before_plan) * median) / median if median and before_plan else None
     errors = [r["error"] for s in steps for r in s if "error" in r] + ([result["error"]] if "error" in result else [])
     return {"contender": contender, "steps_finished": len(ok), "median_steady_ms": median,
+            "full_length_steps": len(full),
+            # The first step at the full length: a planned one, not a probe step (T29's condition).
+            "first_full_phase": full[0][0]["phase"] if full else None,
+            "full_ms": [max(r["ms"] for r in s) for s in full],
+            "layer_ms": [s[0].get("layer_ms") for s in full],
+            "clock_ms": [s[0].get("clock_ms") for s in full],
+            "host_bytes": [max(r.get("host_bytes") or 0 for r in s) for s in full],
             "peak_bytes": max((r["peak_bytes"] for s in steps for r in s), default=0),
+            "preflight": result.get("preflight"),
             "planning_steps": planning, "losses": [s[0].get("loss") for s in ok], "errors": errors[:3],
             "plan": result.get("plan"), "trainable_params": result.get("trainable_params")}
 
@@ -244,8 +384,9 @@ def verdicts(case: str, rows: dict[str, dict[str, Any]]) -> list[str]:
     """The case's target, PASS or MISS with the figures."""
     ours = rows.get("ours")
     if case == "T29" and ours:
-        return [f"T29 one step of the LLAMA-8B shape on 2 GPUs: {'PASS' if ours['steps_finished'] else 'MISS'} "
-                f"({ours['steps_finished']} steps, peak {ours['peak_bytes'] / 2**30:.1f} GiB)"]
+        return [f"T29 one step of the LLAMA-8B shape on 2 GPUs: {'PASS' if ours['full_length_steps'] else 'MISS'} "
+                f"({ours['full_length_steps']} steps at the full length, the first one {ours['first_full_phase']}; "
+                f"{ours['full_ms']} ms, peak {ours['peak_bytes'] / 2**30:.1f} GiB)"]
     if case == "T30" and ours and rows.get("ours_1gpu") and ours["median_steady_ms"] and rows["ours_1gpu"]["median_steady_ms"]:
         ratio = ours["median_steady_ms"] / rows["ours_1gpu"]["median_steady_ms"]
         return [f"T30 2-GPU step / 1-GPU step <= 0.6: {'PASS' if ratio <= 0.6 else 'MISS'} ({ratio:.2f})"]
@@ -264,6 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     case = "smoke" if args.smoke else args.case
     argv = [a for a in argv if a not in ("--smoke", "--cpu-smoke")] + (["--smoke", "--case", "smoke"] if args.smoke else [])
     contenders = args.contenders.split(",") if args.contenders else _default_contenders(case)
+    length = args.length or CASES[case][2]
     rows: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for contender in contenders:
@@ -271,14 +413,25 @@ def main(argv: Optional[list[str]] = None) -> int:
             nproc = 1 if contender == "ours_1gpu" else args.nproc
             code = spawn_ranks(run_argv, nproc, [*argv, "--worker", f"{contender},{path}"])
             result = json.loads(path.read_text()) if path.exists() else {"error": f"the ranks exited with {code}"}
-            rows[contender] = summarize(contender, result)
+            rows[contender] = summarize(contender, result, length)
             print(f"{contender}: {rows[contender]}", flush=True)
-    lines = verdicts(case, rows)
+    lines = verdicts(case, rows) if not args.layers else []
+    if args.layers:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        full = dataclasses.replace(CASES[case][0]()).layers if not args.smoke else 2
+        for contender, row in rows.items():
+            lines += [f"{contender} {line}" for line in
+                      preflight_report(row, args.layers, full, length, args.nproc, memory.total, memory.available,
+                                                       args.time_left_s)]
     for line in lines:
         print(line)
-    out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"context_parallel_{case}.json"
+    name = f"context_parallel_{case}" + (f"_preflight{args.layers}" if args.layers else "")
+    out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"case": case, "length": args.length or CASES[case][2], "nproc": args.nproc, "rows": list(rows.values()),
+    payload = {"case": case, "length": length, "nproc": args.nproc, "layers": args.layers,
+               "probe_length": args.probe_length, "rows": list(rows.values()),
                "verdicts": lines, "torch": torch.__version__,
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")}

@@ -323,21 +323,24 @@ class OffloadActivations:
     def _entered_here(self) -> bool:
         return self._entered and self._thread == threading.get_ident() and torch.is_grad_enabled()
 
-    def _model_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        # The model's forward begins inside this context (model_form): a long first batch is
-        # probed short, a planned step is planned for its shape before its head runs.
+    def _model_entry(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], through_module: bool) -> Any:
+        # The model's call begins in this context (model_form): a long first batch is probed short. Its shape.
         planned, model = self._planned, self._model
         shape = model_form.call_shape(fn, args, kwargs)
-        head_tokens = 0
         if planned is not None and model is not None and shape is not None:
-            short = model_form.short_step(model, fn, args, kwargs, shape) \
+            short = model_form.short_step(model, fn, args, kwargs, shape, through_module) \
                 if planned.profile is None and self._short_probe else None
             if planned.at_model_entry(shape, short, model_form.probe_tokens(planned.head, planned.device)):
                 self._probe_step = False
                 self._start_step()
-            if self.active:
-                head_tokens = planned.plan_at_entry(shape)
-        return model_form.run_call(model, fn, args, kwargs, head_tokens)  # type: ignore[arg-type]
+        return shape
+
+    def _model_call(self, fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any], entered: bool = False) -> Any:
+        # The model's forward in this context (``entered``: its entry was seen ahead of an FSDP2 root's hooks).
+        shape = model_form.call_shape(fn, args, kwargs) if entered else self._model_entry(fn, args, kwargs, False)
+        planned = self._planned  # a planned step is planned for its shape before its head runs
+        head_tokens = planned.plan_at_entry(shape) if self.active and planned is not None and shape is not None else 0
+        return model_form.run_call(self._model, fn, args, kwargs, head_tokens)  # type: ignore[arg-type]
 
     @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -176,6 +176,29 @@ def test_forward_hooks_send_the_first_batch_to_a_full_length_probe_unchanged() -
     assert steps[-1][3]["calls"]["forward"] == 2
 
 
+def test_an_observer_hook_is_run_by_the_short_probe_and_sees_its_calls() -> None:
+    # A hook marked offload_probe_observer computes nothing (a progress line, a timer): the batch
+    # is probed short, the hook sees the probe steps' layer calls too, the step is exact.
+    model, plain = tiny_llama(), tiny_llama()
+    calls: list[int] = []
+
+    def observer(module: torch.nn.Module, args: Any) -> None:
+        calls.append(args[0].shape[1])
+
+    observer.offload_probe_observer = True  # type: ignore[attr-defined]
+    model.model.layers[0].register_forward_pre_hook(observer)
+    ctx = context(model)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*probed at its full length")
+        with ctx:
+            loss = model(input_ids=ids(), labels=ids()).loss
+        loss.backward()
+    plain(input_ids=ids(), labels=ids()).loss.backward()
+    assert ctx._planned.profile.shape == CUT, "the first batch was not probed short"
+    assert calls[-1] == LENGTH and CUT[1] in calls[:-1], f"the observer saw lengths {calls}"
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
+
+
 def test_short_probe_false_probes_at_full_length_without_a_warning() -> None:
     model = tiny_llama()
     ctx = context(model, short_probe=False)

@@ -15,7 +15,14 @@ and loss). Three things need that place:
   generators and buffers are given back: :mod:`offload.layers.short_probe`), so the run goes on as
   if they had not happened; where that cannot be promised (forward hooks on the model's modules,
   an input it cannot cut, a cache), or with ``short_probe=False``, the batch is probed at its full
-  length, with a warning saying why;
+  length, with a warning saying why. **An FSDP2 root** (``fully_shard(model)``) is probed ahead of
+  its hooks: its pre-forward hook all-gathers the root's parameters for this call, and a probe step
+  run after it would end in FSDP2's post-backward callback, which reshards every parameter group,
+  the root's included, and resets the iteration's state, under the call in progress (its embedding
+  would then meet a sharded DTensor weight). So the stand-in also puts a forward pre-hook ahead of
+  FSDP2's on such a model, and the probe steps run there as whole calls of the model through its
+  hooks (:class:`~offload.layers.short_probe.ShortStep`'s ``through_module``): each is a whole
+  FSDP2 iteration, which leaves FSDP2 as between steps, and then the call itself begins;
 - **the head's figures** (:class:`~offload.planner.tiling.HeadInfo`): its vocabulary and width,
   and whether it can be tiled at all (``head_support``'s reason goes into the plan table).
 
@@ -41,7 +48,7 @@ from ..forwards.instance import check_own_forward
 from ..planner.shapes import StepShape
 from ..planner.tiling import LOGIT_BYTES, HeadInfo
 from ..tiling.causal_lm import TiledCausalLMForward, head_support
-from .short_probe import ShortStep
+from .short_probe import ShortStep, is_fsdp2_root
 
 # A probe of a long first batch runs at most this many tokens ...
 SHORT_PROBE_TOKENS = 32768
@@ -53,7 +60,11 @@ PROBE_HEAD_SHARE = 0.25
 class ModelCaller(Protocol):
     """What the forward stand-in asks of its context (``OffloadActivations``)."""
 
-    def _model_call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any: ...
+    def _model_call(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                    entered: bool = False) -> Any: ...
+
+    def _model_entry(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+                     through_module: bool) -> Any: ...
 
     def _entered_here(self) -> bool: ...
 
@@ -99,14 +110,16 @@ def call_shape(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def short_step(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               shape: StepShape) -> Optional[ShortStep]:
+               shape: StepShape, through_module: bool = False) -> Optional[ShortStep]:
     """A whole training step of this call cut to ``length`` tokens per sequence (``step(length)``),
     invisible to the user (:mod:`offload.layers.short_probe`; ``step.refused`` says why it cannot
-    be, where it cannot); None without ``labels`` (no loss to run a backward from)."""
+    be, where it cannot); None without ``labels`` (no loss to run a backward from).
+    ``through_module``: the step calls the model itself, hooks and all (an FSDP2 root, probed
+    ahead of its hooks), rather than its forward ``fn``."""
     arguments = _bound(fn, args, kwargs)
     if not isinstance(arguments.get("labels"), torch.Tensor):
         return None
-    return ShortStep(model, fn, arguments, shape)
+    return ShortStep(model, fn, arguments, shape, through_module)
 
 
 def run_call(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -123,11 +136,13 @@ class ModelForward:
     model (held weakly): while one of them is entered in this thread, the call goes through it
     (:meth:`ModelCaller._model_call`); otherwise the model's own forward runs."""
 
-    __slots__ = ("owners", "fn")
+    __slots__ = ("owners", "fn", "hook", "seen")
 
     def __init__(self, owner: Optional[ModelCaller], fn: Callable[..., Any]) -> None:
         self.owners: list[weakref.ref] = [weakref.ref(owner)] if owner is not None else []
         self.fn = fn
+        self.hook: Any = None  # the handle of the pre-hook ahead of an FSDP2 root's (see the module notes)
+        self.seen = False      # that pre-hook saw this call's entry: the forward need not look again
 
     @property
     def __signature__(self) -> inspect.Signature:
@@ -157,14 +172,30 @@ class ModelForward:
                 "plans tile the head themselves where they need to): call that context's close() "
                 "(oa.close()) first, which gives the model its own forward back")
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    def _owner_here(self) -> Optional[ModelCaller]:
         # Every context given the model keeps seeing its calls (several may exist, e.g. a cell
         # run again makes a new one before the old is dropped): the one entered here acts.
         for ref in self.owners:
             owner = ref()
             if owner is not None and owner._entered_here():
-                return owner._model_call(self.fn, args, kwargs)
+                return owner
+        return None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        seen, self.seen = self.seen, False
+        owner = self._owner_here()
+        if owner is not None:
+            return owner._model_call(self.fn, args, kwargs, seen)
         return self.fn(*args, **kwargs)
+
+    def ahead_of_fsdp(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The forward pre-hook ahead of an FSDP2 root's own: the call's entry (its short probe
+        steps, each a whole call of the model) before FSDP2 all-gathers the root for it."""
+        owner = self._owner_here()
+        if owner is None or not is_fsdp2_root(module):
+            return
+        owner._model_entry(self.fn, args, kwargs, True)
+        self.seen = True  # (after: the probe's own calls of the model set and clear it inside)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "ModelForward":
         return ModelForward(None, copy.deepcopy(self.fn, memo))
@@ -182,7 +213,10 @@ def install(owner: ModelCaller, model: torch.nn.Module) -> None:
         return
     check_own_forward(model, (), f"offload: model= ({type(model).__name__})", "",
                       "(tile_head, or another tool): remove it first, or leave model= out")
-    model.forward = ModelForward(owner, model.forward)
+    stand_in = ModelForward(owner, model.forward)
+    model.forward = stand_in
+    if is_fsdp2_root(model):
+        stand_in.hook = model.register_forward_pre_hook(stand_in.ahead_of_fsdp, prepend=True, with_kwargs=True)
 
 
 def uninstall(owner: ModelCaller, model: torch.nn.Module) -> None:
@@ -191,6 +225,9 @@ def uninstall(owner: ModelCaller, model: torch.nn.Module) -> None:
     current = model.__dict__.get("forward")
     if isinstance(current, ModelForward) and not current.detach(owner):
         del model.forward
+        if current.hook is not None:
+            current.hook.remove()
+            current.hook = None
 
 
 def check_model(model: Any, layers: list[torch.nn.Module]) -> torch.nn.Module:

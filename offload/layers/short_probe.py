@@ -19,9 +19,19 @@ optimizer stepping in ``register_post_accumulate_grad_hook`` took three extra up
   modules' backward hooks are emptied in place for the probe and put back, in order, after it;
 - **state is given back**: the random number generators (``fork_rng``) and any buffer the forward
   changed in place (running statistics);
+- **FSDP2's hooks run**: they are part of the computation (they all-gather each module's
+  parameters for its call and reshard them after), and what they leave is what an FSDP2
+  iteration leaves: the probe's backward accumulates no gradient, so they reduce-scatter none and
+  the sharded ``.grad`` stay as they were. An FSDP2 root is probed ahead of its own hooks, each
+  probe step a whole call of the model (``through_module``; :mod:`offload.layers.model_form` says
+  why); a root whose hooks ran already (``fully_shard`` applied after the context was made) is
+  refused;
+- **observers run**: a hook (function or object) with a true ``offload_probe_observer`` attribute
+  says it computes nothing and may see the probe steps' calls (a progress line, a timer:
+  ``benchmarks/cp_long_step.py``'s clock), so it does not send the batch to a full-length probe;
 - **what cannot be hidden is refused**, and the step is probed at its full length instead (its
-  probe step is then the user's own step): forward hooks and pre-hooks on the model's modules
-  (they may compute, as FSDP's, weight norm's or PEFT's do, so they cannot be skipped, and a hook
+  probe step is then the user's own step): other forward hooks and pre-hooks on the model's modules
+  (they may compute, as weight norm's or PEFT's do, so they cannot be skipped, and a hook
   that counts calls would count the probe's), global module hooks (other models share them), and
   an argument that cannot be cut to the probe's length or would be written to (a cache, packed
   sequences' offsets, a tensor whose layout is not one of those below).
@@ -43,7 +53,7 @@ import torch
 
 from ..planner.shapes import StepShape
 
-__all__ = ["ShortStep", "cut_dims"]
+__all__ = ["ShortStep", "cut_dims", "is_fsdp2_root"]
 
 # Scalars and options a call may carry beside its tensors: passed through as they are.
 _PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -89,26 +99,45 @@ def _argument_problem(name: str, value: Any, shape: StepShape) -> str:
             "it unchanged (a cache would be written to)")
 
 
-def _is_ours(hook: Any) -> bool:
+# Whose module hooks the probe runs: ours, and FSDP2's (its home since torch 2.6, and before).
+_KNOWN_HOOKS = ("offload.", "torch.distributed.fsdp._fully_shard.", "torch.distributed._composable.fsdp.")
+
+
+def _is_known(hook: Any) -> bool:
     owner = getattr(hook, "__self__", hook)
-    return str(getattr(owner, "__module__", "") or type(owner).__module__).startswith("offload.")
+    if getattr(hook, "offload_probe_observer", False) or getattr(owner, "offload_probe_observer", False):
+        return True
+    return str(getattr(owner, "__module__", "") or type(owner).__module__).startswith(_KNOWN_HOOKS)
 
 
-def _hook_problem(model: torch.nn.Module) -> str:
+def is_fsdp2_root(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is an FSDP2 module (``fully_shard``), whose hooks unshard it per call."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without distributed
+        return False
+    return isinstance(model, FSDPModule)
+
+
+def _hook_problem(model: torch.nn.Module, through_module: bool) -> str:
     from torch.nn.modules import module as nn_module
 
     for kind in ("forward_pre", "forward", "backward_pre", "backward"):
-        if any(not _is_ours(h) for h in getattr(nn_module, f"_global_{kind}_hooks").values()):
+        if any(not _is_known(h) for h in getattr(nn_module, f"_global_{kind}_hooks").values()):
             return (f"a global module {kind.replace('_', ' ')} hook is registered (torch.nn.modules.module."
                     "register_module_..._hook): it is shared with every module, so the probe cannot hide it")
+    if not through_module and is_fsdp2_root(model):
+        return (f"{type(model).__name__} is an FSDP2 root whose hooks ran before the probe could (fully_shard "
+                "was applied after OffloadActivations(..., model=) was made): make the context after fully_shard")
     for name, module in model.named_modules():
-        if module is model:
+        if module is model and not through_module:
             continue  # the probe calls the model's forward itself, not the module: its hooks never run
         for kind, hooks in (("forward pre-hook", module._forward_pre_hooks), ("forward hook", module._forward_hooks)):
-            theirs = [h for h in hooks.values() if not _is_ours(h)]
+            theirs = [h for h in hooks.values() if not _is_known(h)]
             if theirs:
                 what = getattr(theirs[0], "__qualname__", type(theirs[0]).__name__)
-                return (f"{type(model).__name__}.{name} has a {kind} ({what}); it may be part of the computation, so "
+                where = f"{type(model).__name__}.{name}" if name else f"{type(model).__name__} itself"
+                return (f"{where} has a {kind} ({what}); it may be part of the computation, so "
                         "the probe cannot skip it, and running it would show it the probe steps' calls")
     return ""
 
@@ -174,8 +203,9 @@ class ShortStep:
     cannot be probed so (empty when it can); ``failed``: what the step raised, if it did."""
 
     def __init__(self, model: torch.nn.Module, fn: Callable[..., Any], arguments: dict[str, Any],
-                 shape: StepShape) -> None:
+                 shape: StepShape, through_module: bool = False) -> None:
         self.model, self.fn, self.arguments, self.shape = model, fn, arguments, shape
+        self.through_module = through_module  # calls the model itself, hooks and all (an FSDP2 root)
         self.failed: Optional[BaseException] = None
         self.length = 0
 
@@ -184,7 +214,7 @@ class ShortStep:
         """Why this call cannot be probed short unseen (empty when it can); asked only of a call
         long enough to be (it walks the model's modules)."""
         problems = (_argument_problem(name, value, self.shape) for name, value in self.arguments.items())
-        return next((p for p in problems if p), "") or _hook_problem(self.model)
+        return next((p for p in problems if p), "") or _hook_problem(self.model, self.through_module)
 
     def __call__(self, length: int) -> None:
         self.length = length
@@ -195,7 +225,7 @@ class ShortStep:
         params = [p for p in self.model.parameters() if p.requires_grad]
         try:
             with _state_given_back(self.model, params), _gradient_hooks_hidden(self.model, params):
-                out = self.fn(**call)
+                out = (self.model if self.through_module else self.fn)(**call)
                 loss = out.loss if hasattr(out, "loss") else out[0]
                 # The logits must not outlive the forward (as in a loop that keeps the loss
                 # only): held through backward, the probe would count them as the head's.

@@ -1,6 +1,6 @@
 """Context parallelism on GPUs (``offload.parallel``, issue 51): the ring itself, which the CPU
 cannot run (``test_context_parallel_cpu.py`` covers the rest). Run on 2 GPUs by
-``torchrun --standalone --nproc-per-node 2 tests/distributed/run.py cp_t31 cp_lengths`` (and by
+``torchrun --standalone --nproc-per-node 2 tests/distributed/run.py cp_t31 cp_lengths cp_short_probe`` (and by
 ``pytest -m distributed``, which runs every scenario of ``run.py`` on CUDA).
 
 - ``cp_t31`` (T31): LLAMA-1B's shape (hidden 2048, 32 heads, 8 KV heads, vocab 128,256; 4 layers
@@ -16,6 +16,10 @@ cannot run (``test_context_parallel_cpu.py`` covers the rest). Run on 2 GPUs by
   default plan (``OffloadActivations(layers, model=model)``: "device" budget, probe steps, one
   plan per shape) inside CP: every step's loss within 1e-3 of one GPU's, both ranks on plans
   made for the same shape at every step, nothing hangs.
+- ``cp_short_probe`` (T29's path): the first call too long to probe at its length (the short
+  probe cut to 1024 tokens here, 4096 a rank) under FSDP2 and CP is probed short inside it, with
+  no warning, and runs planned; that step and the next (another length) are bitwise the plain CP
+  steps of the same model (the probe's ring calls and FSDP2 iterations leave nothing behind).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import torch.distributed as dist  # noqa: E402
 
 import offload  # noqa: E402
 
-SCENARIOS = ("cp_t31", "cp_lengths")
+SCENARIOS = ("cp_t31", "cp_lengths", "cp_short_probe")
 LOSS_RTOL = 1e-3
 GRAD_TOL = 2.0 ** -5
 T31_TOKENS = 8192
@@ -158,7 +162,33 @@ def _lengths(device: torch.device, meshes: Any) -> dict[str, Any]:
     return {"losses": losses, "refs": refs, "shapes": gathered}
 
 
-RUNNERS: dict[str, Callable[[torch.device, Any], dict[str, Any]]] = {"cp_t31": _t31, "cp_lengths": _lengths}
+def _short_probe(device: torch.device, meshes: Any) -> dict[str, Any]:
+    import warnings
+
+    from offload.layers import model_form
+
+    model = _sharded(device, 2, meshes)
+    batches = [_ids(8192, 200, device), _ids(6144, 201, device)]
+    plain = [_cp_step(model, meshes, ids, None) for ids in batches]
+    was, model_form.SHORT_PROBE_TOKENS = model_form.SHORT_PROBE_TOKENS, 1024  # 4096 tokens a rank is long
+    try:
+        oa = offload.OffloadActivations(model.model.layers, model=model)
+        got, planned = [], []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for ids in batches:
+                got.append(_cp_step(model, meshes, ids, oa))
+                planned.append(oa.plan is not None)
+        oa.close()
+    finally:
+        model_form.SHORT_PROBE_TOKENS = was
+    return {"planned": planned, "warnings": [str(w.message)[:300] for w in caught if "probe" in str(w.message)],
+            "bitwise": [a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+                        for a, b in zip(got, plain)]}
+
+
+RUNNERS: dict[str, Callable[[torch.device, Any], dict[str, Any]]] = {"cp_t31": _t31, "cp_lengths": _lengths,
+                                                                     "cp_short_probe": _short_probe}
 
 
 def run(device: torch.device, name: str) -> dict[str, Any]:
@@ -192,6 +222,12 @@ def problems(name: str, ranks: list[dict[str, Any]]) -> list[str]:
                 out.append(f"{where}: OffloadActivations offloaded nothing in the CP step")
             if not r["offload_bitwise"]:
                 out.append(f"{where}: with OffloadActivations the CP step's gradients differ from without")
+        elif name == "cp_short_probe":
+            if r["warnings"] or r["planned"] != [True, True]:
+                out.append(f"{where}: the first call was not probed short and run planned ({r['planned']}): "
+                           f"{r['warnings']}")
+            if not all(r["bitwise"]):
+                out.append(f"{where}: steps after the short probe differ from the plain CP steps: {r['bitwise']}")
         else:
             for i, (got, ref) in enumerate(zip(r["losses"], r["refs"])):
                 if abs(got - ref) > LOSS_RTOL * abs(ref):
@@ -209,4 +245,6 @@ def summary(name: str, r: dict[str, Any]) -> str:
     if name == "cp_t31":
         return (f"loss {r['loss']:.5f} vs {r['ref_loss']:.5f} (rel {r['loss_rel']:.1e}), grad error "
                 f"{r['grad_error']:.1e} of the largest entry, offloaded {r['offloaded']} tensors")
+    if name == "cp_short_probe":
+        return f"planned {r['planned']}, bitwise {r['bitwise']}"
     return f"losses {['%.4f' % v for v in r['losses']]}, plan shapes {r['shapes'][0]}"
