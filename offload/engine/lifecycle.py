@@ -521,7 +521,8 @@ class StepLifecycleMixin:
         if "nothing_offloaded" in self._warned or not self.schedule.expects_offload():
             return
         message = nothing_offloaded(
-            counters, min_offload_bytes=self.policy.min_offload_bytes, largest_small=largest_small
+            counters, min_offload_bytes=self.policy.min_offload_bytes, largest_small=largest_small,
+            host_room=self.arena.host_room,
         )
         if message is not None:
             self.warn_once("nothing_offloaded", message)
