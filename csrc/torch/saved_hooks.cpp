@@ -17,7 +17,8 @@
 // - a parameter, a leaf that requires grad, or a view of one: kept, counted as "parameter";
 // - an unmarked plain tensor of the engine's device, strided, over no module's parameter or
 //   buffer memory and at least the floor in size: offloaded into the open group after the
-//   arena's claim (which is asked through Python: the budget has one definition), or kept as
+//   arena's claim (which is asked through Python: the budget has one definition; once for many
+//   small tensors, through a credit the group claims ahead, see claim_host), or kept as
 //   "budget" when the claim is refused;
 // - such a tensor under the size floor: kept as "small".
 // What the native unpack takes on:
@@ -75,6 +76,8 @@ struct Names {
   PyObject* unpacks_since_reload;
   PyObject* gpu;
   PyObject* largest_small;
+  PyObject* claim_ahead;
+  PyObject* claim_credit;
 };
 Names names;
 
@@ -182,10 +185,49 @@ PyObject* keep_activation(PyObject* obj, const at::Tensor& t, PyObject* group, P
   return kept_handle(obj, t, group);
 }
 
+// The bound EntryTable type (set by register_saved_hooks, after the class is bound).
+PyTypeObject* entry_table_type = nullptr;
+
+// The EntryTable behind `table`, or nullptr if it is not one (the Python reference table). Read
+// off pybind11's instance directly: py::isinstance and cast look the type up in pybind11's
+// registry (a hash lookup or two each), twice per saved tensor.
 EntryTable* native_table(PyObject* table) {
-  py::handle h(table);
-  if (!py::isinstance<EntryTable>(h)) return nullptr;
-  return h.cast<EntryTable*>();
+  if (Py_TYPE(table) != entry_table_type) return nullptr;
+  auto* inst = reinterpret_cast<py::detail::instance*>(table);
+  return static_cast<EntryTable*>(inst->get_value_and_holder().value_ptr());
+}
+
+// The credit the native pack claims ahead of a group's next tensors (see claim_host).
+constexpr int64_t kClaimAheadBytes = 1 << 20;
+
+// The host budget's answer for `nbytes` more (`size`, the same as a Python int) in `group`.
+// With the policy's claim_ahead (HostArena.claim_ahead), a group claims a credit ahead of its
+// next tensors and spends it here, so that a layer of many small tensors calls Python once per
+// kClaimAheadBytes instead of once per tensor. A tensor is refused exactly when claiming it
+// alone would be: what the credit lacks is what is asked, and the credit only ever holds bytes
+// that fit (claim_ahead adds no more). The group gives back its credit with its claim
+// (Group.take_claim). Without claim_ahead, reserve_host_bytes is asked per tensor.
+bool claim_host(PyObject* policy, PyObject* group, int64_t nbytes, PyObject* size) {
+  Ref ahead_fn(get(policy, names.claim_ahead));
+  if (ahead_fn.get() == Py_None) {
+    Ref reserve(get(policy, names.reserve_host_bytes));
+    Ref granted(check(PyObject_CallOneArg(reserve.get(), size)));
+    return truthy(granted.get());
+  }
+  const int64_t credit = get_int(group, names.claim_credit);
+  if (credit >= nbytes) {
+    set(group, names.claim_credit, PyLong_FromLongLong(credit - nbytes));
+    return true;
+  }
+  Ref lacking(check(PyLong_FromLongLong(nbytes - credit)));
+  Ref ahead(check(PyLong_FromLongLong(kClaimAheadBytes)));
+  PyObject* args[2] = {lacking.get(), ahead.get()};
+  Ref promised_obj(check(PyObject_Vectorcall(ahead_fn.get(), args, 2, nullptr)));
+  const long long promised = PyLong_AsLongLong(promised_obj.get());
+  if (promised == -1 && PyErr_Occurred()) throw PythonError{};
+  if (promised <= 0) return false;  // refused: the credit stays the group's, claimed as it was
+  set(group, names.claim_credit, PyLong_FromLongLong(credit + promised - nbytes));
+  return true;
 }
 
 PyObject* call_python(PyObject* state, Slot hook, PyObject* arg) {
@@ -255,9 +297,8 @@ PyObject* pack_common(PyObject* state, PyObject* obj) {
 
   // From here on the hook acts: the claim is the last question, as in the policy.
   Ref size(check(PyLong_FromLongLong(nbytes)));
-  Ref reserve(get(policy, names.reserve_host_bytes));
-  Ref granted(check(PyObject_CallOneArg(reserve.get(), size.get())));
-  if (!truthy(granted.get())) return keep_activation(obj, t, group.get(), item(state, kKeepBudget));
+  if (!claim_host(policy, group.get(), nbytes, size.get()))
+    return keep_activation(obj, t, group.get(), item(state, kKeepBudget));
   {
     Ref saved(get(group.get(), names.saved_bytes));
     set(group.get(), names.saved_bytes, PyNumber_Add(saved.get(), size.get()));
@@ -360,8 +401,9 @@ void register_saved_hooks(py::module_& m) {
       intern("min_offload_bytes"), intern("reserve_host_bytes"), intern("saved_bytes"),
       intern("table"), intern("step"), intern("forward_done"), intern("index"), intern("state"),
       intern("h2d_waited"), intern("unpacks"), intern("unpacks_since_reload"), intern("gpu"),
-      intern("largest_small"),
+      intern("largest_small"), intern("claim_ahead"), intern("claim_credit"),
   };
+  entry_table_type = reinterpret_cast<PyTypeObject*>(py::type::of<EntryTable>().ptr());
   m.attr("SAVED_HOOKS_STATE_SIZE") = static_cast<int>(kSlotCount);
   m.def(
       "make_saved_hooks",
