@@ -370,3 +370,28 @@ def test_host_claims_are_given_back_each_step_and_after_a_failed_forward(
     assert arena.claimed == 0 and ctx.stats["offloaded_tensors"] == first
     if budget is not None:  # part of each step refused, part offloaded
         assert ctx.stats["kept"].get("budget", 0) > 0 and first > 0
+
+
+@needs_entries
+def test_native_hooks_follow_a_group_attribute_redefined_after_use(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The native hooks read and write Group's slots at their offsets, cached per type; a class
+    # changed after the cache was filled (here a slot wrapped in a property, as a debugging
+    # wrapper would) must be seen through, not bypassed.
+    from offload.engine.group import Group
+
+    layers = make_mlp_layers()
+    x = torch.randn(8, 64)
+    expected = plain_reference(layers, x)
+    ctx, sync = context(True, monkeypatch, group_bytes=None)  # one shared group
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))  # fills the cache
+    slot = Group.__dict__["unpacks"]
+    writes = []
+
+    def put(group: Any, value: int) -> None:
+        writes.append(value)
+        slot.__set__(group, value)
+
+    monkeypatch.setattr(Group, "unpacks", property(lambda group: slot.__get__(group, Group), put))
+    assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    offloaded = ctx.stats["offloaded_tensors"]
+    assert offloaded >= 4 and writes == [0, *range(1, offloaded + 1)], (writes, offloaded)  # 0: __init__

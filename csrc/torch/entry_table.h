@@ -39,6 +39,10 @@ struct Entry {
   int64_t lazy;      // kConjBit | kNegBit, as the tensor carried them
   int64_t version;   // the version counter at pack
   int64_t element_offset = 0;  // in the region, in elements of dtype (set by close)
+  // The tensor's version counter itself (shared with its alias), where the table retains: the
+  // in-place check at unpack reads it here, in the entries' contiguous array, rather than
+  // through the alias's TensorImpl, one cold cache line fewer per tensor in backward.
+  c10::VariableVersion counter;
 };
 
 // Bytes from the first to one past the last element `t` addresses in its storage.
@@ -88,6 +92,7 @@ class EntryTable {
       if (hi > slot_hi_[slot]) slot_hi_[slot] = hi;
     }
     Entry entry{slot, lo, t.scalar_type(), {}, {}, 0, t._version()};
+    if (retain_) entry.counter = t.unsafeGetTensorImpl()->version_counter();
     entry.sizes.assign(t.sizes().begin(), t.sizes().end());
     entry.strides.assign(t.strides().begin(), t.strides().end());
     entry.lazy = (t.is_conj() ? kConjBit : 0) | (t.is_neg() ? kNegBit : 0);
@@ -202,7 +207,7 @@ class EntryTable {
   // stride and lazy bits; None if the tensor was changed in place since it was saved.
   std::optional<at::Tensor> restore(int64_t index, const at::Tensor& buffer) {
     const Entry& e = at(index);
-    if (retain_ && aliases_.at(index)._version() != e.version) return std::nullopt;
+    if (retain_ && e.counter.current_version() != e.version) return std::nullopt;
     // The views are made below autograd's view tracking: recording a base and a view function
     // for each (what the ADInplaceOrView kernels do) is a quarter of this call, and nothing
     // reads it. The buffer has no autograd history, and autograd makes what the unpack hook

@@ -34,6 +34,7 @@
 #include <string>
 
 #include "entry_table.h"
+#include "slot_attr.h"
 
 namespace offload_entries {
 namespace {
@@ -56,28 +57,29 @@ enum Slot : Py_ssize_t {
   kSlotCount,
 };
 
-// Attribute names, interned once (see register_saved_hooks).
+// The attributes the hooks read and write, each with its slot cache (slot_attr.h), named once
+// (see register_saved_hooks).
 struct Names {
-  PyObject* open_group;
-  PyObject* layer;
-  PyObject* counters;
-  PyObject* kept;
-  PyObject* module_storages;
-  PyObject* min_offload_bytes;
-  PyObject* reserve_host_bytes;
-  PyObject* saved_bytes;
-  PyObject* table;
-  PyObject* step;
-  PyObject* forward_done;
-  PyObject* index;
-  PyObject* state;
-  PyObject* h2d_waited;
-  PyObject* unpacks;
-  PyObject* unpacks_since_reload;
-  PyObject* gpu;
-  PyObject* largest_small;
-  PyObject* claim_ahead;
-  PyObject* claim_credit;
+  Attr open_group;
+  Attr layer;
+  Attr counters;
+  Attr kept;
+  Attr module_storages;
+  Attr min_offload_bytes;
+  Attr reserve_host_bytes;
+  Attr saved_bytes;
+  Attr table;
+  Attr step;
+  Attr forward_done;
+  Attr index;
+  Attr state;
+  Attr h2d_waited;
+  Attr unpacks;
+  Attr unpacks_since_reload;
+  Attr gpu;
+  Attr largest_small;
+  Attr claim_ahead;
+  Attr claim_credit;
 };
 Names names;
 
@@ -114,15 +116,16 @@ PyObject* check(PyObject* p) {
 
 PyObject* item(PyObject* state, Slot slot) { return PyTuple_GET_ITEM(state, slot); }
 
-PyObject* get(PyObject* obj, PyObject* name) { return check(PyObject_GetAttr(obj, name)); }
+PyObject* get(PyObject* obj, Attr& attr) { return check(attr.get(obj)); }
 
-void set(PyObject* obj, PyObject* name, PyObject* value) {
+// obj.<attr> = value, a new reference that this takes over.
+void set(PyObject* obj, Attr& attr, PyObject* value) {
   Ref owned(value);
-  if (PyObject_SetAttr(obj, name, check(value)) < 0) throw PythonError{};
+  if (attr.set(obj, check(value)) < 0) throw PythonError{};
 }
 
-int64_t get_int(PyObject* obj, PyObject* name) {
-  Ref value(get(obj, name));
+int64_t get_int(PyObject* obj, Attr& attr) {
+  Ref value(get(obj, attr));
   const long long n = PyLong_AsLongLong(value.get());
   if (n == -1 && PyErr_Occurred()) throw PythonError{};
   return n;
@@ -396,12 +399,26 @@ PyObject* intern(const char* name) {
 
 void register_saved_hooks(py::module_& m) {
   names = Names{
-      intern("open_group"), intern("layer"), intern("counters"), intern("kept"),
-      intern("module_storages"),
-      intern("min_offload_bytes"), intern("reserve_host_bytes"), intern("saved_bytes"),
-      intern("table"), intern("step"), intern("forward_done"), intern("index"), intern("state"),
-      intern("h2d_waited"), intern("unpacks"), intern("unpacks_since_reload"), intern("gpu"),
-      intern("largest_small"), intern("claim_ahead"), intern("claim_credit"),
+      Attr(intern("open_group")),
+      Attr(intern("layer")),
+      Attr(intern("counters")),
+      Attr(intern("kept")),
+      Attr(intern("module_storages")),
+      Attr(intern("min_offload_bytes")),
+      Attr(intern("reserve_host_bytes")),
+      Attr(intern("saved_bytes")),
+      Attr(intern("table")),
+      Attr(intern("step")),
+      Attr(intern("forward_done")),
+      Attr(intern("index")),
+      Attr(intern("state")),
+      Attr(intern("h2d_waited")),
+      Attr(intern("unpacks")),
+      Attr(intern("unpacks_since_reload")),
+      Attr(intern("gpu")),
+      Attr(intern("largest_small")),
+      Attr(intern("claim_ahead")),
+      Attr(intern("claim_credit")),
   };
   entry_table_type = reinterpret_cast<PyTypeObject*>(py::type::of<EntryTable>().ptr());
   m.attr("SAVED_HOOKS_STATE_SIZE") = static_cast<int>(kSlotCount);
