@@ -395,3 +395,18 @@ def test_native_hooks_follow_a_group_attribute_redefined_after_use(monkeypatch: 
     assert_bitwise(expected, train_step(layers, x, ctx, sync))
     offloaded = ctx.stats["offloaded_tensors"]
     assert offloaded >= 4 and writes == [0, *range(1, offloaded + 1)], (writes, offloaded)  # 0: __init__
+
+
+@needs_entries
+def test_native_handles_are_not_tracked_by_the_garbage_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Only autograd (C++) holds a handle, so the collector treats it as a root either way; left
+    # tracked, every young collection of a step would traverse thousands of them.
+    ctx, sync = context(True, monkeypatch)
+    pack = ctx.engine._hooks.pack_hook
+    weight = torch.nn.Parameter(torch.randn(64, 64))
+    with ctx:
+        offloaded = pack(torch.randn(64, 64))
+        kept = pack(weight)
+    assert type(offloaded) is tuple and len(offloaded) == 2 and not gc.is_tracked(offloaded)
+    assert type(kept) is tuple and len(kept) == 3 and kept[0] is weight and not gc.is_tracked(kept)
+    assert gc.is_tracked(offloaded[0])  # what a handle holds stays tracked

@@ -169,11 +169,21 @@ void count_kept(PyObject* group, PyObject* reason) {
   if (PyDict_SetItem(kept.get(), reason, count.get()) < 0) throw PythonError{};
 }
 
+// A handle for autograd, untracked by the cyclic garbage collector. Only autograd's C++ holds
+// a handle (an edge the collector cannot see), so to the collector it is a root whatever it
+// holds, tracked or not; tracked, every young-generation collection (which the step's own
+// allocations set off, every 700 of them) traverses a few thousand of them a step. What it
+// holds stays tracked on its own.
+PyObject* handle(PyObject* tuple) {
+  PyObject_GC_UnTrack(check(tuple));
+  return tuple;
+}
+
 // The kept handle (tensor, version at pack, group.layer) of packing.keep_handle.
 PyObject* kept_handle(PyObject* tensor, const at::Tensor& t, PyObject* group) {
   Ref version(check(PyLong_FromLongLong(t._version())));
   Ref layer(get(group, names.layer));
-  return check(PyTuple_Pack(3, tensor, version.get(), layer.get()));
+  return handle(PyTuple_Pack(3, tensor, version.get(), layer.get()));
 }
 
 // A kept activation's handle, counted under `reason`: detached when it has a node, as
@@ -308,7 +318,7 @@ PyObject* pack_common(PyObject* state, PyObject* obj) {
   }
   const int64_t index = table->add(t);
   Ref index_obj(check(PyLong_FromLongLong(index)));
-  return check(PyTuple_Pack(2, group.get(), index_obj.get()));
+  return handle(PyTuple_Pack(2, group.get(), index_obj.get()));
 }
 
 PyObject* unpack_common(PyObject* state, PyObject* packed) {
