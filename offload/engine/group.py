@@ -68,8 +68,8 @@ class Group:
     # Slots: a group is created per layer per step, and its attributes are read on every pack
     # and unpack.
     __slots__ = (
-        "layer", "top", "step", "retain", "state", "table", "saved_bytes", "claim_credit", "min_offload_bytes", "nbytes",
-        "copy_bytes", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "unpacks_since_reload",
+        "layer", "top", "step", "retain", "state", "table", "saved_bytes", "claim_credit", "min_offload_bytes",
+        "nbytes", "copy_bytes", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "unpacks_since_reload",
         "unpacks", "consumed", "counters", "on_free", "local", "captured", "reload_captured",
         "__weakref__",
     )
@@ -96,7 +96,7 @@ class Group:
         self.table: Table = new_entry_table(retain, ALIGNMENT)
         self.saved_bytes = 0
         # Host bytes the native pack claimed ahead of this group's next tensors (one claim for
-        # many small tensors: HostArena.claim's ``ahead``), given back with the rest by take_claim.
+        # many small tensors: HostArena.claim_ahead), given back with the rest by take_claim.
         self.claim_credit = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close(); the slots' offsets and sizes are the table's (``copy_lists``).
