@@ -103,10 +103,13 @@ def measure_parts(
     reps: int,
     warmup: int,
     options: Optional[dict[str, Any]] = None,
+    native_hooks: bool = False,
 ) -> dict[str, Any]:
     """Host cost of each part of the engine's work for ``shape`` (see the module notes).
 
     ``options``: keyword arguments of the offload context (``min_offload_bytes``, ``timing``...).
+    ``native_hooks``: pack and unpack through the hooks the engine pushes (the native pair where
+    ``offload._entries`` is built: what a real step calls) instead of its Python methods.
     Returns a flat dict: ``<part>_us_t`` / ``<part>_us_g`` (per tensor / per group),
     ``<part>_us_step``, the sums ``per_tensor_us`` (pack + unpack per tensor), ``per_group_us``
     (entry + exit + release + reach per group), ``forward_us_step`` / ``backward_us_step`` and
@@ -123,7 +126,11 @@ def measure_parts(
     except AttributeError:  # an engine with __slots__: release stays inside entry / exit
         wrapped = False
     reach = getattr(engine, "on_backward_reach", None)
-    pack, unpack = engine.pack, engine.unpack
+    hooks = getattr(engine, "_hooks", None)
+    if native_hooks and hooks is not None:
+        pack, unpack = hooks.pack_hook, hooks.unpack_hook
+    else:
+        pack, unpack = engine.pack, engine.unpack
     numel = max(1, shape.tensor_bytes // 2)
     pool = [[torch.randn(numel, device=env.device, dtype=torch.bfloat16) for _ in range(shape.tensors_per_layer)] for _ in range(k)]
     samples: dict[str, list[float]] = {p: [] for p in PARTS}
@@ -198,6 +205,7 @@ def measure_parts(
         "groups_offloaded": stats.get("groups_offloaded"),
         "options": dict(options or {}),
         "native": stats.get("native"),
+        "native_hooks": native_hooks and hooks is not None,
         "reps": reps,
         "release_calls_per_step": release.calls / (warmup + reps),
         "reach_available": bool(reached),

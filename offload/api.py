@@ -313,6 +313,7 @@ def build_engine(
         min_offload_bytes=min_offload_bytes,
         selection=selection,
         reserve_host_bytes=arena.claim,
+        claim_ahead=arena.claim_ahead,
     )
     if schedule is not None:
         label = schedule.name

@@ -98,6 +98,25 @@ def test_native_and_reference_agree_and_restore_exactly(seed: int) -> None:
         assert ours.original(i) is not None and torch.equal(ours.original(i).resolve_conj().resolve_neg(), t.resolve_conj().resolve_neg())
 
 
+def test_many_storages_and_their_views_find_their_slots() -> None:
+    # A MOE layer's group: hundreds of storages, each saved once or more (a view of one saved
+    # after others came), empty storages among them. The native table's address index grows as
+    # storages come (its first size is 64); every view must still find its storage's slot.
+    torch.manual_seed(0)
+    storages = [torch.randn(8 + i % 5) for i in range(300)] + [torch.empty(0) for _ in range(3)]
+    rng = random.Random(0)
+    tensors = list(storages)
+    tensors += [s[1:] if s.numel() else s for s in rng.sample(storages, 150)]
+    rng.shuffle(tensors)
+    ours, ref = native_table(), python_table()
+    for table in (ours, ref):
+        for t in tensors:
+            table.add(t)
+    assert ours.slot_count() == ref.slot_count() == 301  # the three empty storages share one slot
+    assert [ours.slot_of(i) for i in range(len(tensors))] == [ref.slot_of(i) for i in range(len(tensors))]
+    assert (ours.slot_lo, ours.slot_hi) == (ref.slot_lo, ref.slot_hi)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_copy_lists_point_at_each_slot_span(kind: str) -> None:
     base = torch.randn(1000)

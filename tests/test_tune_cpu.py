@@ -361,3 +361,48 @@ def test_unknown_keywords_name_the_public_function_everywhere() -> None:
         offload.graphs.make_graphed_callables(torch.nn.Linear(2, 2), (torch.ones(2),), num_warmup_iter=1)
     with pytest.raises(TypeError, match=r"^offload: StepGraph\(\) got unexpected keyword argument 'warmup'"):
         offload.graphs.StepGraph(lambda x: x, (torch.ones(1),), warmup=1)
+
+
+def test_a_host_budget_of_zero_is_named_as_the_reason_nothing_was_offloaded() -> None:
+    # host_cost.py's "offload (nothing fits)" variant asks for this on purpose: the warning must
+    # say that the context's own budget of 0 refused every tensor, not list bounds that could
+    # as well mean a node out of memory.
+    layers = make_mlp_layers(3)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    ctx, sync = cpu_context(2, 3, host_budget_bytes=0)
+    with pytest.warns(UserWarning, match=r"did not fit in the host budget: this context was given "
+                                         r"host_budget_bytes=0, so it may hold no host memory.*as that budget asks"):
+        assert_bitwise(expected, train_step(layers, x, ctx, sync))
+    assert ctx.stats["offloaded_tensors"] == 0 and ctx.stats["kept"]["budget"] > 0
+
+
+def test_a_host_budget_refusal_gives_the_bound_that_binds_and_its_figures() -> None:
+    layers = make_mlp_layers(3)
+    ctx, sync = cpu_context(2, 3, host_budget_bytes=4096)
+    with pytest.warns(UserWarning, match=r"did not fit in the host budget.*this context may hold 4096 bytes at most "
+                                         r"now, set by host_budget_bytes \(node "):
+        train_step(layers, torch.randn(64, 64), ctx, sync)
+
+
+def test_first_steps_offload_all_the_budget_allows_beside_other_contexts() -> None:
+    # host_cost.py --interleave holds several contexts in one process, sharing its host ledger,
+    # and steps them in turn: no context's first step may be refused what its budget allows
+    # (a ledger read as empty before any block is pinned would refuse it).
+    layers = make_mlp_layers(3)
+    x = torch.randn(64, 64)
+    probe, probe_sync = cpu_context(2, 3)
+    train_step(layers, x, probe, probe_sync)
+    wanted, need = probe.stats["offloaded_tensors"], probe.stats["host_peak_bytes"]
+    assert wanted > 0 and need > 0
+    contexts = [cpu_context(2, 3, host_budget_bytes=need), cpu_context(2, 3), cpu_context(2, 3, host_budget_bytes=0)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warnings.filterwarnings("ignore", message=".*host_budget_bytes=0")  # the third one's, by design
+        for step in range(3):
+            for i, (ctx, sync) in enumerate(contexts):
+                train_step(layers, x, ctx, sync)
+                expected = 0 if i == 2 else wanted
+                assert ctx.stats["offloaded_tensors"] == expected, (
+                    f"context {i}, step {step + 1}: offloaded {ctx.stats['offloaded_tensors']} of {wanted} "
+                    f"tensors (kept {ctx.stats['kept']})")

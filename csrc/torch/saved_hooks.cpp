@@ -17,7 +17,8 @@
 // - a parameter, a leaf that requires grad, or a view of one: kept, counted as "parameter";
 // - an unmarked plain tensor of the engine's device, strided, over no module's parameter or
 //   buffer memory and at least the floor in size: offloaded into the open group after the
-//   arena's claim (which is asked through Python: the budget has one definition), or kept as
+//   arena's claim (which is asked through Python: the budget has one definition; once for many
+//   small tensors, through a credit the group claims ahead, see claim_host), or kept as
 //   "budget" when the claim is refused;
 // - such a tensor under the size floor: kept as "small".
 // What the native unpack takes on:
@@ -33,6 +34,7 @@
 #include <string>
 
 #include "entry_table.h"
+#include "slot_attr.h"
 
 namespace offload_entries {
 namespace {
@@ -55,26 +57,29 @@ enum Slot : Py_ssize_t {
   kSlotCount,
 };
 
-// Attribute names, interned once (see register_saved_hooks).
+// The attributes the hooks read and write, each with its slot cache (slot_attr.h), named once
+// (see register_saved_hooks).
 struct Names {
-  PyObject* open_group;
-  PyObject* layer;
-  PyObject* counters;
-  PyObject* kept;
-  PyObject* module_storages;
-  PyObject* min_offload_bytes;
-  PyObject* reserve_host_bytes;
-  PyObject* saved_bytes;
-  PyObject* table;
-  PyObject* step;
-  PyObject* forward_done;
-  PyObject* index;
-  PyObject* state;
-  PyObject* h2d_waited;
-  PyObject* unpacks;
-  PyObject* unpacks_since_reload;
-  PyObject* gpu;
-  PyObject* largest_small;
+  Attr open_group;
+  Attr layer;
+  Attr counters;
+  Attr kept;
+  Attr module_storages;
+  Attr min_offload_bytes;
+  Attr reserve_host_bytes;
+  Attr saved_bytes;
+  Attr table;
+  Attr step;
+  Attr forward_done;
+  Attr index;
+  Attr state;
+  Attr h2d_waited;
+  Attr unpacks;
+  Attr unpacks_since_reload;
+  Attr gpu;
+  Attr largest_small;
+  Attr claim_ahead;
+  Attr claim_credit;
 };
 Names names;
 
@@ -111,15 +116,16 @@ PyObject* check(PyObject* p) {
 
 PyObject* item(PyObject* state, Slot slot) { return PyTuple_GET_ITEM(state, slot); }
 
-PyObject* get(PyObject* obj, PyObject* name) { return check(PyObject_GetAttr(obj, name)); }
+PyObject* get(PyObject* obj, Attr& attr) { return check(attr.get(obj)); }
 
-void set(PyObject* obj, PyObject* name, PyObject* value) {
+// obj.<attr> = value, a new reference that this takes over.
+void set(PyObject* obj, Attr& attr, PyObject* value) {
   Ref owned(value);
-  if (PyObject_SetAttr(obj, name, check(value)) < 0) throw PythonError{};
+  if (attr.set(obj, check(value)) < 0) throw PythonError{};
 }
 
-int64_t get_int(PyObject* obj, PyObject* name) {
-  Ref value(get(obj, name));
+int64_t get_int(PyObject* obj, Attr& attr) {
+  Ref value(get(obj, attr));
   const long long n = PyLong_AsLongLong(value.get());
   if (n == -1 && PyErr_Occurred()) throw PythonError{};
   return n;
@@ -163,11 +169,21 @@ void count_kept(PyObject* group, PyObject* reason) {
   if (PyDict_SetItem(kept.get(), reason, count.get()) < 0) throw PythonError{};
 }
 
+// A handle for autograd, untracked by the cyclic garbage collector. Only autograd's C++ holds
+// a handle (an edge the collector cannot see), so to the collector it is a root whatever it
+// holds, tracked or not; tracked, every young-generation collection (which the step's own
+// allocations set off, every 700 of them) traverses a few thousand of them a step. What it
+// holds stays tracked on its own.
+PyObject* handle(PyObject* tuple) {
+  PyObject_GC_UnTrack(check(tuple));
+  return tuple;
+}
+
 // The kept handle (tensor, version at pack, group.layer) of packing.keep_handle.
 PyObject* kept_handle(PyObject* tensor, const at::Tensor& t, PyObject* group) {
   Ref version(check(PyLong_FromLongLong(t._version())));
   Ref layer(get(group, names.layer));
-  return check(PyTuple_Pack(3, tensor, version.get(), layer.get()));
+  return handle(PyTuple_Pack(3, tensor, version.get(), layer.get()));
 }
 
 // A kept activation's handle, counted under `reason`: detached when it has a node, as
@@ -182,10 +198,49 @@ PyObject* keep_activation(PyObject* obj, const at::Tensor& t, PyObject* group, P
   return kept_handle(obj, t, group);
 }
 
+// The bound EntryTable type (set by register_saved_hooks, after the class is bound).
+PyTypeObject* entry_table_type = nullptr;
+
+// The EntryTable behind `table`, or nullptr if it is not one (the Python reference table). Read
+// off pybind11's instance directly: py::isinstance and cast look the type up in pybind11's
+// registry (a hash lookup or two each), twice per saved tensor.
 EntryTable* native_table(PyObject* table) {
-  py::handle h(table);
-  if (!py::isinstance<EntryTable>(h)) return nullptr;
-  return h.cast<EntryTable*>();
+  if (Py_TYPE(table) != entry_table_type) return nullptr;
+  auto* inst = reinterpret_cast<py::detail::instance*>(table);
+  return static_cast<EntryTable*>(inst->get_value_and_holder().value_ptr());
+}
+
+// The credit the native pack claims ahead of a group's next tensors (see claim_host).
+constexpr int64_t kClaimAheadBytes = 1 << 20;
+
+// The host budget's answer for `nbytes` more (`size`, the same as a Python int) in `group`.
+// With the policy's claim_ahead (HostArena.claim_ahead), a group claims a credit ahead of its
+// next tensors and spends it here, so that a layer of many small tensors calls Python once per
+// kClaimAheadBytes instead of once per tensor. A tensor is refused exactly when claiming it
+// alone would be: what the credit lacks is what is asked, and the credit only ever holds bytes
+// that fit (claim_ahead adds no more). The group gives back its credit with its claim
+// (Group.take_claim). Without claim_ahead, reserve_host_bytes is asked per tensor.
+bool claim_host(PyObject* policy, PyObject* group, int64_t nbytes, PyObject* size) {
+  Ref ahead_fn(get(policy, names.claim_ahead));
+  if (ahead_fn.get() == Py_None) {
+    Ref reserve(get(policy, names.reserve_host_bytes));
+    Ref granted(check(PyObject_CallOneArg(reserve.get(), size)));
+    return truthy(granted.get());
+  }
+  const int64_t credit = get_int(group, names.claim_credit);
+  if (credit >= nbytes) {
+    set(group, names.claim_credit, PyLong_FromLongLong(credit - nbytes));
+    return true;
+  }
+  Ref lacking(check(PyLong_FromLongLong(nbytes - credit)));
+  Ref ahead(check(PyLong_FromLongLong(kClaimAheadBytes)));
+  PyObject* args[2] = {lacking.get(), ahead.get()};
+  Ref promised_obj(check(PyObject_Vectorcall(ahead_fn.get(), args, 2, nullptr)));
+  const long long promised = PyLong_AsLongLong(promised_obj.get());
+  if (promised == -1 && PyErr_Occurred()) throw PythonError{};
+  if (promised <= 0) return false;  // refused: the credit stays the group's, claimed as it was
+  set(group, names.claim_credit, PyLong_FromLongLong(credit + promised - nbytes));
+  return true;
 }
 
 PyObject* call_python(PyObject* state, Slot hook, PyObject* arg) {
@@ -255,16 +310,15 @@ PyObject* pack_common(PyObject* state, PyObject* obj) {
 
   // From here on the hook acts: the claim is the last question, as in the policy.
   Ref size(check(PyLong_FromLongLong(nbytes)));
-  Ref reserve(get(policy, names.reserve_host_bytes));
-  Ref granted(check(PyObject_CallOneArg(reserve.get(), size.get())));
-  if (!truthy(granted.get())) return keep_activation(obj, t, group.get(), item(state, kKeepBudget));
+  if (!claim_host(policy, group.get(), nbytes, size.get()))
+    return keep_activation(obj, t, group.get(), item(state, kKeepBudget));
   {
     Ref saved(get(group.get(), names.saved_bytes));
     set(group.get(), names.saved_bytes, PyNumber_Add(saved.get(), size.get()));
   }
   const int64_t index = table->add(t);
   Ref index_obj(check(PyLong_FromLongLong(index)));
-  return check(PyTuple_Pack(2, group.get(), index_obj.get()));
+  return handle(PyTuple_Pack(2, group.get(), index_obj.get()));
 }
 
 PyObject* unpack_common(PyObject* state, PyObject* packed) {
@@ -355,13 +409,28 @@ PyObject* intern(const char* name) {
 
 void register_saved_hooks(py::module_& m) {
   names = Names{
-      intern("open_group"), intern("layer"), intern("counters"), intern("kept"),
-      intern("module_storages"),
-      intern("min_offload_bytes"), intern("reserve_host_bytes"), intern("saved_bytes"),
-      intern("table"), intern("step"), intern("forward_done"), intern("index"), intern("state"),
-      intern("h2d_waited"), intern("unpacks"), intern("unpacks_since_reload"), intern("gpu"),
-      intern("largest_small"),
+      Attr(intern("open_group")),
+      Attr(intern("layer")),
+      Attr(intern("counters")),
+      Attr(intern("kept")),
+      Attr(intern("module_storages")),
+      Attr(intern("min_offload_bytes")),
+      Attr(intern("reserve_host_bytes")),
+      Attr(intern("saved_bytes")),
+      Attr(intern("table")),
+      Attr(intern("step")),
+      Attr(intern("forward_done")),
+      Attr(intern("index")),
+      Attr(intern("state")),
+      Attr(intern("h2d_waited")),
+      Attr(intern("unpacks")),
+      Attr(intern("unpacks_since_reload")),
+      Attr(intern("gpu")),
+      Attr(intern("largest_small")),
+      Attr(intern("claim_ahead")),
+      Attr(intern("claim_credit")),
   };
+  entry_table_type = reinterpret_cast<PyTypeObject*>(py::type::of<EntryTable>().ptr());
   m.attr("SAVED_HOOKS_STATE_SIZE") = static_cast<int>(kSlotCount);
   m.def(
       "make_saved_hooks",

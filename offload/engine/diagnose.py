@@ -9,8 +9,9 @@ once per context with the answer.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
+from ..host.room import HostRoom
 from .policy import (
     KEEP_BUDGET,
     KEEP_LAYER,
@@ -23,6 +24,27 @@ from .policy import (
     KEEP_UNSUPPORTED,
 )
 from .stats import StepCounters, format_bytes
+
+
+def _explain_budget(count: int, room: Optional[HostRoom]) -> str:
+    # Name the bound that binds now, with its figures: the same words for a context given a
+    # budget of 0 on purpose (a benchmark's "nothing fits" variant) and for a node out of room
+    # would leave a reader unable to tell an intended refusal from a failing machine.
+    if room is not None and room.held_bytes == 0 and room.binding == "host_budget_bytes":
+        return (
+            f"{count} did not fit in the host budget: this context was given host_budget_bytes=0, "
+            "so it may hold no host memory and keeps every tensor on the GPU, as that budget asks "
+            "(pass a budget above 0 to offload)"
+        )
+    where = "" if room is None else (
+        f"; this context may hold {room.held_bytes} bytes at most now, set by {room.binding} "
+        f"({room.node.describe()})"
+    )
+    return (
+        f"{count} did not fit in the host budget (host_budget_bytes, or the process's, shared "
+        "by all its offload contexts: offload.host.ledger), the node's room (what it has "
+        f"available less the floor left for others: offload.host.node) or pinned memory{where}"
+    )
 
 
 def _explain(reason: str, count: int, min_offload_bytes: int, largest_small: int) -> str:
@@ -54,19 +76,17 @@ def _explain(reason: str, count: int, min_offload_bytes: int, largest_small: int
         return f"{count} were not on the context's device (see its device= option)"
     if reason == KEEP_UNSUPPORTED:
         return f"{count} cannot be offloaded (meta or fake tensors, sparse or nested layouts, subclasses)"
-    if reason == KEEP_BUDGET:
-        return (
-            f"{count} did not fit in the host budget (host_budget_bytes, or the process's, shared "
-            "by all its offload contexts: offload.host.ledger), the node's room (what it has "
-            "available less the floor left for others: offload.host.node) or pinned memory"
-        )
     return f"{count} were kept ({reason})"
 
 
-def nothing_offloaded(counters: StepCounters, *, min_offload_bytes: int, largest_small: int) -> Optional[str]:
+def nothing_offloaded(counters: StepCounters, *, min_offload_bytes: int, largest_small: int,
+                      host_room: Optional[Callable[[], HostRoom]] = None) -> Optional[str]:
     """The warning for a step that offloaded nothing, saying why; None if it offloaded anything.
 
     ``largest_small``: the largest tensor kept as too small in the step (the policy tallies it).
+    ``host_room()``: what the context's arena may hold now and which bound sets it
+    (``HostArena.host_room``), asked only when tensors were kept for the host budget: it reads
+    the node.
     """
     if counters.offloaded_tensors > 0 or counters.groups_offloaded > 0:
         return None
@@ -81,7 +101,9 @@ def nothing_offloaded(counters: StepCounters, *, min_offload_bytes: int, largest
             "(nested on the same layers, or torch's save_on_cpu) took them: its saved-tensor "
             "hooks are the innermost, so only it sees the tensors. Use one context per forward"
         )
+    room = host_room() if host_room is not None and kept.get(KEEP_BUDGET) else None
     parts = [
+        _explain_budget(count, room) if reason == KEEP_BUDGET else
         _explain(reason, count, min_offload_bytes, largest_small)
         for reason, count in sorted(kept.items(), key=lambda item: -item[1])
     ]

@@ -68,8 +68,8 @@ class Group:
     # Slots: a group is created per layer per step, and its attributes are read on every pack
     # and unpack.
     __slots__ = (
-        "layer", "top", "step", "retain", "state", "table", "saved_bytes", "min_offload_bytes", "nbytes",
-        "copy_bytes", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "unpacks_since_reload",
+        "layer", "top", "step", "retain", "state", "table", "saved_bytes", "claim_credit", "min_offload_bytes",
+        "nbytes", "copy_bytes", "host", "d2h_done", "gpu", "h2d_done", "h2d_waited", "unpacks_since_reload",
         "unpacks", "consumed", "counters", "on_free", "local", "captured", "reload_captured",
         "__weakref__",
     )
@@ -95,6 +95,9 @@ class Group:
         # and host regions. Autograd re-attaches the grad_fn when it unpacks.
         self.table: Table = new_entry_table(retain, ALIGNMENT)
         self.saved_bytes = 0
+        # Host bytes the native pack claimed ahead of this group's next tensors (one claim for
+        # many small tensors: HostArena.claim_ahead), given back with the rest by take_claim.
+        self.claim_credit = 0
         self.min_offload_bytes: Optional[int] = None  # a plan's size floor for this layer
         # Filled by close(); the slots' offsets and sizes are the table's (``copy_lists``).
         self.nbytes = 0                 # the region's size (layout total, alignment included)
@@ -126,6 +129,12 @@ class Group:
     def slot_sizes(self) -> list[int]:
         """Byte size of each storage slot's span."""
         return self.table.slot_sizes()
+
+    def take_claim(self) -> int:
+        """The host bytes promised to this group at pack time (its tensors' and the credit claimed
+        ahead of them), to give back to the arena once: the credit is zeroed."""
+        claimed, self.claim_credit = self.saved_bytes + self.claim_credit, 0
+        return claimed
 
     def close(self) -> None:
         """Freeze the group and lay its slots out in one region (the one layout function)."""

@@ -353,7 +353,7 @@ class StepLifecycleMixin:
 
     def _close(self, group: Group, step: StepState) -> Optional[Group]:
         # Lay the group out, or forget it when nothing was saved into it.
-        self.arena.unclaim(group.saved_bytes)
+        self.arena.unclaim(group.take_claim())
         if len(group.table):
             group.close()
             step.unconsumed += 1
@@ -451,7 +451,7 @@ class StepLifecycleMixin:
             return
         for group in step.groups.values():
             if group.state is GroupState.OPEN:
-                self.arena.unclaim(group.saved_bytes)
+                self.arena.unclaim(group.take_claim())
                 group.saved_bytes = 0
         self.schedule.on_abort(self, step)
 
@@ -521,7 +521,8 @@ class StepLifecycleMixin:
         if "nothing_offloaded" in self._warned or not self.schedule.expects_offload():
             return
         message = nothing_offloaded(
-            counters, min_offload_bytes=self.policy.min_offload_bytes, largest_small=largest_small
+            counters, min_offload_bytes=self.policy.min_offload_bytes, largest_small=largest_small,
+            host_room=self.arena.host_room,
         )
         if message is not None:
             self.warn_once("nothing_offloaded", message)
@@ -565,7 +566,7 @@ class StepLifecycleMixin:
         if forward.local_hooks:
             forward.local_hooks = False
             self._local_hooks.__exit__(None, None, None)
-        self.arena.unclaim(group.saved_bytes)
+        self.arena.unclaim(group.take_claim())
         group.saved_bytes = 0
         if failed or not len(group.table):
             group.state = GroupState.KEPT  # nothing to move; any handles autograd kept stay valid

@@ -53,6 +53,7 @@ class SelectionPolicy:
         min_offload_bytes: int,
         selection: str,
         reserve_host_bytes: Callable[[int], bool],
+        claim_ahead: Optional[Callable[[int, int], int]] = None,
     ) -> None:
         if selection not in SELECTIONS:
             raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
@@ -65,6 +66,10 @@ class SelectionPolicy:
         self.selection = selection
         self.opt_in_only = selection == "marked"
         self.reserve_host_bytes = reserve_host_bytes
+        # ``claim_ahead(n, ahead) -> bytes promised``: the same budget as ``reserve_host_bytes``,
+        # with a credit for the group's next tensors (``HostArena.claim_ahead``). The native pack
+        # hook uses it to ask once for many small tensors; None: it asks per tensor.
+        self.claim_ahead = claim_ahead
         # Data pointers of the storages of registered modules' parameters and buffers: a tensor
         # over that memory frees nothing when offloaded (the module keeps it), so it is kept.
         self.module_storages: frozenset[int] = frozenset()

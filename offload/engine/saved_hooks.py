@@ -10,7 +10,8 @@ frame:
 
 - pack: a parameter (or a leaf that requires grad, or a view of one) is kept; an unmarked plain
   tensor of the engine's device, large enough, goes into the open group after the arena's claim
-  (asked through Python, so the budget keeps one definition), and one under the size floor is
+  (asked through Python, so the budget keeps one definition; ``HostArena.claim_ahead`` lets one
+  call cover the group's next small tensors as a credit), and one under the size floor is
   kept as "small";
 - unpack: a kept tensor whose version did not move; an entry of a reloaded group whose H2D was
   already waited for, other than the reload's last entry.

@@ -27,14 +27,12 @@ host refuses (out of memory, locked-memory limit) is the same as a bound saying 
 stays on the GPU, counted under ``kept["budget"]``, and nothing is lost. After freeing blocks the
 arena empties torch's pinned-memory cache (the fallback allocator's blocks would stay).
 
-CUDA-graph capture: a captured copy names its host address once, and every replay copies to and
-from that address again, with no Python running. So a region acquired under capture
-(``acquire(..., captured=True)``) is *owned by the graph*: when its group is freed it is not put
-back in the idle list (an eager step could otherwise overwrite what a replay reloads later); it
-stays held, and counted, for the life of the arena. Under capture nothing is allocated (pinning
-would synchronise the device, which capture forbids) and nothing is trimmed (that waits on events
-on the host): a capture takes idle blocks left by an earlier eager step, or fails with an error
-that says so.
+CUDA-graph capture: a replay copies to and from the host address its capture named, with no
+Python running. So a region acquired under capture (``acquire(..., captured=True)``) is *owned by
+the graph*: when its group is freed it stays held and counted for the arena's life, never idle
+(an eager step could overwrite what a replay reloads later). Under capture nothing is allocated
+(pinning synchronises the device) nor trimmed (that waits on events): a capture takes idle blocks
+left by an earlier eager step, or fails with an error that says so.
 """
 
 from __future__ import annotations
@@ -152,6 +150,17 @@ class HostArena:
                 return False
         self.claimed += nbytes
         return True
+
+    def claim_ahead(self, nbytes: int, ahead: int) -> int:
+        """:meth:`claim` ``nbytes`` and up to ``ahead`` more that fit without reading the node (a credit
+        for the group's next tensors, given back by :meth:`unclaim`): the bytes promised, 0 if refused."""
+        if not self.claim(nbytes):
+            return 0
+        counters = self.counters
+        room = min(self.budget_bytes, counters.bytes_held + counters.bytes_pending + self.ledger.free_bytes)
+        extra = max(0, min(ahead, room - counters.bytes_in_use - self.claimed))
+        self.claimed += extra
+        return nbytes + extra
 
     def _refused_by_process(self, nbytes: int) -> None:
         # Off the fast path (a refusal): count it, and say why (the budget or the node) once.
@@ -277,10 +286,7 @@ class HostArena:
             block, pinned_bytes = future.result()
         except Exception:  # noqa: BLE001 - a refused block is a miss like any other
             with self._lock:
-                self.counters.bytes_pending -= pending_size
-                self._account.mark_pending(-self._expect(pending_size))
-                self.counters.failures += 1
-                self._account.refund(self._expect(pending_size))
+                self._settle(pending_size, future)  # counts the failure, refunds the charge
             return None
         with self._lock:
             self.counters.bytes_pending -= pending_size
@@ -398,15 +404,13 @@ class HostArena:
     ) -> Optional[Region]:
         """A block of at least ``nbytes``, or None when the budget or the allocator says no.
 
-        ``captured``: the caller is capturing a CUDA graph. Only an idle block can be handed out
-        (raises ``CaptureError`` when none fits), and the graph owns it from now on.
-        ``expected_more()``: how many more regions of about this size the step will ask for (its
-        offloaded layers still to come), asked only on a miss. With nothing being pinned, that
-        many blocks are queued on the background pinner, so the next layers find them ready.
-        ``self.keep_while_pinning(size)`` is asked only when the block would have to be waited
-        for (being pinned in the background) or pinned now. True: no wait; the block is pinned
-        in the background, None is returned and ``counters.kept_while_pinning`` counts it, so
-        the caller can tell this miss from a budget refusal (``counters.failures``).
+        ``captured``: under CUDA-graph capture: only an idle block is handed out (``CaptureError``
+        when none fits), and the graph owns it from now on. ``expected_more()``: how many more
+        regions of about this size the step will ask for, asked on a miss: with nothing being
+        pinned, that many blocks are queued on the background pinner for the next layers.
+        ``self.keep_while_pinning(size)`` is asked only when the block would be waited for or
+        pinned now. True: it is pinned in the background, None is returned and
+        ``counters.kept_while_pinning`` counts it (a miss, not a refusal: ``counters.failures``).
         """
         keep_while_pinning = self.keep_while_pinning
         size = align_up(max(nbytes, 1), BLOCK_GRANULE)
@@ -490,11 +494,10 @@ class HostArena:
         return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
 
     def _free_over_budget(self, size: int, charge: int) -> bool:
-        # Called with the lock held: drop idle blocks, least recently used first, while a new
-        # block of ``size`` (``charge`` to the ledger) would not fit this arena's budget, the
-        # plans' bound, or the process's and the node's room. For the process's, only if
-        # dropping them all would make room: other contexts may hold the rest, and this arena's
-        # blocks would be lost for nothing. Whether any was dropped.
+        # Called with the lock held: drop idle blocks, least recently used first, while a block of
+        # ``size`` (``charge`` to the ledger) would not fit the budget, the plans' bound, or the
+        # process's and node's room (those only if dropping all would make room: other contexts
+        # may hold the rest, and ours would go for nothing). Whether any was dropped.
         ledger = self.ledger
         reachable = ledger.free_bytes + self._free.pinned_bytes() >= charge
         cap = self.needs.cap
@@ -540,11 +543,10 @@ class HostArena:
         """Free idle blocks that no step from ``first_step`` (default ``finished_step``) on used,
         unless buffers are retained.
 
-        ``first_step``: the first of the micro-batches that were in flight together with the
-        finished one (a pipeline's wave), whose blocks the next wave wants again. Only a wave
-        that asked for regions says anything about the blocks needed: an evaluation forward
-        (no_grad) saves nothing, and trimming after it would make the next training step
-        allocate (and, on a GPU, pin) every block again.
+        ``first_step``: the first of the micro-batches in flight with the finished one (a
+        pipeline's wave), whose blocks the next wave wants again. Only a wave that asked for
+        regions says what blocks are needed: an evaluation forward (no_grad) saves nothing, and
+        trimming after it would make the next training step pin every block again.
         """
         first = finished_step if first_step is None else first_step
         if self.hold_idle and not self.retain:
@@ -580,11 +582,9 @@ class HostArena:
 
     def _give_back_dropped(self) -> None:
         # Called without the lock, once dropped regions are gone. torch's pinned allocator (the
-        # fallback without the extension) keeps a freed block pinned in its cache until emptied:
-        # empty it, so that the bytes refunded to the ledger are really unpinned. Only then: the
-        # extension's blocks unpin in their destructor and host blocks need nothing, and the
-        # cache also holds the user's own pinned blocks (a DataLoader's), whose reuse emptying
-        # it would cost.
+        # fallback without the extension) caches freed blocks pinned: empty it, so the bytes
+        # refunded are really unpinned. Only then: the extension's blocks unpin when freed, and
+        # the cache holds the user's pinned blocks too (a DataLoader's), whose reuse it costs.
         if self.pinned and native.extension() is None:
             release_cached_pinned()
 
