@@ -152,5 +152,8 @@ def test_no_wait_first_step_keeps_groups_while_they_pin_then_offloads_exactly(re
     offloaded_peak = torch.cuda.max_memory_allocated() - base
     second = ctx.stats
     assert "pinning" not in second["kept"] and second["groups_offloaded"] == 5
-    # The kept groups really stayed on the GPU in step 1, and step 2 freed them.
-    assert kept_peak >= offloaded_peak + second["released_bytes"] // 2
+    # The kept groups really stayed on the GPU in step 1, and step 2 freed them: the identical
+    # layers' groups are each a fifth of step 2's released bytes, and step 1's peak holds at least
+    # half of those it kept (how many depends on how fast this host pins: all but one on a slow one).
+    per_group = second["released_bytes"] // 5
+    assert kept_peak >= offloaded_peak + first["groups_kept"] * per_group // 2, (first["groups_kept"], per_group)
