@@ -3,6 +3,8 @@ the engine paths built on them (timing off and on, a fresh context's first step,
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -139,6 +141,13 @@ def test_no_wait_first_step_keeps_groups_while_they_pin_then_offloads_exactly(re
     assert_bitwise(expected, train_step(layers, x, waits, waits_sync))
     assert waits.stats["groups_offloaded"] == 5 and "pinning" not in waits.stats["kept"]
     ctx, sync = offload.get_cpu_offload_context(True, num_layers=5, model_layers=6, wait_for_pinning=False)
+    pin = ctx.engine.arena.allocate
+
+    def slow_pin(nbytes: int):  # a host slower to pin than the step (a fresh VM's first touch)
+        time.sleep(0.2)
+        return pin(nbytes)
+
+    ctx.engine.arena.allocate = slow_pin
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -152,8 +161,5 @@ def test_no_wait_first_step_keeps_groups_while_they_pin_then_offloads_exactly(re
     offloaded_peak = torch.cuda.max_memory_allocated() - base
     second = ctx.stats
     assert "pinning" not in second["kept"] and second["groups_offloaded"] == 5
-    # The kept groups really stayed on the GPU in step 1, and step 2 freed them: the identical
-    # layers' groups are each a fifth of step 2's released bytes, and step 1's peak holds at least
-    # half of those it kept (how many depends on how fast this host pins: all but one on a slow one).
-    per_group = second["released_bytes"] // 5
-    assert kept_peak >= offloaded_peak + first["groups_kept"] * per_group // 2, (first["groups_kept"], per_group)
+    # The kept groups really stayed on the GPU in step 1, and step 2 freed them.
+    assert kept_peak >= offloaded_peak + second["released_bytes"] // 2

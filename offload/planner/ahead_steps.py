@@ -188,7 +188,7 @@ class AheadSteps:
         plan = self._least_copying(profile_at(self.profile, bucket), idle, emptied)
         if plan is None or plan.prediction.d2h_bytes >= own.prediction.d2h_bytes:
             return None, None  # the own plan at once, as without plans ahead
-        reason = f"a stand-in while this plan's host blocks are pinned: {FIRST_STAND_IN}; {plan.budget_reason}"
+        reason = f"a stand-in while this plan's host blocks are pinned: {FIRST_STAND_IN}; {own.budget_reason}"
         return None, StandIn(dataclasses.replace(plan, budget_reason=reason), FIRST_STAND_IN, bucket)
 
     def _least_copying(self, at: Any, idle: Optional[int] = None, emptied: bool = False) -> Optional[Plan]:
