@@ -205,3 +205,27 @@ def recompute_plan_peak(layers: torch.nn.ModuleList, x: torch.Tensor) -> tuple[i
     base, measured = made.profile.base_bytes, torch.cuda.max_memory_allocated()
     oa.close()
     return measured - base, made.prediction.peak_bytes - base, made.describe()
+
+
+def probe_with_device_limit(monkeypatch: Any, limit: int = 1 << 50) -> None:
+    """Give the auto probe a device limit, as a GPU gives one (the CPU has no device memory to
+    size against, so without one it never runs the sizing step)."""
+    from offload import plan_steps
+
+    real = plan_steps.ProbeSequence
+    monkeypatch.setattr(plan_steps, "ProbeSequence",
+                        lambda *a, **kw: real(*a, **{**kw, "device_limit": lambda: limit}))
+
+
+def slow_pinning(arena: Any, seconds: float) -> None:
+    """Make ``arena`` pin each block ``seconds`` late, as a host slower to pin than a step does
+    (a fresh VM's first touch of its memory): what happens meanwhile is then the same on any host."""
+    import time
+
+    pin = arena.allocate
+
+    def slow_pin(nbytes: int) -> Any:
+        time.sleep(seconds)
+        return pin(nbytes)
+
+    arena.allocate = slow_pin

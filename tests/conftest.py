@@ -35,6 +35,15 @@ def repeatable_attention():
     torch.cuda.empty_cache()
 
 
+@pytest.fixture
+def deterministic():
+    """Deterministic algorithms on for the test (bitwise comparisons), put back after."""
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(before)
+
+
 @pytest.fixture(params=["native", "python"])
 def entry_table(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run the test over both entry tables: offload._entries (skipped where it is not built) and

@@ -19,11 +19,7 @@ from _util import assert_bitwise, make_gpt_layers, train_step
 FIGURES = ("offloaded_tensors", "offloaded_bytes", "released_bytes", "groups_offloaded", "reloads", "kept")
 
 
-@pytest.fixture(autouse=True)
-def _deterministic() -> Any:
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(False)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _grads(layers: torch.nn.ModuleList, xin: torch.Tensor) -> list[torch.Tensor]:

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import offload
-from offload import plan_steps
 from offload.engine.schedules.planned import PlannedSchedule
 from offload.planner.actions import Action
 from offload.planner.ahead_steps import FIRST_STAND_IN
@@ -24,17 +23,12 @@ from offload.planner.types import LayerPlan
 from offload.planner.model import simulate
 from offload.planner.search import BudgetError
 
-from _util import assert_bitwise, make_gpt_layers, make_mlp_layers, oa_step, plain_reference, train_step
+from _util import assert_bitwise, make_gpt_layers, make_mlp_layers, oa_step, plain_reference, probe_with_device_limit, train_step
 
 LENGTH = 16
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _x(step: int) -> torch.Tensor:
@@ -136,9 +130,7 @@ def test_the_measured_step_waits_for_nothing_pinned_ahead(monkeypatch: pytest.Mo
     # The auto probe with a device limit (as a GPU gives one): the sizing step, then the measured
     # one. With plans ahead, where a stand-in fits the sizing step's figures, nothing is pinned
     # ahead (so nothing is waited for at the measured step's entry).
-    real = plan_steps.ProbeSequence
-    monkeypatch.setattr(plan_steps, "ProbeSequence",
-                        lambda *a, **kw: real(*a, **{**kw, "device_limit": lambda: 1 << 50}))
+    probe_with_device_limit(monkeypatch)
     torch.manual_seed(0)
     layers = make_mlp_layers(4, width=64)
     x = torch.randn(8, 64)

@@ -11,9 +11,8 @@ import pytest
 import torch
 
 import offload
-from offload import plan_steps
 from offload.planner.first_steps import PHASES, PLANNED_STEPS, FirstSteps
-from _util import assert_bitwise, make_mlp_layers, oa_step, train_step
+from _util import assert_bitwise, make_mlp_layers, oa_step, probe_with_device_limit, train_step
 
 
 def _run(steps: int, **kw: Any) -> Any:
@@ -52,9 +51,7 @@ def test_auto_probe_sizes_then_measures_bit_for_bit(monkeypatch: pytest.MonkeyPa
     # The CPU has no device memory to size against, so the auto probe runs there only with a
     # device limit given (as a GPU gives one): the sizing step, then the measured plain step
     # (no calibration step), then planned steps, every one with the plain gradients.
-    real = plan_steps.ProbeSequence
-    monkeypatch.setattr(plan_steps, "ProbeSequence",
-                        lambda *a, **kw: real(*a, **{**kw, "device_limit": lambda: 1 << 50}))
+    probe_with_device_limit(monkeypatch)
     torch.manual_seed(0)
     layers = make_mlp_layers(4, width=64)
     x = torch.randn(8, 64)

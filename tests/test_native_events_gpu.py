@@ -3,15 +3,13 @@ the engine paths built on them (timing off and on, a fresh context's first step,
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 
 import offload
 from offload.host import native
 
-from _util import assert_bitwise, make_gpt_layers, plain_reference, train_step
+from _util import assert_bitwise, make_gpt_layers, plain_reference, slow_pinning, train_step
 
 pytestmark = pytest.mark.cuda
 EXT = native.extension()
@@ -141,13 +139,7 @@ def test_no_wait_first_step_keeps_groups_while_they_pin_then_offloads_exactly(re
     assert_bitwise(expected, train_step(layers, x, waits, waits_sync))
     assert waits.stats["groups_offloaded"] == 5 and "pinning" not in waits.stats["kept"]
     ctx, sync = offload.get_cpu_offload_context(True, num_layers=5, model_layers=6, wait_for_pinning=False)
-    pin = ctx.engine.arena.allocate
-
-    def slow_pin(nbytes: int):  # a host slower to pin than the step (a fresh VM's first touch)
-        time.sleep(0.2)
-        return pin(nbytes)
-
-    ctx.engine.arena.allocate = slow_pin
+    slow_pinning(ctx.engine.arena, 0.2)  # the groups' blocks pin later than the step needs them
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()

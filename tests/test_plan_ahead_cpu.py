@@ -27,12 +27,7 @@ from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, tra
 PROBE_LENGTH = 16
 
 
-@pytest.fixture(autouse=True)
-def _deterministic():
-    before = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    yield
-    torch.use_deterministic_algorithms(before)
+pytestmark = pytest.mark.usefixtures("deterministic")
 
 
 def _budget(layers: torch.nn.ModuleList) -> int:

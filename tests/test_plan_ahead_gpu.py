@@ -23,7 +23,7 @@ import offload
 from offload.planner import PEAK_MODEL_ERROR
 from offload.planner.shapes import StepShape
 
-from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, train_step
+from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, slow_pinning, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -117,13 +117,7 @@ def test_the_first_plan_follows_a_stand_in_until_its_blocks_are_pinned() -> None
     n, budget = 2048, (plain[2048] + plain[1024]) // 2  # the budget of the stream test above
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
     arena = oa.engine.arena
-    pin = arena.allocate
-
-    def slow_pin(nbytes: int):
-        time.sleep(0.2)
-        return pin(nbytes)
-
-    arena.allocate = slow_pin
+    slow_pinning(arena, 0.2)
     kinds = []
     for step in range(7):
         if step == 5:

@@ -198,12 +198,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
-def test_ranks_switch_to_a_buckets_own_plan_at_the_same_step(results: list[dict[str, Any]]) -> None:
-    cases = [r["switch"] for r in results]
+def _switched_together(cases: list[dict[str, Any]]) -> list[str]:
+    """The plan kinds each step followed, the same on every rank: stand-ins, then the own plan."""
     assert all("error" not in c for c in cases), cases
     kinds = [c["kinds"] for c in cases]
     assert kinds[0] == kinds[1], f"the ranks switched at different steps: {kinds}"
     assert kinds[0][0] == "stand-in" and kinds[0][-1] == "own", kinds
+    return kinds
+
+
+def test_ranks_switch_to_a_buckets_own_plan_at_the_same_step(results: list[dict[str, Any]]) -> None:
+    cases = [r["switch"] for r in results]
+    kinds = _switched_together(cases)
     # Rank 0 alone was ready earlier: it waited for rank 1 (the min of their readiness).
     switch = kinds[0].index("own")
     assert any(cases[0]["ready_here"][:switch - 1]), (cases[0]["ready_here"], kinds[0])
@@ -232,10 +238,7 @@ def test_ranks_follow_the_stand_in_every_rank_can_follow(results: list[dict[str,
 def test_ranks_switch_from_the_first_plans_stand_in_at_the_same_step(results: list[dict[str, Any]]) -> None:
     # Issue 50 s1: the first plan's blocks pinned behind a stand-in, rank 1's pinning slowed.
     cases = [r["first"] for r in results]
-    assert all("error" not in c for c in cases), cases
-    kinds = [c["kinds"] for c in cases]
-    assert kinds[0] == kinds[1], f"the ranks switched at different steps: {kinds}"
-    assert kinds[0][0] == "stand-in" and kinds[0][-1] == "own", kinds
+    kinds = _switched_together(cases)
     switch = kinds[0].index("own")
     assert switch >= 2 and cases[0]["ready_here"][0], (cases[0]["ready_here"], kinds[0])  # rank 0 waited for 1
     assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
