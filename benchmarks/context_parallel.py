@@ -380,11 +380,11 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> Optional[Path]:
     return path
 
 
-def verdicts(case: str, rows: dict[str, dict[str, Any]]) -> list[str]:
-    """The case's target, PASS or MISS with the figures."""
+def verdicts(case: str, rows: dict[str, dict[str, Any]], nproc: int = 2) -> list[str]:
+    """The case's target, PASS or MISS with the figures (T29 on ``nproc`` GPUs: the target's are 2)."""
     ours = rows.get("ours")
     if case == "T29" and ours:
-        return [f"T29 one step of the LLAMA-8B shape on 2 GPUs: {'PASS' if ours['full_length_steps'] else 'MISS'} "
+        return [f"T29 one step of the LLAMA-8B shape on {nproc} GPUs: {'PASS' if ours['full_length_steps'] else 'MISS'} "
                 f"({ours['full_length_steps']} steps at the full length, the first one {ours['first_full_phase']}; "
                 f"{ours['full_ms']} ms, peak {ours['peak_bytes'] / 2**30:.1f} GiB)"]
     if case == "T30" and ours and rows.get("ours_1gpu") and ours["median_steady_ms"] and rows["ours_1gpu"]["median_steady_ms"]:
@@ -415,7 +415,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             result = json.loads(path.read_text()) if path.exists() else {"error": f"the ranks exited with {code}"}
             rows[contender] = summarize(contender, result, length)
             print(f"{contender}: {rows[contender]}", flush=True)
-    lines = verdicts(case, rows) if not args.layers else []
+    lines = verdicts(case, rows, args.nproc) if not args.layers else []
     if args.layers:
         import psutil
 

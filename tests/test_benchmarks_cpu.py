@@ -354,7 +354,8 @@ def test_device_everywhere_cpu_smoke_runs_each_case_and_contender() -> None:
     assert rows["ckpt"]["x_ckpt"] == 1.0 and rows["device"]["x_ckpt"] > 0 and rows["device"]["plan"]
     (target,) = result["targets"]
     assert target["target"] == "T23 8b-16384" and target["ok"] is None, "no verdict on CPU numbers"
-    (t14,) = result["t14"]
+    ref, t14 = result["t14"]
+    assert ref["target"].startswith("T14 8b-16384 ckpt (reference") and ref["ok"] is None
     assert t14["target"] == "T14 8b-16384 device" and t14["ok"] is None and t14["max_x_steady"] > 0
     kinds = [r["kind"] for r in dev["first_steps"]]
     assert kinds[-2:] == ["planned", "planned"] and "measure" in kinds, kinds
@@ -392,8 +393,10 @@ def test_device_everywhere_verdicts_follow_the_targets() -> None:
     def t14(ms: list[float], steady: float = 1000.0) -> Any:
         steps = [{"step": i, "phase": "probe", "ms": m} for i, m in enumerate(ms)]
         steps += [{"step": len(ms) + i, "phase": "timed", "ms": steady} for i in range(5)]
-        results = {"8b-16384:device": {"steps": steps, "summary": de.summarize(steps)}}
-        (target,) = de.t14_targets(["8b-16384"], ["ckpt", "device"], results, smoke=False)
+        results = {f"8b-16384:{name}": {"steps": steps, "summary": de.summarize(steps)} for name in ("ckpt", "device")}
+        reference, target = de.t14_targets(["8b-16384"], ["ckpt", "device"], results, smoke=False)
+        assert reference["ok"] is None and "reference" in reference["target"], "checkpointing plans nothing: a reference"
+        assert reference["max_x_steady"] == target["max_x_steady"]
         return target["ok"]
 
     assert t14([1400.0, 1400.0, 1200.0]) is True  # 5 first steps: 1.4 + 1.4 + 1.2 + 1 + 1 = 6.0 steady
