@@ -10,6 +10,7 @@ step with one rank's pinning delayed) is in ``tests/distributed/test_plan_ahead_
 from __future__ import annotations
 
 import threading
+import warnings
 from typing import Any
 
 import pytest
@@ -146,3 +147,27 @@ def test_the_measured_step_waits_for_nothing_pinned_ahead(monkeypatch: pytest.Mo
     assert [r["kind"] for r in rows][:2] == ["size", "measure"], rows
     assert rows[1]["search_s"] > 0 and oa._planned._pinned_ahead  # the sizing figures' plan (a stand-in fits)
     assert (None in pins) is not ahead, pins  # pinned during the probe steps only without plans ahead
+
+
+def test_no_stand_in_is_followed_over_the_budget() -> None:
+    # A budget 2% under the plain peak: with no host copies the lowest plan (keep everything) is
+    # within the cost model's error above it, which an own plan may follow with a warning; a
+    # stand-in is optional and must not (on the H200 such a stand-in ran out of memory). Every
+    # plan followed predicts a peak within the budget, and nothing warns.
+    layers = make_gpt_layers(4)
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, _x(0)), device="cpu", min_offload_bytes=0)
+    budget = int(profile.plain_peak_bytes * 0.98)
+    oa = _context(layers, budget, plan_ahead=True)
+    gate, _ = fake_slow_pinner(oa)
+    kinds = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        for step in range(6):
+            if step == 4:
+                gate.set()
+            x = _x(step)
+            assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+            if oa.plan is not None and step >= 3:
+                kinds.append(oa._planned.last_plan["plan"])
+                assert simulate(oa.plan.profile, oa.plan.layers, budget).peak_bytes <= budget, (kinds, oa.plan.describe())
+    assert kinds[-1] == "own" and "stand-in" in kinds, kinds

@@ -24,7 +24,7 @@ from .budget import DEVICE, DEVICE_HEADROOM_EXPANDABLE, DeviceBudget, device_bud
 from ..forwards.selective import Candidates, selective_candidates
 from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
-from .search import BudgetError, best_plan, lowest_peak
+from .search import PEAK_MODEL_ERROR, BudgetError, best_plan, lowest_peak
 from .tiling import HeadInfo, choose_tiled, lowest_tiled, mark_lowest
 from .actions import Action
 from .model import simulate
@@ -128,7 +128,7 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
            cap_bytes: Optional[int] = None, expandable: bool = False, emptied: bool = False,
            head: Optional[HeadInfo] = None, host_budget: Optional[int] = None,
            host_limited: Optional[Callable[[int, int], None]] = None, note_host: bool = True,
-           pause: Optional[Callable[[], None]] = None) -> Plan:
+           pause: Optional[Callable[[], None]] = None, strict: bool = False) -> Plan:
     """The fastest plan under the budget (``"lowest"``: the fastest plan whose predicted peak
     is within 3% of the lowest; ``"device"``: what ``device``, a CUDA device, can give now, with
     ``expandable`` segments' headroom if :func:`use_expandable_segments` turned them on).
@@ -142,17 +142,20 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
     (``note_host=False``: not worked out, which saves the second search that takes).
     ``pause``: called before each plan the search simulates (a search on a background thread
     hands the interpreter back to the step's thread there: :class:`offload.planner.ahead.Yielding`).
+    ``strict``: where no plan's predicted peak fits the budget, raise :class:`BudgetError` (for a
+    plan that is optional, a stand-in) rather than follow the lowest plan when it is within the
+    cost model's error above the budget (:func:`~offload.planner.search.best_plan`), with a warning.
 
     The plan's ``budget_reason`` says which budget was used and why, and the host figure when it
     bound the plan.
     """
     made = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
-                   emptied=emptied, head=head, host_budget=host_budget, pause=pause)
+                   emptied=emptied, head=head, host_budget=host_budget, pause=pause, strict=strict)
     if not note_host or host_budget is None or host_budget >= _most_copied(profile):
         return made  # the host figure cannot bind: no plan copies more
     try:
         free = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
-                       emptied=emptied, head=head, host_budget=None, pause=pause)
+                       emptied=emptied, head=head, host_budget=None, pause=pause, strict=strict)
     except BudgetError:
         return made
     wanted, planned = free.prediction.d2h_bytes, made.prediction.d2h_bytes
@@ -171,7 +174,7 @@ def _most_copied(profile: StepProfile) -> int:
 
 def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device], *,
             cap_bytes: Optional[int], expandable: bool, emptied: bool, head: Optional[HeadInfo],
-            host_budget: Optional[int], pause: Optional[Callable[[], None]] = None) -> Plan:
+            host_budget: Optional[int], pause: Optional[Callable[[], None]] = None, strict: bool = False) -> Plan:
     # choose(), but for the host figure's note.
     if cap_bytes is not None and memory_budget_bytes != LOWEST:
         if memory_budget_bytes == DEVICE:
@@ -182,11 +185,13 @@ def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[
             cap_bytes = None
         if cap_bytes is not None:
             made = _choose(profile, cap_bytes, device, cap_bytes=None, expandable=False, emptied=False, head=head,
-                           host_budget=host_budget, pause=pause)
+                           host_budget=host_budget, pause=pause, strict=strict)
             return dataclasses.replace(made, budget_reason=f"{memory_budget_bytes!r}, capped at {format_bytes(cap_bytes)}")
 
+    error = 0.0 if strict else PEAK_MODEL_ERROR  # strict: no plan over the budget
+
     def best(budget: int) -> Plan:
-        return choose_tiled(profile, lambda p: best_plan(p, budget, host_budget=host_budget, pause=pause), head)
+        return choose_tiled(profile, lambda p: best_plan(p, budget, error, host_budget=host_budget, pause=pause), head)
 
     if memory_budget_bytes == LOWEST:
         # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that

@@ -18,7 +18,9 @@ coordinate, so every logit is one weight times that power (plus the bias): exact
 any GEMM, and the two paths' logits are the same bits. The model's logits must then equal
 ``lm_head(h)`` bit for bit, and its loss the tiled loss within what float32 sums in another order
 allow (:data:`_EXACT_RTOL`). A scale of the logits or of the loss moves the loss by tenths at
-least (the logits spread over a few units), 10^4 times that tolerance.
+least (the logits spread over a few units), 10^4 times that tolerance. A head sharded by FSDP2
+(a DTensor weight outside the forward) is checked through a narrow plain head of its vocabulary;
+in the forward, FSDP2 has gathered the real one, which the tiled head then reads.
 
 What changes. On the tiled path the output's ``logits`` are None (as liger-kernel's fused loss
 does in training): the point is never to build them. The loss, the cache, the hidden states and
@@ -218,6 +220,20 @@ def _exact_inputs(head: nn.Linear) -> Optional[tuple[torch.Tensor, torch.Tensor]
     return hidden, labels
 
 
+def _plain_head(head: nn.Linear, width: int = 64) -> nn.Linear:
+    """A plain ``nn.Linear`` with ``head``'s vocabulary, dtype and device (its local shard's) and
+    ``width`` inputs, its weights the same on every rank (a seeded generator; the global RNG is
+    left alone): the exactness check of a sharded head. Narrow, so that it costs a few MiB."""
+    local = head.weight.to_local()  # type: ignore[attr-defined]
+    plain = nn.Linear(width, head.out_features, bias=head.bias is not None, device=local.device, dtype=local.dtype)
+    generator = torch.Generator(device=local.device).manual_seed(0)
+    with torch.no_grad():
+        plain.weight.copy_(torch.randn(plain.weight.shape, generator=generator, device=local.device))
+        if plain.bias is not None:
+            plain.bias.zero_()
+    return plain
+
+
 def _largest(logits: Any) -> str:
     return f"{float(logits.float().abs().max()):.4g}" if isinstance(logits, torch.Tensor) and logits.numel() else "none"
 
@@ -228,12 +244,16 @@ def _exactness_problem(model: nn.Module, base: str) -> str:
     with the base model stood in for; hooks on the base model do not fire."""
     from transformers.modeling_outputs import BaseModelOutputWithPast
 
-    head = model.lm_head
+    real_head = model.lm_head
     name = f"{type(model).__name__}.forward"
-    if type(head.weight.data) is not torch.Tensor or head.weight.is_meta:
-        what = "on the meta device" if head.weight.is_meta else f"a {type(head.weight.data).__name__}"
+    sharded = type(real_head.weight.data) is not torch.Tensor and hasattr(real_head.weight, "to_local")
+    if real_head.weight.is_meta or (type(real_head.weight.data) is not torch.Tensor and not sharded):
+        what = "on the meta device" if real_head.weight.is_meta else f"a {type(real_head.weight.data).__name__}"
         return (_NOT_TILEABLE + f"model.lm_head's weight is {what}, so the tiled loss cannot be checked against "
                 "the model's own; tile the head once its weights are loaded as plain tensors")
+    # A sharded head (FSDP2's DTensor outside the forward) is checked through a plain one of its
+    # vocabulary: what is checked is the class's forward, not the weights.
+    head = _plain_head(real_head) if sharded else real_head
     made = _exact_inputs(head)
     if made is None:
         return _NOT_TILEABLE + ("model.lm_head's weight has a column of zeros (or not finite), so the tiled loss "
@@ -243,6 +263,7 @@ def _exactness_problem(model: nn.Module, base: str) -> str:
     own = types.MethodType(type(model).forward, model)
     ids = torch.zeros_like(labels)
     model._modules[base] = _BaseStandIn(real, BaseModelOutputWithPast(last_hidden_state=hidden))
+    model._modules["lm_head"] = head
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[hidden.device] if hidden.device.type == "cuda" else []):
             out = own(input_ids=ids, labels=labels)
@@ -251,7 +272,7 @@ def _exactness_problem(model: nn.Module, base: str) -> str:
     except Exception as exc:  # noqa: BLE001 - any failure means: not shown exact
         return _NOT_TILEABLE + f"checking {name} on a few tokens raised {type(exc).__name__}: {exc}"
     finally:
-        model._modules[base] = real
+        model._modules[base], model._modules["lm_head"] = real, real_head
     loss, logits = (out.loss, out.logits) if not isinstance(out, tuple) else (out[0], out[1])
     tiled_loss = tiled.loss if not isinstance(tiled, tuple) else tiled[0]
     if not isinstance(logits, torch.Tensor) or logits.shape != want.shape or not torch.equal(logits.float(), want.float()):
