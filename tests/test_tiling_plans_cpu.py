@@ -73,6 +73,12 @@ def test_tiled_head_drops_the_logits() -> None:
     tiled = tiled_profile(base, 0, HeadInfo(32000, 256, False, True), 256)
     assert tiled.head_bytes < base.head_bytes // 4
     assert tiled.head_ms > base.head_ms
+    # What the untiled head left for backward held logit-sized buffers (T29 at cp=4 measured ~5
+    # bytes a logit, which scaled to 157 GiB and made no plan fit): the tiled head leaves no more
+    # than its own working set, and a residual under that stays as measured.
+    assert tiled.head_residual_bytes <= tiled.head_bytes < base.head_residual_bytes
+    small = dataclasses.replace(base, head_residual_bytes=1 << 20)
+    assert tiled_profile(small, 0, HeadInfo(32000, 256, False, True), 256).head_residual_bytes == 1 << 20
 
 
 def _synthetic(tokens: int, vocab: int, hidden: int):
@@ -82,7 +88,8 @@ def _synthetic(tokens: int, vocab: int, hidden: int):
     p = offload.planner.profile_step(model.model.layers, lambda: llama_grads(model, ids), device="cpu",
                                      min_offload_bytes=0, warmup_steps=0)
     p = profile_at(p, StepShape(1, tokens))
-    return dataclasses.replace(p, head_bytes=tokens * vocab * 10 + tokens * hidden * 8)
+    return dataclasses.replace(p, head_bytes=tokens * vocab * 10 + tokens * hidden * 8,
+                               head_residual_bytes=tokens * vocab * 5 + tokens * hidden * 2)
 
 
 def _floors(profile):

@@ -14,8 +14,11 @@ which the untiled probe already measured. Per layer with candidates (``LayerProf
 The head: its peak is counted afresh, ``HIDDEN_BYTES`` per hidden element (the final norm's
 output and the hidden states' gradients) plus one chunk's working set
 (:func:`offload.tiling.loss.head_chunk_bytes`) and the float32 weight gradient it sums into when
-the head trains (never more than the untiled head measured); its time grows by one of its three
-GEMMs (backward recomputes the logits).
+the head trains (never more than the untiled head measured); what it leaves for backward
+(``head_residual_bytes``) is at most that too: the untiled head's residual, measured when backward
+reaches the last layer, holds logit-sized buffers (about 5 bytes a logit on the H200: 157 GiB at
+262,144 tokens a rank of a 128256-word vocabulary, T29 at cp=4), which no chunked head keeps; its
+time grows by one of its three GEMMs (backward recomputes the logits).
 
 Tiling changes the order of sums, so plans tile only where no untiled plan fits: the untiled
 profile first, then the head tiled, then the head and every MLP (:func:`choose_tiled`).
@@ -104,7 +107,7 @@ def tiled_profile(profile: StepProfile, tile_tokens: int, head: Optional[HeadInf
     layers = profile.layers
     if tile_tokens:
         layers = tuple(_tiled_layer(l, tile_tokens, tokens) if l.selective is not None else l for l in layers)
-    head_bytes, head_ms = profile.head_bytes, profile.head_ms
+    head_bytes, head_ms, residual = profile.head_bytes, profile.head_ms, profile.head_residual_bytes
     if head_tokens and head is not None:
         # Counted afresh rather than by subtracting the logits from the measured peak (how many
         # bytes a logit costs there depends on the loss's code): the final norm's output, its
@@ -115,8 +118,9 @@ def tiled_profile(profile: StepProfile, tile_tokens: int, head: Optional[HeadInf
         if head.weight_trains:
             tiled += head.vocab_size * head.hidden_size * 4
         head_bytes = min(head_bytes, tiled)
+        residual = min(residual, tiled)
         head_ms *= 4 / 3
-    return replace(profile, layers=layers, head_bytes=head_bytes, head_ms=head_ms)
+    return replace(profile, layers=layers, head_bytes=head_bytes, head_ms=head_ms, head_residual_bytes=residual)
 
 
 def _variants(profile: StepProfile, head: Optional[HeadInfo]) -> list[tuple[int, int]]:
