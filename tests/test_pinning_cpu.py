@@ -325,3 +325,27 @@ def test_wait_for_pinning_is_a_checked_bool_option() -> None:
         offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, device="cpu", wait_for_pinning="no")
     ctx, _ = offload.get_cpu_offload_context(True, num_layers=1, model_layers=2, device="cpu", wait_for_pinning=False)
     assert ctx.engine.arena.keep_while_pinning is None  # host memory is never pinned: nothing to keep for
+
+
+def test_a_claim_waits_for_the_fitting_block_queued_first() -> None:
+    # A first plan's stand-in pins its few blocks first and its own plan's after: a claim that
+    # several blocks being pinned fit waits for the one queued first (the pinner takes them in
+    # order), not the smallest fitting one, which may be queued far behind.
+    g = BLOCK_GRANULE
+    busy, late = threading.Event(), threading.Event()
+
+    def allocate(nbytes: int) -> tuple[torch.Tensor, int]:
+        gate = {64 * g: busy, 4 * g: late}.get(nbytes)  # the 6-granule block pins at once
+        if gate is not None:
+            gate.wait(10)
+        return torch.empty(nbytes, dtype=torch.uint8), nbytes
+
+    arena = HostArena(pinned=True, budget_bytes=1 << 30, retain=False, allocate=allocate)
+    arena.preallocate([64 * g, 64 * g, 6 * g, 4 * g], background=True)  # the workers busy, then 6, then 4
+    threading.Timer(0.2, busy.set).start()
+    threading.Timer(3.0, late.set).start()
+    start = time.perf_counter()
+    region = arena.acquire(3 * g, step=1)
+    assert region is not None and region.block.numel() == 6 * g, "waited for the smallest, queued last"
+    assert time.perf_counter() - start < 2.0 and arena.counters.waited_for_pinning == 1
+    late.wait(5)

@@ -48,8 +48,7 @@ import torch
 
 from . import native
 from .ledger import NODE_READ_MAX_AGE_S, HostLedger, default_host_budget, process_ledger
-from .room import HostRoom, PlanNeeds, ledger_refusal, least_room, fit_within, plan_data_bytes, plan_limited_message, \
-    worst_rounding
+from .room import HostRoom, PlanNeeds, fit_within, least_room, ledger_refusal, plan_data_bytes, plan_limited_message, worst_rounding
 from .blocks import BLOCK_GRANULE, REUSE_SLACK, ArenaCounters, CaptureError, Region, repeat_sizes, with_headroom
 from .idle import IdleBlocks
 from .layout import align_up
@@ -266,8 +265,9 @@ class HostArena:
             region = self._take_idle(size, step, captured=False)
             if region is not None:
                 return region
-            waited = next((entry for entry in self._pending
-                           if size <= entry[0] <= size * REUSE_SLACK and id(entry[1]) not in self._promised), None)
+            # The first queued block that fits is ready first (the smallest may be far behind).
+            waited = min((e for e in self._pending if size <= e[0] <= size * REUSE_SLACK and id(e[1]) not in
+                          self._promised), key=lambda e: getattr(e[1], "queued", 0), default=None)
         if waited is None:
             return None
         # (Pending blocks change only on the thread that acquires; the question may call the

@@ -51,6 +51,7 @@ touching a torn-down CUDA context; blocks still only queued are cancelled by :me
 from __future__ import annotations
 
 import concurrent.futures
+import itertools
 from typing import Callable, Optional
 
 import torch
@@ -139,6 +140,7 @@ class BackgroundPinner:
         self._allocate = allocate
         self._device_index = device_index
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
+        self._queued = itertools.count()
 
     def _run(self, nbytes: int) -> tuple[torch.Tensor, int]:
         if self._device_index is not None and self._device_index >= 0:
@@ -152,7 +154,11 @@ class BackgroundPinner:
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=PINNER_WORKERS,
                                                                    thread_name_prefix="offload-pinner")
-        return self._executor.submit(self._run, nbytes)
+        future = self._executor.submit(self._run, nbytes)
+        # The workers take blocks in this order: a block queued earlier is ready earlier (the
+        # arena waits for the first-queued block that fits, see HostArena._from_pinner).
+        future.queued = next(self._queued)  # type: ignore[attr-defined]
+        return future
 
     def close(self) -> None:
         """Cancel the queued blocks; the one in progress finishes on its own (never waited for)."""
