@@ -44,16 +44,19 @@ budget, host room: GPU peak and host bytes a rank, the node's RAM shared by its 
 ``verdict: GO`` or ``verdict: NO-GO (why, and the length that would fit)``; ``--time-left-s S``
 makes a step longer than ``S`` a NO-GO.
 
-**T29 in one dedicated device session** (``run``, kind ``nvidia-h200-x2``; 30 min of device time,
-a machine held at most 30 min, 10 min a command, warm 30 s after a call; one step is ~20-25 min
-by FLOPs). Call 1 (``timeout_s`` 600) builds, runs the preflight (about 2 min; with the
-``--probe-length`` fallback if the short probe fails on the GPU) and, on GO, starts the full run
-detached (``setsid``: it outlives the call while the machine is held)::
+**T29 in one device session** (``run``; 30 min of device time, a machine held at most 30 min,
+10 min a command, warm 30 s after a call). Measured on the H200s (docs/benchmarks.md, T29): on 2
+GPUs a step is 22-27 min and the 32 checkpoint boundaries take 128 GiB of host a rank, more than a
+256 GiB node holds for two; on 4 (``--nproc 4``, kind ``nvidia-h200-x4``) the preflight says
+8.4-13 min and 89 GiB of host a rank: GO. So run it on 4, and say so: the target names 2. Call 1
+(``timeout_s`` 600) builds, runs the preflight (about 2 min; with the ``--probe-length``
+fallback if the short probe fails) and, on GO, starts the full run detached (``setsid``: it
+outlives the call while the machine is held)::
 
     pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail /tmp/build.log; exit 1; }
-    mkdir -p /tmp/t29; P=""; T="python benchmarks/context_parallel.py --case T29 --contenders ours"
-    $T --layers 2 --time-left-s 1260 --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1 \
-      || { P="--probe-length 65536"; $T --layers 2 --time-left-s 1200 $P --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1; }
+    mkdir -p /tmp/t29; P=""; T="python benchmarks/context_parallel.py --case T29 --contenders ours --nproc 4"
+    $T --layers 2 --time-left-s 1200 --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1 \
+      || { P="--probe-length 65536"; $T --layers 2 --time-left-s 1140 $P --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1; }
     grep -E "^ours (step|preflight|[0-9]+ layers|host|verdict)|Error" /tmp/t29/pre.txt | tail -14
     cp /tmp/t29/pre.txt /tmp/t29/pre.json $OUT/
     if grep -q "verdict: GO" /tmp/t29/pre.txt; then
@@ -70,6 +73,8 @@ The log shows ``ours step 0: forward layer 8/32, 301.2 s``-style lines as the st
 is over at ``wrote ...`` (the JSON and PNG come back in ``$OUT``: put them in
 ``benchmarks/results/context_parallel_T29.json``). On NO-GO, the preflight's lines say why (no
 plan fits the GPU and host, the node's RAM, or the time left) and which ``--length`` would fit.
+A preflight extrapolates the plan from its few layers; the whole model's own first plan can still
+differ (the tiled head's residual did, see docs/benchmarks.md): the full run's first minute shows it.
 """
 
 from __future__ import annotations
