@@ -28,8 +28,10 @@ from offload.planner import Action, LayerPlan, Plan, profile_step
 from offload.planner.make import choose
 from offload.planner.model import held_bytes, offloaded_bytes, resident_bytes
 from offload.planner.search import (
-    BudgetError, _space, best_plan, layer_candidates, lowest_peak, most_copied_bytes, plan_for,
+    BudgetError, _space, best_plan, layer_candidates, lowest_peak, lowest_recompute, most_copied_bytes, plan_for,
 )
+from offload.planner.shapes import StepShape
+from offload.planner.tiling import longest_fitting, lowest_at
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, run_layers, train_step
 
@@ -126,6 +128,19 @@ def test_no_kept_input_plan_below_its_floor_is_claimed(model) -> None:
     floor = lowest_peak(prof, host_budget=0).prediction.peak_bytes
     with pytest.raises(BudgetError, match="lowest peak reachable"):
         best_plan(prof, floor // 2, host_budget=0)
+
+
+def test_what_fits_counts_kept_inputs_under_a_host_budget(model) -> None:
+    # The "no plan fits" error's advice (the lowest plan's figures, the longest length that fits)
+    # under a host room of nothing: every boundary kept, not "nothing fits".
+    _, prof = model
+    sent, kept = lowest_recompute(prof), lowest_recompute(prof, host_budget=0)
+    assert sent.prediction.d2h_bytes == sum(layer.input_bytes for layer in prof.layers)
+    assert kept.prediction.d2h_bytes == 0 and all(lp.keep_inputs for lp in kept.layers)
+    device, host = lowest_at(prof, StepShape(2, 64), None, host_budget=0)
+    assert host == 0
+    longest = longest_fitting(prof, 2, device, None, 0)
+    assert longest is not None and longest >= 64
 
 
 # -------------------------------------------------------------------------------------- the engine

@@ -416,21 +416,47 @@ def _to_plan(profile: StepProfile, plans: Sequence[LayerPlan], budget: Optional[
     return Plan(tuple(plans), budget, simulate(profile, plans, budget), profile.signature(), profile=profile)
 
 
+def _recompute_keys(cands: list[list[LayerPlan]], host_budget: Optional[int]) -> set[Key]:
+    """Every layer recomputed; under a host budget also the last k (over ``_o_grid``) recomputed
+    with their inputs kept, a boundary each rather than a layer's activations (the same key as
+    all-recompute where no layer has that candidate)."""
+    n = len(cands)
+    keys = {tuple(len(c) - 1 for c in cands)}
+    if host_budget is not None:
+        for k in _o_grid(n):
+            keys.add(tuple(_kept_inputs(c) if i >= n - k else len(c) - 1 for i, c in enumerate(cands)))
+    return keys
+
+
+def lowest_recompute(profile: StepProfile, host_budget: Optional[int] = None) -> Plan:
+    """The lowest-peak plan (every release forced) of every layer recomputed, within
+    ``host_budget`` where it can be: the inputs of the last layers kept on the device when
+    sending all of them would copy more than it (None: no limit). Where none is within it, the
+    one copying least."""
+    cands = _space(profile, host_budget)
+    ev = _Evaluator(profile, cands, 1)
+
+    def rank(key: Key) -> tuple[int, int, Key]:
+        pred = ev(key)
+        over = host_budget is not None and pred.d2h_bytes > host_budget
+        return (pred.d2h_bytes if over else 0, pred.peak_bytes, key)
+
+    key = min(_recompute_keys(cands, host_budget), key=rank)
+    return _to_plan(profile, [c[k] for c, k in zip(cands, key)], 1)
+
+
 def _floor(profile: StepProfile, cands: list[list[LayerPlan]], host_budget: Optional[int] = None) -> tuple[int, Key]:
     """The lowest peak of the least-memory plans, forcing every release (a 1-byte budget), among
     those within the host budget (layers kept from the end when all of them copied is too much:
     whole, or recomputed with their inputs kept where the candidates have that)."""
     ev = _Evaluator(profile, cands, 1)
     n = len(cands)
-    keys = {tuple(len(c) - 1 for c in cands), tuple(max(0, len(c) - 2) for c in cands)}
+    keys = _recompute_keys(cands, host_budget) | {tuple(max(0, len(c) - 2) for c in cands)}
     for o in _o_grid(n):  # offload-all first, recompute after
         keys.add(tuple(max(0, len(c) - 2) if i < o else len(c) - 1 for i, c in enumerate(cands)))
     if host_budget is not None:
         for k in _o_grid(n):  # the last k layers kept (they copy nothing), the rest recomputed
             keys.add(tuple(0 if i >= n - k else len(c) - 1 for i, c in enumerate(cands)))
-            # ... or the last k recomputed with their inputs kept: a boundary each, not a layer's
-            # activations (the same keys as above where no layer has that candidate).
-            keys.add(tuple(_kept_inputs(c) if i >= n - k else len(c) - 1 for i, c in enumerate(cands)))
     scored = sorted((ev(k).peak_bytes, k) for k in keys)
     within = [(peak, k) for peak, k in scored if host_budget is None or ev(k).d2h_bytes <= host_budget]
     if not within:
