@@ -438,9 +438,9 @@ class PlannedSteps(AheadSteps):
         if self._cap is not None:
             budget = min(budget, self._cap)
         host_budget = self.engine.arena.plan_host_bytes()
-        device, host = lowest_at(self.profile, shape, self.head)
-        said = (f". Its lowest plan (every layer recomputed, tiled where it can be) needs {format_bytes(device)} "
-                f"of device memory and {format_bytes(host)} of host memory (host budget {format_bytes(host_budget)})")
+        device, host = lowest_at(self.profile, shape, self.head, host_budget)
+        said = (f". Its lowest plan (every layer recomputed, inputs kept where the host budget needs, tiled where it can be) "
+                f"needs {format_bytes(device)} of device memory, {format_bytes(host)} of host memory (host budget {format_bytes(host_budget)})")
         longest = longest_fitting(self.profile, shape.batch, budget, self.head, host_budget)
         return said + (f". At batch {shape.batch}, lengths up to about {longest} fit" if longest is not None else "")
 

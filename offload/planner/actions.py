@@ -13,7 +13,8 @@ class Action(str, Enum):
 
     KEEP = "keep"            # saved tensors stay on the GPU until the layer's backward
     OFFLOAD = "offload"      # copied to host (all, or slots >= a size), released, reloaded
-    RECOMPUTE = "recompute"  # non-reentrant checkpoint: only the inputs are saved (and offloaded)
+    RECOMPUTE = "recompute"  # non-reentrant checkpoint: only the inputs are saved (and offloaded,
+                             # unless the LayerPlan keeps them on the GPU: keep_inputs)
 
 
 def slot_keys(profile: Any) -> tuple[int, ...]:

@@ -68,6 +68,8 @@ class ChoiceLike(Protocol):
     def selective(self) -> bool: ...
     @property
     def tile_tokens(self) -> int: ...
+    @property
+    def keep_inputs(self) -> bool: ...
 
 
 def _selective(layer: LayerLike, lp: ChoiceLike) -> Optional[SlotsLike]:
@@ -119,11 +121,12 @@ def cached_bytes(layer: LayerLike, lp: ChoiceLike) -> int:
 
 
 def offloaded_bytes(layer: LayerLike, lp: ChoiceLike) -> int:
-    """Bytes the layer copies to host (and back): its offloaded slots, or its inputs."""
+    """Bytes the layer copies to host (and back): its offloaded slots, or its inputs (none when
+    a recompute keeps them on the GPU)."""
     if lp.action is Action.OFFLOAD:
         return sum(copied_slots(layer, lp))
     if lp.action is Action.RECOMPUTE:
-        return layer.input_bytes
+        return 0 if lp.keep_inputs else layer.input_bytes
     return 0
 
 

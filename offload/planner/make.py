@@ -24,11 +24,9 @@ from .budget import DEVICE, DEVICE_HEADROOM_EXPANDABLE, DeviceBudget, device_bud
 from ..forwards.selective import Candidates, selective_candidates
 from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
-from .search import PEAK_MODEL_ERROR, BudgetError, best_plan, lowest_peak
+from .search import PEAK_MODEL_ERROR, BudgetError, best_plan, lowest_peak, most_copied_bytes
 from .tiling import HeadInfo, choose_tiled, lowest_tiled, mark_lowest
-from .actions import Action
-from .model import simulate
-from .types import LayerPlan, LinkProfile, Plan, StepProfile
+from .types import LinkProfile, Plan, StepProfile
 
 Budget = Union[int, str, None]
 
@@ -151,7 +149,7 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
     """
     made = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
                    emptied=emptied, head=head, host_budget=host_budget, pause=pause, strict=strict)
-    if not note_host or host_budget is None or host_budget >= _most_copied(profile):
+    if not note_host or host_budget is None or host_budget >= most_copied_bytes(profile):
         return made  # the host figure cannot bind: no plan copies more
     try:
         free = _choose(profile, memory_budget_bytes, device, cap_bytes=cap_bytes, expandable=expandable,
@@ -165,11 +163,6 @@ def choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[t
         host_limited(wanted, planned)
     return dataclasses.replace(made, budget_reason=f"{made.budget_reason}; host room {format_bytes(host_budget)} "
                                                    f"bound it (copies {format_bytes(planned)}, not {format_bytes(wanted)})")
-
-
-def _most_copied(profile: StepProfile) -> int:
-    """The most any plan of ``profile`` copies to the host: every layer offloaded whole."""
-    return simulate(profile, [LayerPlan(Action.OFFLOAD)] * len(profile.layers), None).d2h_bytes
 
 
 def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[torch.device], *,

@@ -19,6 +19,9 @@ backward longer by ``extra_backward_ms``, see :func:`layer_slots`):
              engine decides tensor by tensor) out, and back before its backward.
   RECOMPUTE  holds input_bytes until released, then nothing; copies its inputs out and back;
              its backward costs forward_ms + backward_ms and holds saved_bytes transiently.
+             Planned ``keep_inputs``: holds input_bytes until its backward ends and copies
+             nothing (as KEEP does, with a recompute's backward): for a host room that cannot
+             take every layer's inputs.
   A layer whose copy would be 0 bytes copies nothing and is never "in flight".
   KEEP and OFFLOAD layers also hold their ``cached_bytes`` (selective recompute's caches, never
   offloaded) until their backward; a RECOMPUTE layer holds none (they run plainly inside it).

@@ -6,7 +6,12 @@ actions per layer: KEEP; for a layer with selective candidates (its MLP), KEEP s
 OFFLOAD selective of the slots >= each of the ``MAX_THRESHOLDS`` largest distinct slot sizes
 (largest threshold first) and of everything; OFFLOAD of the slots >= each threshold and of
 everything (plain); RECOMPUTE. Within each kind, most GPU memory left first; OFFLOAD of
-everything (plain) and RECOMPUTE, the two that leave the least, are always the last two.
+everything (plain) and RECOMPUTE, the two that leave the least, are always the last two. Only
+under a host budget that binds (below what offloading every layer whole copies: see
+:func:`most_copied_bytes`), a layer that saves anything also gets RECOMPUTE with its inputs kept
+on the GPU (``keep_inputs``: copies nothing, as gradient checkpointing does), placed just before
+those two, so that the indices ``len(c) - 1`` / ``len(c) - 2`` keep their meaning and a plan
+made without a binding host budget is searched exactly as before.
 
 Strategy (deterministic):
   * small spaces (at most ``EXHAUSTIVE_LIMIT`` plans) are enumerated;
@@ -65,6 +70,7 @@ PEAK_MODEL_ERROR = 0.04
 _KEEP = LayerPlan(Action.KEEP)
 _KEEP_SELECTIVE = LayerPlan(Action.KEEP, selective=True)
 _RECOMPUTE = LayerPlan(Action.RECOMPUTE)
+_RECOMPUTE_KEPT = LayerPlan(Action.RECOMPUTE, keep_inputs=True)
 
 Key = tuple[int, ...]  # per layer, an index into that layer's candidate list
 
@@ -98,17 +104,27 @@ def _offload_candidates(slots: Sequence[int], keys: Sequence[int], selective: bo
     return [LayerPlan(Action.OFFLOAD, threshold, selective=selective) for threshold, _ in reversed(kept)]
 
 
-def layer_candidates(layer: LayerProfile) -> list[LayerPlan]:
+def layer_candidates(layer: LayerProfile, keep_inputs: bool = False) -> list[LayerPlan]:
     """The actions the search tries for ``layer`` (see the module notes for their order): the
     last is RECOMPUTE, the one before it the plain OFFLOAD of everything when the layer saves
-    anything."""
+    anything. ``keep_inputs`` (a host budget binds): RECOMPUTE keeping its inputs on the GPU
+    too, before those two, where the layer saves anything (else keeping it holds nothing)."""
     out = [_KEEP]
     if layer.selective is not None:
         out.append(_KEEP_SELECTIVE)
         out += _offload_candidates(layer.selective.slot_bytes, slot_keys(layer.selective), selective=True)
     out += _offload_candidates(layer.slot_bytes, slot_keys(layer), selective=False)
+    if keep_inputs and out[-1].action is Action.OFFLOAD and layer.input_bytes > 0:
+        out.insert(len(out) - 1, _RECOMPUTE_KEPT)
     out.append(_RECOMPUTE)
     return out
+
+
+def most_copied_bytes(profile: StepProfile) -> int:
+    """The most any plan of ``profile`` copies to the host: every layer offloaded whole. A host
+    budget at or above it binds nothing."""
+    whole = LayerPlan(Action.OFFLOAD)
+    return sum(offloaded_bytes(layer, whole) for layer in profile.layers)
 
 
 class _Evaluator:
@@ -378,8 +394,16 @@ def _improve(ev: _Evaluator, key: Key, max_evals: int) -> None:
 
 # --------------------------------------------------------------------------------------- public
 
-def _space(profile: StepProfile) -> list[list[LayerPlan]]:
-    return [layer_candidates(l) for l in profile.layers]
+def _space(profile: StepProfile, host_budget: Optional[int] = None) -> list[list[LayerPlan]]:
+    # Kept inputs only where the host room binds: elsewhere they would only widen the search
+    # (and slow it) for plans that a host copy beats.
+    binds = host_budget is not None and host_budget < most_copied_bytes(profile)
+    return [layer_candidates(l, binds) for l in profile.layers]
+
+
+def _kept_inputs(c: list[LayerPlan]) -> int:
+    """Index of RECOMPUTE with inputs kept in a layer's candidates (plain RECOMPUTE where it has none)."""
+    return len(c) - 3 if len(c) >= 3 and c[-3].keep_inputs else len(c) - 1
 
 
 def _check_budget(budget_bytes: object) -> int:
@@ -392,12 +416,42 @@ def _to_plan(profile: StepProfile, plans: Sequence[LayerPlan], budget: Optional[
     return Plan(tuple(plans), budget, simulate(profile, plans, budget), profile.signature(), profile=profile)
 
 
+def _recompute_keys(cands: list[list[LayerPlan]], host_budget: Optional[int]) -> set[Key]:
+    """Every layer recomputed; under a host budget also the last k (over ``_o_grid``) recomputed
+    with their inputs kept, a boundary each rather than a layer's activations (the same key as
+    all-recompute where no layer has that candidate)."""
+    n = len(cands)
+    keys = {tuple(len(c) - 1 for c in cands)}
+    if host_budget is not None:
+        for k in _o_grid(n):
+            keys.add(tuple(_kept_inputs(c) if i >= n - k else len(c) - 1 for i, c in enumerate(cands)))
+    return keys
+
+
+def lowest_recompute(profile: StepProfile, host_budget: Optional[int] = None) -> Plan:
+    """The lowest-peak plan (every release forced) of every layer recomputed, within
+    ``host_budget`` where it can be: the inputs of the last layers kept on the device when
+    sending all of them would copy more than it (None: no limit). Where none is within it, the
+    one copying least."""
+    cands = _space(profile, host_budget)
+    ev = _Evaluator(profile, cands, 1)
+
+    def rank(key: Key) -> tuple[int, int, Key]:
+        pred = ev(key)
+        over = host_budget is not None and pred.d2h_bytes > host_budget
+        return (pred.d2h_bytes if over else 0, pred.peak_bytes, key)
+
+    key = min(_recompute_keys(cands, host_budget), key=rank)
+    return _to_plan(profile, [c[k] for c, k in zip(cands, key)], 1)
+
+
 def _floor(profile: StepProfile, cands: list[list[LayerPlan]], host_budget: Optional[int] = None) -> tuple[int, Key]:
     """The lowest peak of the least-memory plans, forcing every release (a 1-byte budget), among
-    those within the host budget (layers kept from the end when all of them copied is too much)."""
+    those within the host budget (layers kept from the end when all of them copied is too much:
+    whole, or recomputed with their inputs kept where the candidates have that)."""
     ev = _Evaluator(profile, cands, 1)
     n = len(cands)
-    keys = {tuple(len(c) - 1 for c in cands), tuple(max(0, len(c) - 2) for c in cands)}
+    keys = _recompute_keys(cands, host_budget) | {tuple(max(0, len(c) - 2) for c in cands)}
     for o in _o_grid(n):  # offload-all first, recompute after
         keys.add(tuple(max(0, len(c) - 2) if i < o else len(c) - 1 for i, c in enumerate(cands)))
     if host_budget is not None:
@@ -464,7 +518,7 @@ def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK
     budget = _check_budget(budget_bytes)
     if not 0 <= model_error < 1:
         raise ValueError(f"model_error must be a fraction in [0, 1), got {model_error!r}")
-    cands = _space(profile)
+    cands = _space(profile, host_budget)
     floor, floor_key = _floor(profile, cands, host_budget)
     if floor > budget:
         if floor - budget <= model_error * floor:
@@ -511,7 +565,7 @@ def lowest_peak(profile: StepProfile, tolerance: float = LOWEST_PEAK_TOLERANCE,
         raise ValueError(f"tolerance must be a fraction in [0, 1), got {tolerance!r}")
     if not 0 <= model_error < 1:
         raise ValueError(f"model_error must be a fraction in [0, 1), got {model_error!r}")
-    cands = _space(profile)
+    cands = _space(profile, host_budget)
     floor, floor_key = _floor(profile, cands, host_budget)
     recompute = [c[-1] for c in cands]
     # Its lowest peak: every release forced (as in _floor), so no plan is ever held to less.

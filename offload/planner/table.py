@@ -20,6 +20,8 @@ def _action_text(lp: ChoiceLike) -> str:
     text = lp.action.value
     if lp.action is Action.OFFLOAD and lp.min_offload_bytes:
         text = f"offload >= {format_bytes(lp.min_offload_bytes)}"
+    if lp.keep_inputs:
+        text = f"{text}, inputs kept"
     if lp.tile_tokens:
         return f"{text}, MLP tiled /{lp.tile_tokens}"
     return f"{text} selective" if lp.selective else text

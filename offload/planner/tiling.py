@@ -30,11 +30,10 @@ from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from ..tiling.loss import default_head_chunk, head_chunk_bytes
-from .model import simulate
 from .scaling import profile_at
-from .search import BudgetError
+from .search import BudgetError, lowest_recompute
 from .shapes import StepShape
-from .types import Action, LayerPlan, LayerProfile, Plan, StepProfile
+from .types import LayerProfile, Plan, StepProfile
 
 # Bytes per logit an untiled head holds at its peak (HF's: the logits in bf16, their float32
 # copy, the loss's float32 log-softmax and gradient, the gradient in bf16): what a short probe's
@@ -193,11 +192,14 @@ def mark_lowest(plan: Plan, profile: StepProfile, head: Optional[HeadInfo], tile
     return _mark(plan, profile, tile_tokens, head_tokens, head_note(head, head_tokens))
 
 
-def lowest_at(profile: StepProfile, shape: StepShape, head: Optional[HeadInfo]) -> tuple[int, int]:
-    """(device peak, host bytes) of the lowest-memory plan at ``shape``: every layer recomputed,
-    the MLPs and the head tiled where they can be."""
+def lowest_at(profile: StepProfile, shape: StepShape, head: Optional[HeadInfo],
+              host_budget: Optional[int] = None) -> tuple[int, int]:
+    """(device peak, host bytes) of the lowest-memory plan at ``shape``: every layer recomputed
+    (the last ones keeping their inputs on the device where sending them all would pass
+    ``host_budget``: :func:`~offload.planner.search.lowest_recompute`), the MLPs and the head
+    tiled where they can be."""
     variant, _, _ = lowest_tiled(profile_at(profile, shape), head)
-    pred = simulate(variant, [LayerPlan(Action.RECOMPUTE)] * len(variant.layers), 1)
+    pred = lowest_recompute(variant, host_budget).prediction
     return pred.peak_bytes, pred.d2h_bytes
 
 
@@ -208,7 +210,7 @@ def longest_fitting(profile: StepProfile, batch: int, budget: int, head: Optiona
     (:func:`lowest_at`); None if none does."""
 
     def fits(length: int) -> bool:
-        device, host = lowest_at(profile, StepShape(batch, length), head)
+        device, host = lowest_at(profile, StepShape(batch, length), head, host_budget)
         return device <= budget and (host_budget is None or host <= host_budget)
 
     if not fits(16):

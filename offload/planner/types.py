@@ -325,10 +325,15 @@ class LayerPlan:
     # Any action: the layer's candidates (its MLP) run tiled over chunks of this many tokens
     # (offload.tiling.tokenwise); 0: untiled.
     tile_tokens: int = 0
+    # RECOMPUTE only: the checkpoint's inputs stay on the GPU (copied nothing), as gradient
+    # checkpointing keeps them, for a step whose host room cannot take every layer's inputs.
+    keep_inputs: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.selective, bool):
             raise ValueError(f"LayerPlan.selective must be a bool, got {self.selective!r}")
+        if not isinstance(self.keep_inputs, bool):
+            raise ValueError(f"LayerPlan.keep_inputs must be a bool, got {self.keep_inputs!r}")
         _check_int("LayerPlan", "tile_tokens", self.tile_tokens)
         if self.tile_tokens and self.selective:
             raise ValueError("LayerPlan: a layer's candidates run tiled or selectively, not both")
@@ -347,6 +352,16 @@ class LayerPlan:
         if self.selective and self.action is Action.RECOMPUTE:
             # Inside a whole-layer checkpoint the candidates run plainly (offload.forwards.selective).
             raise ValueError("LayerPlan.selective applies to KEEP and OFFLOAD; a recomputed layer recomputes everything")
+        if self.keep_inputs and self.action is not Action.RECOMPUTE:
+            raise ValueError(
+                f"LayerPlan.keep_inputs applies to RECOMPUTE only (a checkpoint's inputs), got it with "
+                f"{self.action.value}: use Action.RECOMPUTE, or leave keep_inputs False")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the layer's group is copied to the host at all (OFFLOAD, or RECOMPUTE with its
+        inputs on the host); a KEEP layer and a recompute keeping its inputs stay on the GPU."""
+        return self.action is Action.OFFLOAD or (self.action is Action.RECOMPUTE and not self.keep_inputs)
 
 
 @dataclass(frozen=True)
@@ -441,10 +456,12 @@ class Plan:
         return self.head_tokens > 0 or any(lp.tile_tokens for lp in self.layers)
 
     def describe(self) -> str:
-        """Counts of each action, e.g. ``keep 2, offload 3 (1 partial, 3 selective), recompute 11``."""
+        """Counts of each action, e.g. ``keep 2, offload 3 (1 partial, 3 selective), recompute 11
+        (3 inputs kept)``."""
         keep = [lp for lp in self.layers if lp.action is Action.KEEP]
         off = [lp for lp in self.layers if lp.action is Action.OFFLOAD]
         rec = sum(lp.action is Action.RECOMPUTE for lp in self.layers)
+        kept_inputs = sum(lp.keep_inputs for lp in self.layers)
         parts = []
         for name, group in (("keep", keep), ("offload", off)):
             if not group:
@@ -458,7 +475,7 @@ class Plan:
                 notes.append(f"{selective} selective")
             parts.append(f"{name} {len(group)}" + (f" ({', '.join(notes)})" if notes else ""))
         if rec:
-            parts.append(f"recompute {rec}")
+            parts.append(f"recompute {rec}" + (f" ({kept_inputs} inputs kept)" if kept_inputs else ""))
         tiled = sum(lp.tile_tokens > 0 for lp in self.layers)
         if tiled:
             parts.append(f"{tiled} MLPs tiled")
@@ -471,7 +488,8 @@ class Plan:
         was made from, which following it needs (the runtime's budget accounting, the table)."""
         p = self.prediction
         return {
-            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective, lp.tile_tokens] for lp in self.layers],
+            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective, lp.tile_tokens, lp.keep_inputs]
+                       for lp in self.layers],
             "budget_bytes": self.budget_bytes,
             "head_tokens": self.head_tokens,
             "head_note": self.head_note,
@@ -487,9 +505,10 @@ class Plan:
         loads, but cannot be followed: make it again with ``offload.plan``."""
         profile = data.get("profile")
         return cls(
-            # Plans saved before selective (tiled) actions existed list two (three) fields per layer.
+            # Plans saved before selective (tiled, kept-input) actions existed list two (three,
+            # four) fields per layer.
             layers=tuple(LayerPlan(Action(a), int(m), bool(more[0]) if more else False,
-                                   int(more[1]) if len(more) > 1 else 0)
+                                   int(more[1]) if len(more) > 1 else 0, bool(more[2]) if len(more) > 2 else False)
                          for a, m, *more in data["layers"]),
             budget_bytes=data["budget_bytes"],
             prediction=Prediction(**data["prediction"]),

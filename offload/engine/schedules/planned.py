@@ -15,7 +15,8 @@ step, with the byte figures of the probe):
   while they fit the budget.
 
 Recomputed layers are wrapped in non-reentrant checkpointing by ``OffloadActivations``; their
-group holds only the checkpoint's inputs.
+group holds only the checkpoint's inputs. A recomputed layer planned ``keep_inputs`` makes no
+group: its inputs stay on the GPU until its backward, as a KEEP layer's tensors do.
 
 Several micro-batches in flight (a pipeline stage's 1F1B order, see ``lifecycle.py``): each is a
 step with its own groups and its own ``held`` figures (a :class:`Holding`, by step index).
@@ -73,7 +74,9 @@ class PlannedSchedule(Schedule):
     def __init__(self, plan: Plan, profile: StepProfile) -> None:
         plan.check_matches(profile.signature(), len(profile.layers))
         actions = [lp.action for lp in plan.layers]
-        super().__init__(num_layers=sum(a is not Action.KEEP for a in actions), model_layers=len(actions))
+        # The layers whose group goes to the host (not KEEP, not a recompute keeping its inputs).
+        self._offloads = [lp.offloads for lp in plan.layers]
+        super().__init__(num_layers=sum(self._offloads), model_layers=len(actions))
         self.plan = plan
         self.profile = profile
         self.budget = plan.budget_bytes
@@ -108,7 +111,7 @@ class PlannedSchedule(Schedule):
 
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
-        return layer < len(self.actions) and self.actions[layer] is not Action.KEEP
+        return layer < len(self.actions) and self._offloads[layer]
 
     def region_bytes(self) -> list[int]:
         """The host region each copying layer will ask for: its copied bytes plus the layout's
@@ -118,7 +121,7 @@ class PlannedSchedule(Schedule):
             if lp.action is Action.OFFLOAD:
                 slots = copied_slots(layer, lp)
                 sizes.append(sum(slots) + ALIGNMENT * len(slots))
-            elif lp.action is Action.RECOMPUTE:
+            elif lp.offloads:  # a recompute sending its inputs (one keeping them pins nothing)
                 sizes.append(layer.input_bytes + ALIGNMENT * 4)  # a layer's few input tensors
         return [n for n in sizes if n > 0]
 
