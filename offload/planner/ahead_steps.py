@@ -195,9 +195,11 @@ class AheadSteps:
         # The fastest plan of profile ``at`` under the budget that copies no more than ``idle``
         # bytes (the idle blocks held), else no more than every layer recomputed copies (and the
         # host room); None where neither fits. ``emptied``: as for choose (the first plan's _make
-        # emptied the cache). Strict: a stand-in is optional, so none is followed over the budget
-        # (the own plan runs instead); the lowest keep-and-recompute plan a little over it ran out
-        # of memory on the H200 (LLAMA-8B shape, 16384, 80 GB cap: 76.9 GiB predicted, 75.9 budget).
+        # emptied the cache). With no host bytes, recomputed layers keep their inputs (a stand-in
+        # then copies nothing and waits for no block). Strict: a stand-in is optional, so none is
+        # followed over the budget (the own plan runs instead); the lowest keep-and-recompute plan
+        # a little over it ran out of memory on the H200 (LLAMA-8B shape, 16384, 80 GB cap: 76.9
+        # GiB predicted, 75.9 budget).
         device = self.engine.transport.device
         least = min(simulate(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), None).d2h_bytes,
                     self.engine.arena.plan_host_bytes())
