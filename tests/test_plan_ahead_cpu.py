@@ -21,6 +21,7 @@ from offload.planner.model import simulate
 from offload.planner.scaling import profile_at
 from offload.planner.search import BudgetError
 from offload.planner.shapes import StepShape
+from offload.planner.types import Action, LayerPlan
 
 from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, train_step
 
@@ -106,6 +107,8 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
             # The stand-in's predicted peak at the bucket fits the budget (and so, at its own top).
             assert simulate(profile_at(planned.profile, top), plan.layers, budget).peak_bytes <= budget
             assert plan.prediction.peak_bytes <= budget
+        if step == 4:  # a new bucket: every layer recomputed, its inputs kept (nothing to pin)
+            assert plan.prediction.d2h_bytes == 0 and all(lp.keep_inputs for lp in plan.layers), plan.describe()
         if step == 7:  # a new bucket under 32: the covering bucket's plan, pinned already
             assert plan is planned._plans[StepShape(2, 32)]
     assert kinds == ["stand-in", "stand-in", "own", "stand-in", "own"], kinds
@@ -113,8 +116,25 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
     # Every making on another thread.
     assert len(calls.background) == 2 and threading.get_ident() not in calls.background
     log = "\n".join(planned.ahead_log())
-    assert "follows a stand-in, every layer recomputed" in log and "follows a stand-in, bucket 32's plan" in log
+    assert "follows a stand-in, every layer recomputed, inputs kept" in log and "follows a stand-in, bucket 32's plan" in log
     assert "follows its own plan from here" in oa.plan_report()
+
+
+def test_a_new_buckets_stand_in_sends_the_inputs_where_keeping_them_does_not_fit() -> None:
+    # Kept inputs hold every boundary on the device; under a budget between the two recomputes'
+    # peaks the stand-in sends them to the host (as before kept inputs existed).
+    from offload.planner.search import plan_for
+
+    layers = make_gpt_layers(4)
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, _x(0, 16)), device="cpu", min_offload_bytes=0)
+    bucket = StepShape(2, 32)
+    at = profile_at(profile, bucket)
+    peaks = [plan_for(at, [LayerPlan(Action.RECOMPUTE, keep_inputs=k)] * 4, None).prediction.peak_bytes for k in (False, True)]
+    assert peaks[0] < peaks[1]
+    for budget, kind in ((peaks[1], ahead.LOWEST_KEPT_STAND_IN), ((peaks[0] + peaks[1]) // 2, ahead.LOWEST_STAND_IN)):
+        _, low = ahead.stand_ins(profile, bucket, {}, budget, host_bytes=1 << 40)
+        assert low is not None and low.kind == kind, (budget, low)
+        assert (low.plan.prediction.d2h_bytes == 0) is (kind == ahead.LOWEST_KEPT_STAND_IN)
 
 
 def test_a_failure_in_the_background_is_raised_at_the_buckets_next_step(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,8 +12,10 @@ of a bucket new to the plan group:
   the smallest bucket already planned that covers it (same batch, longer: its blocks are pinned,
   and a plan for a longer step holds for a shorter one), re-checked at this bucket by the cost
   model (one ``simulate``: predicted peak within the budget, host bytes within the room); else
-  every layer recomputed at this bucket (one ``simulate``), where that fits; else none, and the
-  bucket is planned now, as without plans ahead. The ranks agree on which (the one every rank
+  every layer recomputed at this bucket, its inputs kept on the GPU where that fits (gradient
+  checkpointing: nothing copied, no host block to wait for beside the own plan's pinning), else
+  sent to the host (one ``simulate`` each), where that fits; else none, and the bucket is
+  planned now, as without plans ahead. The ranks agree on which (the one every rank
   can follow) in the collective they already make at a new bucket ("plan fits");
 - has its own plan made on a background thread (:class:`PlansAhead`): the search is pure Python
   on the profile predicted at the bucket (``profile_at``, ``choose`` with the budget read on the
@@ -56,6 +58,7 @@ from .types import LayerPlan, Plan, StepProfile
 __all__ = ["Made", "PlansAhead", "StandIn", "Yielding", "make_ahead", "stand_ins"]
 
 LOWEST_STAND_IN = "every layer recomputed"
+LOWEST_KEPT_STAND_IN = "every layer recomputed, inputs kept"
 
 
 class Yielding:
@@ -89,9 +92,10 @@ def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape,
               host_bytes: int) -> tuple[Optional[StandIn], Optional[StandIn]]:
     """The plans a step of ``bucket`` may follow now, with no search and no new pinning: (the plan
     of the smallest of ``plans``, the buckets every rank has planned, of the same batch that
-    covers ``bucket``; every layer recomputed at ``bucket``), each None unless its predicted peak
-    at ``bucket`` is within ``budget_bytes`` (None: the plain step's peak there) and its copies
-    within ``host_bytes``. One ``simulate`` each, no search; the same candidates on every rank."""
+    covers ``bucket``; every layer recomputed at ``bucket``, its inputs kept where that fits),
+    each None unless its predicted peak at ``bucket`` is within ``budget_bytes`` (None: the plain
+    step's peak there) and its copies within ``host_bytes``. One ``simulate`` each, no search;
+    the same candidates on every rank."""
     at = profile_at(profile, bucket)
     budget = at.plain_peak_bytes if budget_bytes is None else budget_bytes
 
@@ -105,11 +109,13 @@ def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape,
     # (A tiled plan's figures are its variant's: not re-checked at another shape.)
     if covering is not None and not plans[covering].tiles() and fits(plans[covering]):
         cover = StandIn(plans[covering], f"bucket {covering.length}'s plan", covering)
-    lowest = plan_for(at, [LayerPlan(Action.RECOMPUTE)] * len(at.layers), budget)
     low = None
-    if fits(lowest):
-        reason = f"a stand-in while this bucket's own plan is made: {LOWEST_STAND_IN}"
-        low = StandIn(replace(lowest, budget_reason=reason), LOWEST_STAND_IN, bucket)
+    for kind, kept in ((LOWEST_KEPT_STAND_IN, True), (LOWEST_STAND_IN, False)):
+        lowest = plan_for(at, [LayerPlan(Action.RECOMPUTE, keep_inputs=kept)] * len(at.layers), budget)
+        if fits(lowest):
+            reason = f"a stand-in while this bucket's own plan is made: {kind}"
+            low = StandIn(replace(lowest, budget_reason=reason), kind, bucket)
+            break
     return cover, low
 
 
