@@ -48,16 +48,21 @@ makes a step longer than ``S`` a NO-GO.
 10 min a command, warm 30 s after a call). Measured on the H200s (docs/benchmarks.md, T29): on 2
 GPUs a step is 22-27 min and the 32 checkpoint boundaries take 128 GiB of host a rank, more than a
 256 GiB node holds for two; on 4 (``--nproc 4``, kind ``nvidia-h200-x4``) the preflight says
-8.4-13 min and 89 GiB of host a rank: GO. So run it on 4, and say so: the target names 2. Call 1
-(``timeout_s`` 600) builds, runs the preflight (about 2 min; with the ``--probe-length``
-fallback if the short probe fails) and, on GO, starts the full run detached (``setsid``: it
-outlives the call while the machine is held)::
+8.4-13 min and 89 GiB of host a rank: GO. So run it on 4, and say so: the target names 2.
+``--plan-only`` is the check before a step of minutes: the whole model, probed short inside its
+first full-length call, planned, and stopped before its first layer runs (a minute or two: the
+build and the probe); it prints the plan, its predicted step, GPU peak and host a rank, the
+node's RAM, and GO or NO-GO. (A ``--layers 2`` preflight measures a layer's time, but its plan is
+extrapolated: it missed what stopped the whole model's own plan on the H200.) Call 1
+(``timeout_s`` 600) builds, checks the plan (with the ``--probe-length`` fallback if the short
+probe fails) and, on GO, starts the full run detached (``setsid``: it outlives the call while the
+machine is held)::
 
     pip install -q --no-build-isolation --no-deps -e . > /tmp/build.log 2>&1 || { tail /tmp/build.log; exit 1; }
     mkdir -p /tmp/t29; P=""; T="python benchmarks/context_parallel.py --case T29 --contenders ours --nproc 4"
-    $T --layers 2 --time-left-s 1200 --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1 \
-      || { P="--probe-length 65536"; $T --layers 2 --time-left-s 1140 $P --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1; }
-    grep -E "^ours (step|preflight|[0-9]+ layers|host|verdict)|Error" /tmp/t29/pre.txt | tail -14
+    $T --plan-only --time-left-s 1200 --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1 \
+      || { P="--probe-length 65536"; $T --plan-only --time-left-s 1140 $P --out /tmp/t29/pre.json > /tmp/t29/pre.txt 2>&1; }
+    grep -E "^ours (step|plan only|host|verdict)|Error" /tmp/t29/pre.txt | tail -14
     cp /tmp/t29/pre.txt /tmp/t29/pre.json $OUT/
     if grep -q "verdict: GO" /tmp/t29/pre.txt; then
       setsid nohup $T --steps 1 $P --out /tmp/t29/T29.json > /tmp/t29/log 2>&1 < /dev/null & echo started
@@ -73,8 +78,6 @@ The log shows ``ours step 0: forward layer 8/32, 301.2 s``-style lines as the st
 is over at ``wrote ...`` (the JSON and PNG come back in ``$OUT``: put them in
 ``benchmarks/results/context_parallel_T29.json``). On NO-GO, the preflight's lines say why (no
 plan fits the GPU and host, the node's RAM, or the time left) and which ``--length`` would fit.
-A preflight extrapolates the plan from its few layers; the whole model's own first plan can still
-differ (the tiled head's residual did, see docs/benchmarks.md): the full run's first minute shows it.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ from workloads import hf_checkpointing, llama_1b, llama_8b_shape, train_norms_on
 
 import offload  # noqa: E402
 from offload.layers.model_form import head_info  # noqa: E402
-from cp_long_step import LayerClock, extrapolate, layer_weight_bytes, per_layer_ms, preflight_report  # noqa: E402
+from cp_long_step import LayerClock, PlanMade, extrapolate, layer_weight_bytes, per_layer_ms, plan_only_report, \
+    planned_figures, preflight_report, stop_when_planned  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CONTENDERS = ("plain", "hf_ckpt", "ours", "ours_1gpu")
@@ -133,6 +137,10 @@ def parser() -> argparse.ArgumentParser:
                         "default 0: the first full-length call is probed short inside it)")
     p.add_argument("--layers", type=int, default=None,
                    help="preflight: the case with this many decoder layers, one full-length step, extrapolated")
+    p.add_argument("--plan-only", action="store_true",
+                   help="the whole model's own plan at the full length (probed short inside the first call), "
+                        "then stop before the step runs: plan, predicted step, GPU peak and host a rank, the "
+                        "node's RAM, GO or NO-GO (minutes sooner than a step of minutes shows a plan that fails)")
     p.add_argument("--time-left-s", type=float, default=None,
                    help="preflight: the seconds a full step may take (its verdict is NO-GO past them)")
     p.add_argument("--short-probe-tokens", type=int, default=None,
@@ -217,9 +225,11 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
         layers = list(model.model.layers)
         every = _progress(args)
         clock = LayerClock(layers, device, every) if rank == 0 and (every or args.layers) else None
+        if args.plan_only and oa is not None:
+            stop_when_planned(layers[0], oa, length // dist.get_world_size())
         vocab = model.config.vocab_size
         ckpt = hf_checkpointing(model) if contender == "hf_ckpt" else contextlib.nullcontext()
-        steps = args.steps or (1 if args.layers else CASES[args.case][3])
+        steps = 1 if args.plan_only else args.steps or (1 if args.layers else CASES[args.case][3])
         run = _Runner(contender, model, meshes, oa, vocab, device, clock, rank == 0, dist.get_world_size())
         with ckpt:
             # Probe steps (and one planned step) at the short length, so that the first step at
@@ -228,7 +238,7 @@ def run_rank(args: argparse.Namespace, contender: str, record_path: Path) -> int
                 if run.step(records, len(records), short):
                     break
             # Not for a step of minutes (T29, a preflight): --steps full-length steps, planned or not.
-            extra = MORE_FOR_A_PLAN if oa is not None and args.case != "T29" and not args.layers else 0
+            extra = MORE_FOR_A_PLAN if oa is not None and args.case != "T29" and not (args.layers or args.plan_only) else 0
             for i in range(steps + extra):
                 # A planned contender goes on past --steps until a step ran under its plan.
                 if i >= steps and any(r.get("phase") in ("planned", SHORT) and r["length"] == length for r in records):
@@ -316,6 +326,8 @@ def _step(i: int, model: Any, meshes: Any, oa: Optional[Any], vocab: int, length
             first = next((t for phase, _, t in clock.marks if phase == "fwd"), None)
             # From the first layer's entry on: without a short probe run inside the call.
             record["clock_ms"] = 1e3 * (end - first) if first is not None else None
+    except PlanMade:  # --plan-only: the step's own plan, the step not run
+        record.update(phase="plan only", planned=planned_figures(oa.plan), ms=(time.perf_counter() - start) * 1e3)
     except Exception as exc:  # noqa: BLE001 - recorded; FSDP2 cannot go on past it
         traceback.print_exc()
         record["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
@@ -359,6 +371,7 @@ def summarize(contender: str, result: dict[str, Any], length: int) -> dict[str, 
             "host_bytes": [max(r.get("host_bytes") or 0 for r in s) for s in full],
             "peak_bytes": max((r["peak_bytes"] for s in steps for r in s), default=0),
             "preflight": result.get("preflight"),
+            "planned": [r["planned"] for s in full for r in s if r.get("planned")],  # --plan-only, a rank each
             "planning_steps": planning, "losses": [s[0].get("loss") for s in ok], "errors": errors[:3],
             "plan": result.get("plan"), "trainable_params": result.get("trainable_params")}
 
@@ -420,7 +433,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             result = json.loads(path.read_text()) if path.exists() else {"error": f"the ranks exited with {code}"}
             rows[contender] = summarize(contender, result, length)
             print(f"{contender}: {rows[contender]}", flush=True)
-    lines = verdicts(case, rows, args.nproc) if not args.layers else []
+    lines = verdicts(case, rows, args.nproc) if not (args.layers or args.plan_only) else []
     if args.layers:
         import psutil
 
@@ -430,9 +443,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             lines += [f"{contender} {line}" for line in
                       preflight_report(row, args.layers, full, length, args.nproc, memory.total, memory.available,
                                                        args.time_left_s)]
+    if args.plan_only:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        for contender, row in rows.items():
+            lines += [f"{contender} {line}" for line in plan_only_report(row, length, args.nproc, memory.total,
+                                                                         memory.available, args.time_left_s)]
     for line in lines:
         print(line)
-    name = f"context_parallel_{case}" + (f"_preflight{args.layers}" if args.layers else "")
+    name = f"context_parallel_{case}" + (f"_preflight{args.layers}" if args.layers else "_plan" if args.plan_only else "")
     out = args.out or RESULTS / ("smoke" if args.smoke else "") / f"{name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"case": case, "length": length, "nproc": args.nproc, "layers": args.layers,

@@ -9,6 +9,10 @@
   ``offload_probe_observer`` (they compute nothing), so the planner's short probe still runs with
   them on (``offload.layers.short_probe``); the probe's calls, cut to a few tokens, are not marked.
 - :func:`per_layer_ms` turns the marks into one decoder layer's forward + backward time.
+- :func:`stop_when_planned` (``--plan-only``): the whole model's first full-length call is probed
+  short and planned, and stopped as its first layer begins (:class:`PlanMade`): its own plan, with
+  every layer and the head as they are (a preflight's few layers extrapolate; they missed the
+  tiled head's residual, docs/benchmarks.md T29), in the time of the model's build and the probe.
 - :func:`extrapolate` answers for the whole model what a preflight of ``N`` layers measured: the
   planner's own profile of the step (measured at a short length and scaled to this one, see
   ``offload.planner.scaling``) is given the model's depth (its last layer repeated, the other
@@ -31,7 +35,7 @@ from offload.planner.search import BudgetError
 from offload.planner.tiling import longest_fitting
 
 __all__ = ["LayerClock", "per_layer_ms", "layer_weight_bytes", "with_layers", "extrapolate",
-           "preflight_report"]
+           "preflight_report", "PlanMade", "stop_when_planned", "planned_figures", "plan_only_report"]
 
 
 def _first_tensor(output: Any) -> Optional[torch.Tensor]:
@@ -120,6 +124,54 @@ class LayerClock:
         def hook(grad: torch.Tensor) -> None:  # returns None: the gradient is left as it is
             self._mark("bwd", index)
         return hook
+
+
+class PlanMade(Exception):
+    """Raised by :func:`stop_when_planned`: the step's plan is made, and the step is not run."""
+
+
+def stop_when_planned(layer: torch.nn.Module, oa: Any, tokens: int) -> Any:
+    """A forward pre-hook on ``layer`` (the first decoder layer) that raises :class:`PlanMade` at
+    the first call of ``tokens`` tokens a sequence (this rank's) once ``oa`` has a plan: the short
+    probe's calls (fewer tokens) run on. The same on every rank: each stops at the same point,
+    ahead of the layer's other hooks (FSDP2's all-gather, a :class:`LayerClock`). Returns the
+    hook's handle."""
+    def hook(module: torch.nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        hidden = _first_tensor(args) if args else kwargs.get("hidden_states")
+        if oa.plan is not None and hidden is not None and hidden.dim() >= 2 and hidden.shape[1] == tokens:
+            raise PlanMade()
+    hook.offload_probe_observer = True  # type: ignore[attr-defined]  # (the probe's calls pass through)
+    return layer.register_forward_pre_hook(hook, with_kwargs=True, prepend=True)
+
+
+def planned_figures(plan: Any) -> dict[str, Any]:
+    """What a plan predicts for its step: the plan, step (ms), GPU peak and host bytes, and why
+    this budget."""
+    p = plan.prediction
+    return {"plan": plan.describe(), "step_ms": p.step_ms, "peak_bytes": p.peak_bytes, "host_bytes": p.d2h_bytes,
+            "budget_bytes": plan.budget_bytes, "budget_reason": plan.budget_reason}
+
+
+def plan_only_report(row: dict[str, Any], length: int, ranks: int, node_total: int, node_available: int,
+                     time_left_s: Optional[float] = None) -> list[str]:
+    """``--plan-only``'s lines: each rank's own plan at ``length`` tokens (the slowest shown),
+    the node's host bytes for its ``ranks`` against its RAM, and ``verdict: GO`` or ``NO-GO (why)``."""
+    found = [p for p in row.get("planned") or [] if p]
+    if not found:
+        return [f"plan only: no plan at {length} tokens: {row.get('errors')}",
+                f"verdict: NO-GO (no plan at {length} tokens; see the error)"]
+    worst = max(found, key=lambda p: p["step_ms"])
+    host = sum(p["host_bytes"] for p in found) * (ranks // len(found))
+    step_s = worst["step_ms"] / 1e3
+    lines = [f"plan only, {length} tokens on {ranks} ranks (the whole model, probed short): plan {worst['plan']}; "
+             f"predicted step ~{step_s:.3g} s ({step_s / 60:.1f} min), GPU peak {_gib(max(p['peak_bytes'] for p in found))} "
+             f"a rank, host {_gib(max(p['host_bytes'] for p in found))} a rank; budget {worst['budget_reason']}",
+             f"host on the node: {_gib(host)} for {ranks} ranks, of {_gib(node_total)} RAM ({_gib(node_available)} "
+             "available now)"]
+    problems = [lines[-1] + ": DOES NOT FIT"] if host > node_available else []
+    if time_left_s is not None and step_s > time_left_s:
+        problems.append(f"a step of ~{step_s / 60:.1f} min is past the {time_left_s / 60:.1f} min left")
+    return lines + ["verdict: GO" if not problems else f"verdict: NO-GO ({'; '.join(p[:200] for p in problems)})"]
 
 
 def per_layer_ms(marks: list[tuple[str, int, float]], count: int) -> Optional[float]:

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from _bench_util import BENCH  # noqa: E402
+from _bench_util import BENCH, bench_module  # noqa: E402
 
 
 def test_smoke_runs_the_planned_contender_on_two_ranks(tmp_path) -> None:
@@ -55,3 +55,28 @@ def test_a_probe_length_gives_the_plan_before_the_first_full_length_step(tmp_pat
     stdout, row = _smoke(tmp_path, "--probe-length", "32", "--steps", "1")
     assert "ours step 0: 32 tokens on 2 ranks" in stdout, stdout[-2000:]
     assert row["first_full_phase"] == "planned" and row["full_length_steps"] == 1, row
+
+
+def test_plan_only_gives_the_whole_models_own_plan_and_runs_no_step(tmp_path) -> None:
+    # --plan-only (T29's check before a step of minutes): every layer, probed short inside the
+    # first full-length call, planned, and stopped as its first layer begins: no layer runs at
+    # the full length (the progress lines would show it), each rank's plan is reported.
+    stdout, row = _smoke(tmp_path, "--plan-only", "--short-probe-tokens", "8", "--progress", "1", "--time-left-s", "600")
+    assert row["first_full_phase"] == "plan only" and row["full_length_steps"] == 1, row
+    assert "forward layer" not in stdout and "backward layer" not in stdout, stdout[-2000:]
+    assert len(row["planned"]) == 2 and all(p["plan"] and p["step_ms"] > 0 for p in row["planned"]), row
+    assert "ours plan only, 64 tokens on 2 ranks" in stdout and "ours verdict: GO" in stdout, stdout[-2000:]
+
+
+def test_plan_only_says_no_go_where_the_node_or_the_planner_says_no() -> None:
+    report = bench_module("cp_long_step").plan_only_report
+    planned = {"plan": "recompute 32", "step_ms": 6e5, "peak_bytes": 1 << 37, "host_bytes": 128 << 30,
+               "budget_reason": "device"}
+    ok = report({"planned": [planned, planned]}, 1 << 20, 2, 512 << 30, 500 << 30)
+    assert ok[-1] == "verdict: GO", ok
+    full = report({"planned": [planned, planned]}, 1 << 20, 2, 256 << 30, 250 << 30)
+    assert full[-1].startswith("verdict: NO-GO") and "DOES NOT FIT" in full[-1], full
+    late = report({"planned": [planned, planned]}, 1 << 20, 2, 512 << 30, 500 << 30, time_left_s=300)
+    assert late[-1].startswith("verdict: NO-GO") and "10.0 min" in late[-1], late
+    none = report({"planned": [], "errors": ["BudgetError: no plan fits"]}, 1 << 20, 2, 512 << 30, 500 << 30)
+    assert none[-1].startswith("verdict: NO-GO") and "BudgetError" in none[0], none
