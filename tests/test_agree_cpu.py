@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "distributed"))  # spawn.py
-from spawn import free_port, run_ranks  # noqa: E402
+from spawn import free_port, rank_results, run_ranks  # noqa: E402
 
 from offload.planner import agree  # noqa: E402
 from offload.planner.agree import agree_flag, agree_max, agree_shape, agree_step, ranks_agree_enabled  # noqa: E402
@@ -103,9 +103,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         pytest.skip("torch.distributed with gloo is not available")
     out = tmp_path_factory.mktemp("agree")
     run_ranks(_worker, (WORLD, free_port(), str(out)), WORLD, DEADLINE_S)
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r} raised:\n{res['error']}"
+    results = rank_results(out, WORLD, errors_fail=True)
     return results
 
 

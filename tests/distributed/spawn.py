@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import json
 import socket
+from pathlib import Path
 from typing import Any, Callable
 
 import pytest
@@ -28,3 +30,12 @@ def run_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int, d
             for process in workers.processes:
                 process.kill()
             pytest.fail(f"the {nprocs} ranks did not finish within {deadline_s:.0f} s: something hung (killed)")
+
+
+def rank_results(out_dir: Path, world: int, errors_fail: bool = False) -> list[dict[str, Any]]:
+    """What each of ``world`` ranks wrote to ``out_dir / f"rank{r}.json"``, in rank order; with
+    ``errors_fail``, a rank that recorded an ``"error"`` fails the test with its traceback."""
+    results = [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(world)]
+    for r, res in enumerate(results):
+        assert not errors_fail or "error" not in res, f"rank {r} raised:\n{res['error']}"
+    return results

@@ -36,7 +36,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import free_port, run_ranks
+from spawn import free_port, rank_results, run_ranks
 
 import offload
 from offload.parallel.batch import padded_length, prepare_batch
@@ -281,7 +281,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """What each of the 2 ranks saw, one dict per rank."""
     out = tmp_path_factory.mktemp("cp")
     run_ranks(_worker, (WORLD, free_port(), str(out)), WORLD, DEADLINE_S)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return rank_results(out, WORLD)
 
 
 def _get(ranks: list[dict[str, Any]], name: str) -> list[Any]:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import free_port, run_ranks
+from spawn import free_port, rank_results, run_ranks
 
 import offload
 from offload.models import GPTBlock, run_layers
@@ -195,7 +195,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("ahead")
     run_ranks(_worker, (WORLD, free_port(), str(out)), WORLD, DEADLINE_S)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return rank_results(out, WORLD)
 
 
 def _switched_together(cases: list[dict[str, Any]]) -> list[str]:

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import free_port, run_ranks
+from spawn import free_port, rank_results, run_ranks
 
 from diverge import CPU_CASES, problems, run_cases, sizes_for
 
@@ -58,7 +58,7 @@ def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     world = request.param
     out = tmp_path_factory.mktemp(f"diverge{world}")
     run_ranks(_worker, (world, free_port(), str(out)), world, DEADLINE_S)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    return rank_results(out, world)
 
 
 @pytest.mark.parametrize("case", CPU_CASES, ids=[c.name for c in CPU_CASES])

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from spawn import free_port, run_ranks
+from spawn import free_port, rank_results, run_ranks
 
 import offload
 
@@ -149,9 +149,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp_probe")
     run_ranks(_worker, (free_port(), str(out)), WORLD, DEADLINE_S)
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
-    for r, res in enumerate(results):
-        assert "error" not in res, f"rank {r}:\n{res['error']}"
+    results = rank_results(out, WORLD, errors_fail=True)
     return results
 
 
