@@ -134,7 +134,7 @@ class PlannedSteps(AheadSteps):
         self._pinned_ahead = False
         self.planning_s = 0.0  # host seconds spent making plans for new shapes (the report's)
         self._init_ahead(plan_ahead)
-        self.costs = FirstSteps(lambda: engine.arena.counters.acquire_s)  # the first steps' one-off costs
+        self.costs = FirstSteps(lambda: engine.arena.counters.acquire_s, lambda: engine.arena.pinner.busy_s)
         self._sequence: Optional[ProbeSequence] = None
         self._step_mark: Any = None
         self._entry_step: Optional[int] = None  # the engine step planned at the model's entry

@@ -120,3 +120,38 @@ def test_each_second_is_charged_where_it_was_spent() -> None:
         costs.enter()
         costs.kind("planned")
     assert len(costs.rows()) == 2 + PLANNED_STEPS  # the planned steps after the first ones are not kept
+
+
+def test_the_background_pinners_seconds_beside_each_step_are_shown_not_charged() -> None:
+    clock, background = _Clock(), [0.0]
+    costs = FirstSteps(lambda: 0.0, lambda: background[0], now=clock)
+    costs.enter()
+    costs.kind("size")
+    clock.spend(2.0)
+    background[0] = 3.5  # two workers pinned beside the step
+    costs.enter()
+    costs.kind("planned")
+    clock.spend(1.0)
+    background[0] = 4.0
+    costs.enter()
+    first, second, _ = costs.rows()
+    assert (first["background_pin_s"], second["background_pin_s"]) == (3.5, 0.5)
+    assert first["other_s"] == 2.0 and first["pinning_s"] == 0.0  # not charged to the step
+    assert "bg-pin" in costs.table() and "3.500" in costs.table()
+
+
+def test_the_background_pinner_counts_its_busy_seconds() -> None:
+    import time
+
+    from offload.host.pinning import BackgroundPinner
+
+    def slow_allocate(nbytes: int):
+        time.sleep(0.05)
+        return torch.empty(nbytes, dtype=torch.uint8), nbytes
+
+    pinner = BackgroundPinner(slow_allocate, None)
+    futures = [pinner.submit(16) for _ in range(4)]
+    for future in futures:
+        future.result()
+    assert 0.2 <= pinner.busy_s < 2.0
+    pinner.close()

@@ -101,8 +101,8 @@ class HostArena:
                 raise RuntimeError("offload: the host arena was dropped before its block was pinned")
             return arena.allocate(nbytes)
 
-        self._pinner = BackgroundPinner(allocate_for_arena, device_index if pinned else None)
-        weakref.finalize(self, self._pinner.close)
+        self.pinner = BackgroundPinner(allocate_for_arena, device_index if pinned else None)
+        weakref.finalize(self, self.pinner.close)
         self._step_sizes: list[int] = []  # block sizes asked for by the latest acquiring step
         # Blocks being pinned in the background: (size, future), sorted by size.
         self._pending: list[tuple[int, concurrent.futures.Future]] = []
@@ -220,7 +220,7 @@ class HostArena:
         # and None returned (nothing queued) when the process has no room for it.
         if not charged and not self._account.try_charge(self._expect(size)):
             return None
-        future = self._pinner.submit(size)
+        future = self.pinner.submit(size)
         self._account.mark_pending(self._expect(size))  # charged, not gone from the node yet
         with self._lock:
             self.counters.bytes_pending += size
@@ -570,7 +570,7 @@ class HostArena:
         lent to groups still alive, and those CUDA graphs own, stay); returns the bytes freed.
         For a context that is done with: the next step pins again. A block being pinned cannot
         be stopped halfway: this waits for it, then frees it."""
-        self._pinner.close()  # cancels the queued blocks
+        self.pinner.close()  # cancels the queued blocks
         self.settle(wait=True)
         with self._lock:
             held = self.counters.bytes_held

@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import itertools
+import threading
+import time
 from typing import Callable, Optional
 
 import torch
@@ -134,20 +136,28 @@ def allocate_host_block(
 
 class BackgroundPinner:
     """Worker threads (:data:`PINNER_WORKERS`) that run ``allocate`` for blocks queued ahead of
-    need, in the order queued."""
+    need, in the order queued. ``busy_s``: the seconds the workers have spent allocating, summed
+    over them (what pinned beside a step: ``offload.planner.first_steps`` reads it)."""
 
     def __init__(self, allocate: Allocator, device_index: Optional[int]) -> None:
         self._allocate = allocate
         self._device_index = device_index
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._queued = itertools.count()
+        self.busy_s = 0.0
+        self._busy_lock = threading.Lock()  # two workers add to busy_s
 
     def _run(self, nbytes: int) -> tuple[torch.Tensor, int]:
         if self._device_index is not None and self._device_index >= 0:
             # The driver pins in the calling thread's current context; the worker has none until
             # torch makes the device's primary context current here.
             torch.cuda.set_device(self._device_index)
-        return self._allocate(nbytes)
+        started = time.perf_counter()
+        try:
+            return self._allocate(nbytes)
+        finally:
+            with self._busy_lock:
+                self.busy_s += time.perf_counter() - started
 
     def submit(self, nbytes: int) -> "concurrent.futures.Future[tuple[torch.Tensor, int]]":
         """Queue one block; its future gives ``(block, bytes held)`` or the allocation's error."""

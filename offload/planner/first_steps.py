@@ -23,6 +23,11 @@ planned step makes the plan. Each of those steps pays one-off costs on top of th
     growing the caching allocator to the plain step's predicted peak before the measured plain
     step, where no calibration step did it (:mod:`offload.planner.sequence`).
 
+Beside the phases, ``background_pin_s`` is the seconds the arena's background pinner spent
+pinning while the step ran (summed over its workers; not charged to the step, which does not wait
+for it): a step slower than its plan beside a large one points at the driver's registration
+contending with the step's own launches or copies.
+
 Every figure is host seconds from ``time.perf_counter`` around the phase (no device
 synchronisation of its own). A step's ``wall_s`` runs from its ``with``'s entry to the next
 step's, so the costs paid at a step's entry (closing the previous probe step, making the plan)
@@ -57,25 +62,31 @@ class StepCosts:
     kind: str
     wall_s: Optional[float] = None   # entry to the next step's entry (None: not over yet)
     device_s: Optional[float] = None  # a probe step's span on the device (its events)
+    background_pin_s: float = 0.0     # the background pinner's seconds while the step ran
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
         """Plain data: ``step``, ``kind``, ``wall_s``, ``device_s``, ``<phase>_s`` for each of
-        :data:`PHASES`, and ``other_s`` (the wall less the phases; None while the step runs)."""
+        :data:`PHASES`, ``other_s`` (the wall less the phases; None while the step runs) and
+        ``background_pin_s``."""
         spent = sum(self.phases.values())
         return {"step": self.step, "kind": self.kind, "wall_s": self.wall_s, "device_s": self.device_s,
                 **{f"{name}_s": seconds for name, seconds in self.phases.items()},
-                "other_s": None if self.wall_s is None else self.wall_s - spent}
+                "other_s": None if self.wall_s is None else self.wall_s - spent,
+                "background_pin_s": self.background_pin_s}
 
 
 class FirstSteps:
     """The records of the first steps of one context. ``pinned()``: the seconds its arena has
-    spent acquiring host blocks so far (``ArenaCounters.acquire_s``), read at each step's entry.
+    spent acquiring host blocks so far (``ArenaCounters.acquire_s``), read at each step's entry;
+    ``background()``: the seconds its background pinner has spent so far (``BackgroundPinner.busy_s``).
     ``now``: the clock (a test's own, to check what is charged where)."""
 
-    def __init__(self, pinned: Callable[[], float], now: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, pinned: Callable[[], float], background: Callable[[], float] = lambda: 0.0,
+                 now: Callable[[], float] = time.perf_counter) -> None:
         self.steps: list[StepCosts] = []
-        self._pinned, self._now = pinned, now
+        self._pinned, self._background, self._now = pinned, background, now
+        self._background_at_start = 0.0
         self._open: Optional[StepCosts] = None
         self._closed: Optional[StepCosts] = None  # the step before the one recorded now
         self._started = 0.0
@@ -92,6 +103,7 @@ class FirstSteps:
             return
         self._open = StepCosts(len(self.steps) + 1, "")
         self._started, self._pinned_at_start = now, self._pinned()
+        self._background_at_start = self._background()
         self.steps.append(self._open)
 
     def kind(self, kind: str) -> None:
@@ -140,6 +152,7 @@ class FirstSteps:
         # The blocks its copies pinned (or waited for) on the spot; the wait for those pinned
         # ahead was charged at its entry.
         step.phases["pinning"] += max(0.0, self._pinned() - self._pinned_at_start)
+        step.background_pin_s = self._background() - self._background_at_start
 
     def rows(self) -> list[dict[str, Any]]:
         """Each recorded step as :meth:`StepCosts.as_dict`."""
@@ -149,12 +162,12 @@ class FirstSteps:
         """The short "first steps" table of the report ('' before any step was recorded)."""
         if not self.steps:
             return ""
-        head = f"{'step':>4}  {'kind':<9} {'wall':>7} {'device':>7} " + " ".join(f"{n:>11}" for n in PHASES) + "   other"
+        head = f"{'step':>4}  {'kind':<9} {'wall':>7} {'device':>7} " + " ".join(f"{n:>11}" for n in PHASES) + "   other  bg-pin"
         lines = ["first steps (seconds; the one-off costs of planning: offload.planner.first_steps):", head]
         for row in self.rows():
             lines.append(f"{row['step']:>4}  {row['kind']:<9} {_cell(row['wall_s'], 'running'):>7} "
                          f"{_cell(row['device_s']):>7} " + " ".join(f"{row[n + '_s']:>11.3f}" for n in PHASES)
-                         + f" {_cell(row['other_s']):>7}")
+                         + f" {_cell(row['other_s']):>7} {row['background_pin_s']:>7.3f}")
         return "\n\n" + "\n".join(lines)
 
 
