@@ -175,3 +175,20 @@ def test_no_stand_in_is_followed_over_the_budget() -> None:
                     # stand-ins that copied took 5x a steady step beside the own plan's pinning.
                     assert oa.plan.prediction.d2h_bytes == 0 and "inputs kept" in oa.plan.describe(), oa.plan.describe()
     assert kinds[-1] == "own" and "stand-in" in kinds, kinds
+
+
+def test_the_stand_ins_pool_is_grown_before_the_pinner_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # On the H200 a stand-in step ran for as long as its plan's blocks took to register (55 s for a
+    # 12 s step): its cudaMalloc calls waited behind cuMemHostRegister. So the stand-in's pool is
+    # grown to its predicted peak at its entry, before the first block is queued.
+    layers = make_gpt_layers(4)
+    oa = _context(layers, _budget(layers), plan_ahead=True)
+    gate, asked = fake_slow_pinner(oa)
+    import offload.planner.ahead_steps as ahead_steps
+    monkeypatch.setattr(ahead_steps, "grow_allocator", lambda device, peak: asked.append(("grow", peak)))
+    for step in range(5):
+        oa_step(layers, _x(step), oa)
+    assert oa._planned.last_plan["plan"] == "stand-in"
+    assert asked[0] == ("grow", oa.plan.prediction.peak_bytes), asked
+    assert [a for a in asked if isinstance(a, tuple)] == [asked[0]]  # once: the first plan's stand-in
+    gate.set()

@@ -23,6 +23,7 @@ from .make import LOWEST, choose
 from .model import simulate
 from .scaling import profile_at
 from .search import BudgetError
+from .sequence import grow_allocator
 from .shapes import StepShape
 from .types import LayerPlan, Plan
 
@@ -140,6 +141,9 @@ class AheadSteps:
         first, self._first = self._first, None
         if first is not None and standing is not None:
             self._made_at = self._step_index
+            # The first plan emptied the cache: the stand-in's pool is grown before the pinner starts
+            # registering, so that its step does not wait in cudaMalloc behind each registration.
+            grow_allocator(self.engine.transport.device, standing.plan.prediction.peak_bytes)
             self._pin(self._regions(standing.plan))  # (its few blocks first: the pinner's queue is in order)
             ahead.start(bucket, self._step_index, standing, None, first)  # type: ignore[union-attr]
         if ahead_now:

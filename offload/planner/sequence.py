@@ -120,6 +120,23 @@ _NO_FIT = ("offload: the planner's probe ran out of device memory even with ever
 _NO_FIT_HINT = "No plan can fit: use a shorter sequence, a smaller batch, or more GPUs (a smaller shard on each)"
 
 
+def grow_allocator(device: torch.device, peak_bytes: int) -> None:
+    """Grow the caching allocator to ``peak_bytes`` on ``device`` now: one block, freed at once
+    (the allocator keeps it and splits it for the step's tensors). A step that would otherwise
+    grow the pool between its kernels calls ``cudaMalloc`` there, and each of those waits for the
+    driver while the background pinner registers host memory (``cuMemHostRegister`` holds it:
+    measured on the H200, a stand-in step beside its plan's pinning). Out of memory here is left
+    for the step itself to meet. No-op off CUDA."""
+    if device.type != "cuda":
+        return
+    extra = peak_bytes - torch.cuda.memory_allocated(device)
+    try:
+        if extra > 0:
+            torch.empty(extra, dtype=torch.uint8, device=device)
+    except torch.cuda.OutOfMemoryError:
+        pass
+
+
 class ProbeSequence:
     """Hands out the probe step of each planning step and takes back how it went.
 
@@ -186,14 +203,8 @@ class ProbeSequence:
         # prediction of that peak: one block, freed at once (the allocator keeps it). Out of
         # memory here is the measured step's to find (it then moves to the low-memory probe).
         self.grow = False
-        if self.sizing is None or self.device.type != "cuda":
-            return
-        extra = self.sizing.plain_peak_bytes - torch.cuda.memory_allocated(self.device)
-        try:
-            if extra > 0:
-                torch.empty(extra, dtype=torch.uint8, device=self.device)
-        except torch.cuda.OutOfMemoryError:
-            pass
+        if self.sizing is not None:
+            grow_allocator(self.device, self.sizing.plain_peak_bytes)
 
     def judge(self, probe: Optional[ProbeStep], exc: Optional[BaseException] = None) -> StepOutcome:
         """This rank's outcome of the step ``probe`` ran (None: a plain warm-up), ``exc`` what it
