@@ -35,6 +35,15 @@ step2/steady, and ``pinned_allocations`` / ``pinned_bytes_held`` of the context'
 steps 1 and 2 and at the end. T14: step 1 <= 1.5x steady, judged on the ``offload`` variant (the
 reserve variant's verdict, reserve call excluded, is printed next to it).
 
+``--registration GIB`` measures instead what pinning in the background costs this thread's GPU
+work (issue 50 s1: a first plan's stand-in step ran as long as its plan's blocks took to pin): two
+loops, ``kernels`` (eight 8192^2 bf16 matmuls, then a synchronise) and ``launches`` (400 tiny
+kernels, then a synchronise), each timed alone, then again and again while
+``offload.host.pinning``'s two background workers pin ``GIB`` GiB in blocks of
+``--block-mib`` (the arena's own path). The stall is the loops' time beyond their quiet median,
+reported against the pinning's wall time. It needs the native extension (the registration is
+what is measured) and CUDA.
+
 Usage: ``python benchmarks/first_step.py [--steps N] [--models gpt_a,llama_1b]``; ``--cpu-smoke``
 for a tiny CPU check. Writes ``benchmarks/results/first_step.json``. About 1 to 2 minutes of GPU
 time with the defaults (LLAMA-1B's first offload step took 19 s before issue 12). Not in
@@ -303,11 +312,81 @@ def run_workload(env: common.Env, name: str, scale: float, steps: int) -> dict[s
     return {"workload": work.spec.describe(), "rows": rows, "memory_resets": resets}
 
 
+def stall_figures(loop_ms: list[float], quiet_ms: float, pin_s: float) -> dict[str, float]:
+    """The loop's time beyond its quiet median while pinning ran (seconds), and that against the
+    pinning's wall time (1.0: the loop made no progress while blocks were pinned)."""
+    stall = max(0.0, sum(loop_ms) - len(loop_ms) * quiet_ms) / 1e3
+    return {"iterations": len(loop_ms), "stall_s": stall, "pin_s": pin_s,
+            "stall_share": stall / pin_s if pin_s > 0 else 0.0}
+
+
+def registration_stall(gib: int, block_mib: int) -> list[dict[str, Any]]:
+    """Each loop's stall while the arena's background pinner pins ``gib`` GiB (see the module
+    notes, ``--registration``)."""
+    import concurrent.futures
+    import statistics
+
+    from offload.host import native
+    from offload.host.pinning import PINNER_WORKERS, allocate_host_block
+
+    if not torch.cuda.is_available() or native.extension() is None:
+        raise SystemExit(f"--registration needs CUDA and the native extension ({native.native_reason()})")
+    device = torch.device("cuda", torch.cuda.current_device())
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    small = torch.zeros(1024, device=device)
+
+    def kernels() -> None:
+        for _ in range(8):
+            a @ a
+
+    def launches() -> None:
+        for _ in range(400):
+            small.add_(1)
+
+    def timed(fn: Callable[[], None]) -> float:
+        started = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - started) * 1e3
+
+    def pin(nbytes: int) -> Any:
+        torch.cuda.set_device(device)  # the driver registers in the thread's current context
+        return allocate_host_block(nbytes, pinned=True)
+
+    rows = []
+    for name, fn in (("kernels", kernels), ("launches", launches)):
+        for _ in range(3):
+            timed(fn)
+        quiet = statistics.median(timed(fn) for _ in range(15))
+        with concurrent.futures.ThreadPoolExecutor(PINNER_WORKERS) as pool:
+            started = time.perf_counter()
+            futures = [pool.submit(pin, block_mib << 20) for _ in range((gib << 10) // block_mib)]
+            loop = []
+            while not all(f.done() for f in futures):
+                loop.append(timed(fn))
+            pin_s = time.perf_counter() - started
+            blocks = [f.result() for f in futures]
+        del blocks
+        rows.append({"loop": name, "quiet_ms": quiet, "gib": gib, "block_mib": block_mib,
+                     **stall_figures(loop, quiet, pin_s)})
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = common.make_parser(__doc__, warmup=0, steps=8, smoke_warmup=0, smoke_steps=MIN_STEPS)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} (default: both)")
+    parser.add_argument("--registration", type=int, default=0, metavar="GIB",
+                        help="measure what pinning GIB GiB in the background costs this thread's GPU work instead")
+    parser.add_argument("--block-mib", type=int, default=1024, help="--registration's block size (MiB)")
     env = common.setup(parser, argv)
     args = env.args
+    if args.registration:
+        rows = registration_stall(args.registration, args.block_mib)
+        common.write_json("first_step_registration", env, {"rows": rows})
+        common.print_table(f"pinning in the background against this thread's GPU work ({common.device_name(env)})", rows, [
+            ("loop", "loop", ""), ("quiet_ms", "quiet ms", ".1f"), ("iterations", "iterations", ""),
+            ("pin_s", "pinning s", ".2f"), ("stall_s", "stall s", ".2f"), ("stall_share", "stall / pinning", ".2f")])
+        return 0
     if args.steps < MIN_STEPS:
         parser.error(f"--steps must be >= {MIN_STEPS} (step 1, step 2 and a steady step; 8 or more on the GPU)")
     names = [m.strip() for m in args.models.split(",") if m.strip()]

@@ -513,3 +513,12 @@ def test_results_name_the_source_that_ran_by_digest(tmp_path: Path) -> None:
     (tmp_path / "csrc/torch/entry_table.cpp").write_text("// changed\n")
     assert common.source_digest(tmp_path) != before
     assert common.source_digest(tmp_path / "empty") is None
+
+
+def test_the_registration_stall_is_the_loops_time_beyond_quiet_against_the_pinning() -> None:
+    first_step = bench_module("first_step")
+    figures = first_step.stall_figures([10.0, 30.0, 10.0, 50.0], quiet_ms=10.0, pin_s=0.1)
+    assert figures["iterations"] == 4
+    assert abs(figures["stall_s"] - 0.06) < 1e-12 and abs(figures["stall_share"] - 0.6) < 1e-9
+    # Faster than quiet is no stall, and no pinning time gives no share.
+    assert first_step.stall_figures([5.0, 5.0], 10.0, 0.0) == {"iterations": 2, "stall_s": 0.0, "pin_s": 0.0, "stall_share": 0.0}

@@ -144,10 +144,19 @@ def test_budget_plans_then_follows_on_gpu() -> None:
     # Room for half the activations at the head: half must go (offloaded or recomputed).
     budget = profile.base_bytes + profile.head_bytes + sum(l.saved_bytes for l in profile.layers) // 2
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True)
+    kinds = []
     for step in range(6):  # the sizing step, the measured plain step, then planned steps
         assert_bitwise(expected, oa_step(layers, x, oa))
         assert (oa.plan is not None) == (step >= 2)
-        assert (oa.stats.get("offloaded_bytes", 0) > 0) == (step >= 2)
+        if step < 2:
+            assert oa.stats.get("offloaded_bytes", 0) == 0
+            continue
+        # The first planned steps may follow a stand-in that copies nothing while the own plan's
+        # host blocks are pinned in the background (plans ahead, the default on CUDA); the own
+        # plan offloads.
+        kinds.append(oa._planned.last_plan["plan"])
+        assert (oa.stats.get("offloaded_bytes", 0) > 0) == (kinds[-1] == "own"), kinds
+    assert kinds[-1] == "own" and set(kinds) <= {"stand-in", "own"}, kinds
     assert oa.measured is not None
     assert oa.measured["peak_bytes"] > 0
     print(oa.plan_report())
