@@ -36,13 +36,15 @@ steps 1 and 2 and at the end. T14: step 1 <= 1.5x steady, judged on the ``offloa
 reserve variant's verdict, reserve call excluded, is printed next to it).
 
 ``--registration GIB`` measures instead what pinning in the background costs this thread's GPU
-work (issue 50 s1: a first plan's stand-in step ran as long as its plan's blocks took to pin): two
-loops, ``kernels`` (eight 8192^2 bf16 matmuls, then a synchronise) and ``launches`` (400 tiny
-kernels, then a synchronise), each timed alone, then again and again while
-``offload.host.pinning``'s two background workers pin ``GIB`` GiB in blocks of
-``--block-mib`` (the arena's own path). The stall is the loops' time beyond their quiet median,
-reported against the pinning's wall time. It needs the native extension (the registration is
-what is measured) and CUDA.
+work (issue 50 s1: a first plan's stand-in step ran as long as its plan's blocks took to pin): three
+loops, ``kernels`` (eight 8192^2 bf16 matmuls, then a synchronise), ``launches`` (400 tiny
+kernels, then a synchronise) and ``queued`` (400 of those matmuls, about 0.6 s of GPU work queued
+ahead, then a synchronise: a stall of the host thread's launches alone hides behind the queue, one
+of the GPU's work does not), each timed alone, then again and again while two threads (as
+``offload.host.pinning``'s workers) pin ``GIB`` GiB in blocks of ``--block-mib`` with
+``--pin-method`` (``register_huge``, the arena's for blocks from 8 MiB; ``host_alloc``:
+``cuMemHostAlloc``). The stall is the loops' time beyond their quiet median, reported against the
+pinning's wall time. It needs the native extension and CUDA.
 
 Usage: ``python benchmarks/first_step.py [--steps N] [--models gpt_a,llama_1b]``; ``--cpu-smoke``
 for a tiny CPU check. Writes ``benchmarks/results/first_step.json``. About 1 to 2 minutes of GPU
@@ -320,14 +322,14 @@ def stall_figures(loop_ms: list[float], quiet_ms: float, pin_s: float) -> dict[s
             "stall_share": stall / pin_s if pin_s > 0 else 0.0}
 
 
-def registration_stall(gib: int, block_mib: int) -> list[dict[str, Any]]:
+def registration_stall(gib: int, block_mib: int, method: str = "register_huge") -> list[dict[str, Any]]:
     """Each loop's stall while the arena's background pinner pins ``gib`` GiB (see the module
     notes, ``--registration``)."""
     import concurrent.futures
     import statistics
 
     from offload.host import native
-    from offload.host.pinning import PINNER_WORKERS, allocate_host_block
+    from offload.host.pinning import PINNER_WORKERS
 
     if not torch.cuda.is_available() or native.extension() is None:
         raise SystemExit(f"--registration needs CUDA and the native extension ({native.native_reason()})")
@@ -343,6 +345,10 @@ def registration_stall(gib: int, block_mib: int) -> list[dict[str, Any]]:
         for _ in range(400):
             small.add_(1)
 
+    def queued() -> None:
+        for _ in range(400):
+            a @ a
+
     def timed(fn: Callable[[], None]) -> float:
         started = time.perf_counter()
         fn()
@@ -350,11 +356,11 @@ def registration_stall(gib: int, block_mib: int) -> list[dict[str, Any]]:
         return (time.perf_counter() - started) * 1e3
 
     def pin(nbytes: int) -> Any:
-        torch.cuda.set_device(device)  # the driver registers in the thread's current context
-        return allocate_host_block(nbytes, pinned=True)
+        torch.cuda.set_device(device)  # the driver pins in the thread's current context
+        return native.extension().PinnedBuffer(nbytes, method, numa_node=-1)
 
     rows = []
-    for name, fn in (("kernels", kernels), ("launches", launches)):
+    for name, fn in (("kernels", kernels), ("launches", launches), ("queued", queued)):
         for _ in range(3):
             timed(fn)
         quiet = statistics.median(timed(fn) for _ in range(15))
@@ -367,7 +373,7 @@ def registration_stall(gib: int, block_mib: int) -> list[dict[str, Any]]:
             pin_s = time.perf_counter() - started
             blocks = [f.result() for f in futures]
         del blocks
-        rows.append({"loop": name, "quiet_ms": quiet, "gib": gib, "block_mib": block_mib,
+        rows.append({"loop": name, "quiet_ms": quiet, "gib": gib, "block_mib": block_mib, "method": method,
                      **stall_figures(loop, quiet, pin_s)})
     return rows
 
@@ -378,13 +384,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--registration", type=int, default=0, metavar="GIB",
                         help="measure what pinning GIB GiB in the background costs this thread's GPU work instead")
     parser.add_argument("--block-mib", type=int, default=1024, help="--registration's block size (MiB)")
+    parser.add_argument("--pin-method", default="register_huge", choices=("register_huge", "register", "host_alloc"),
+                        help="--registration's way to pin (offload.host.pinning)")
     env = common.setup(parser, argv)
     args = env.args
     if args.registration:
-        rows = registration_stall(args.registration, args.block_mib)
+        rows = registration_stall(args.registration, args.block_mib, args.pin_method)
         common.write_json("first_step_registration", env, {"rows": rows})
         common.print_table(f"pinning in the background against this thread's GPU work ({common.device_name(env)})", rows, [
-            ("loop", "loop", ""), ("quiet_ms", "quiet ms", ".1f"), ("iterations", "iterations", ""),
+            ("loop", "loop", ""), ("method", "pinned by", ""), ("quiet_ms", "quiet ms", ".1f"), ("iterations", "iterations", ""),
             ("pin_s", "pinning s", ".2f"), ("stall_s", "stall s", ".2f"), ("stall_share", "stall / pinning", ".2f")])
         return 0
     if args.steps < MIN_STEPS:
