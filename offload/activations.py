@@ -340,7 +340,7 @@ class OffloadActivations:
         shape = model_form.call_shape(fn, args, kwargs) if entered else self._model_entry(fn, args, kwargs, False)
         planned = self._planned  # a planned step is planned for its shape before its head runs
         head_tokens = planned.plan_at_entry(shape) if self.active and planned is not None and shape is not None else 0
-        return model_form.run_call(self._model, fn, args, kwargs, head_tokens)  # type: ignore[arg-type]
+        return model_form.run_call(self._model, fn, args, kwargs, head_tokens, planned.head if planned else None)  # type: ignore[arg-type]
 
     @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:

@@ -95,3 +95,49 @@ def test_tiny_llama_on_cuda(repeatable_attention: Any) -> None:
         out = model(input_ids=ids, attention_mask=mask, labels=labels)
         assert out.logits is None
         assert_model_agrees(plain, model_step(model, input_ids=ids, attention_mask=mask, labels=labels), "cuda")
+
+
+def _peak_of(fn: Any) -> tuple[int, Any]:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before, out
+
+
+def test_the_final_norm_inside_the_chunks_takes_less_and_agrees() -> None:
+    # HF's RMSNorm on the whole step holds its float32 upcast and saved tensors (about 12 bytes a
+    # hidden element); inside the head's chunks, one chunk's. bf16, 16,384 tokens, hidden 2,048.
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    hidden, weight, labels = big_head()
+    norm = LlamaRMSNorm(H).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    chunk = default_head_chunk(V)
+
+    def step(inside: bool) -> list[torch.Tensor]:
+        hidden.grad = weight.grad = norm.weight.grad = None
+        if inside:
+            loss = linear_cross_entropy(hidden, weight, labels, chunk_tokens=chunk, norm=norm)
+        else:
+            loss = linear_cross_entropy(norm(hidden), weight, labels, chunk_tokens=chunk)
+        loss.backward()
+        out = [loss.detach(), hidden.grad, weight.grad, norm.weight.grad]
+        hidden.grad = weight.grad = norm.weight.grad = None
+        return out
+
+    step(False), step(True)  # warm-ups: cuBLAS's workspace is not the head's memory
+    whole_peak, whole = _peak_of(lambda: step(False))
+    inside_peak, inside = _peak_of(lambda: step(True))
+    assert whole_peak - inside_peak >= 8 * N * H, (
+        f"the norm inside the chunks peaked at {inside_peak / 2**20:.0f} MiB, the whole norm at "
+        f"{whole_peak / 2**20:.0f} MiB: less than the 8 bytes a hidden element expected saved")
+    torch.testing.assert_close(inside[0], whole[0], rtol=BF16_LOSS_RTOL, atol=0)
+    for name, e, g in zip(["hidden grad", "weight grad", "norm grad"], whole[1:], inside[1:]):
+        atol = BF16_GRAD_OF_MAX * e.float().abs().max().item()
+        torch.testing.assert_close(g.float(), e.float(), rtol=0, atol=atol, msg=lambda m: f"{name}: {m}")
+    again = step(True)
+    assert all(torch.equal(a, b) for a, b in zip(inside, again)), "the norm inside the chunks does not repeat itself"

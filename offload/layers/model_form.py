@@ -47,7 +47,7 @@ import torch
 from ..forwards.instance import check_own_forward
 from ..planner.shapes import StepShape
 from ..planner.tiling import LOGIT_BYTES, HeadInfo
-from ..tiling.causal_lm import TiledCausalLMForward, head_support
+from ..tiling.causal_lm import TiledCausalLMForward, final_norm_support, head_support
 from .short_probe import ShortStep, is_fsdp2_root
 
 # A probe of a long first batch runs at most this many tokens ...
@@ -76,7 +76,8 @@ def head_info(model: torch.nn.Module) -> HeadInfo:
     if not isinstance(head, torch.nn.Linear):
         return HeadInfo(vocab_size=0, hidden_size=0, weight_trains=False, tileable=False, reason=why)
     return HeadInfo(vocab_size=head.out_features, hidden_size=head.in_features,
-                    weight_trains=head.weight.requires_grad, tileable=ok, reason=why)
+                    weight_trains=head.weight.requires_grad, tileable=ok, reason=why,
+                    norm=final_norm_support(model)[0] if ok else "")
 
 
 def probe_tokens(head: HeadInfo, device: torch.device) -> int:
@@ -123,11 +124,11 @@ def short_step(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, 
 
 
 def run_call(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-             head_tokens: int) -> Any:
-    """The call itself: through the tiled head and loss over ``head_tokens`` tokens, or as the
-    model runs it (0)."""
+             head_tokens: int, head: Optional[HeadInfo] = None) -> Any:
+    """The call itself: through the tiled head and loss over ``head_tokens`` tokens (the final
+    norm inside its chunks where ``head`` says so), or as the model runs it (0)."""
     if head_tokens:
-        return TiledCausalLMForward(model, fn, head_tokens)(*args, **kwargs)
+        return TiledCausalLMForward(model, fn, head_tokens, head.norm if head is not None else "")(*args, **kwargs)
     return fn(*args, **kwargs)
 
 

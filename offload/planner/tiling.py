@@ -12,7 +12,8 @@ which the untiled probe already measured. Per layer with candidates (``LayerProf
 - **backward time** grows by the candidates' whole forward (recomputed chunk by chunk).
 
 The head: its peak is counted afresh, ``HIDDEN_BYTES`` per hidden element (the final norm's
-output and the hidden states' gradients) plus one chunk's working set
+output and the hidden states' gradients; ``NORMED_HIDDEN_BYTES`` where the norm runs inside the
+chunks, plus the norm's working set for one chunk) plus one chunk's working set
 (:func:`offload.tiling.loss.head_chunk_bytes`) and the float32 weight gradient it sums into when
 the head trains (never more than the untiled head measured); what it leaves for backward
 (``head_residual_bytes``) is at most that too: the untiled head's residual, measured when backward
@@ -42,6 +43,11 @@ LOGIT_BYTES = 16
 # Bytes per hidden element a tiled head holds besides its chunk: the final norm's output, its
 # float32 upcast, the hidden states' gradient in float32 and in the model's dtype.
 HIDDEN_BYTES = 16
+# The same with the final norm inside the chunks (offload.tiling.causal_lm, ``tile_norm``): the
+# norm's input, kept for backward, and its gradient, both in the model's dtype; and per element of
+# one chunk, the norm's own working set (its float32 upcast and normed rows, their gradients).
+NORMED_HIDDEN_BYTES = 4
+NORM_CHUNK_BYTES = 16
 # An MLP tiled over chunks of 1/MLP_CHUNKS of the step's tokens, never fewer than MIN_MLP_CHUNK
 # (smaller GEMMs lose speed), rounded up to a multiple of 1024 tokens.
 MLP_CHUNKS = 32
@@ -62,6 +68,7 @@ class HeadInfo:
     weight_trains: bool
     tileable: bool
     reason: str = ""
+    norm: str = ""  # the base model's final norm the tiled head runs inside its chunks ('': whole)
 
 
 def mlp_chunk_tokens(tokens: int) -> int:
@@ -112,8 +119,11 @@ def tiled_profile(profile: StepProfile, tile_tokens: int, head: Optional[HeadInf
         # bytes a logit costs there depends on the loss's code): the final norm's output, its
         # float32 upcast and the gradients of the hidden states, one chunk's logits, and the
         # float32 sum of the weight's gradient when it trains.
-        chunk = int(DERIVED_MARGIN * head_chunk_bytes(min(head_tokens, tokens), head.vocab_size))
-        tiled = tokens * head.hidden_size * HIDDEN_BYTES + chunk
+        rows = min(head_tokens, tokens)
+        chunk = int(DERIVED_MARGIN * head_chunk_bytes(rows, head.vocab_size))
+        if head.norm:
+            chunk += int(DERIVED_MARGIN * rows * head.hidden_size * NORM_CHUNK_BYTES)
+        tiled = tokens * head.hidden_size * (NORMED_HIDDEN_BYTES if head.norm else HIDDEN_BYTES) + chunk
         if head.weight_trains:
             tiled += head.vocab_size * head.hidden_size * 4
         head_bytes = min(head_bytes, tiled)

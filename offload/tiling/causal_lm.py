@@ -22,6 +22,15 @@ least (the logits spread over a few units), 10^4 times that tolerance. A head sh
 (a DTensor weight outside the forward) is checked through a narrow plain head of its vocabulary;
 in the forward, FSDP2 has gathered the real one, which the tiled head then reads.
 
+The final norm too. Where the base model's forward ends with ``hidden_states =
+self.<norm>(hidden_states)`` and returns them as its last hidden state (transformers' template),
+and that norm works token by token (checked on a few tokens: the rows normed whole and in two
+parts are the same bits), the tiled head runs the norm inside its chunks (``tile_norm``): the base
+model runs with the norm stood in for by an identity, and each chunk is normed, projected and
+scored (:func:`offload.tiling.loss.linear_cross_entropy`). Untiled, the norm's float32 upcast and
+saved tensors take about 12 bytes a hidden element for the whole step. A call that asks for
+the hidden states (``output_hidden_states``) runs the norm whole, as HF does.
+
 What changes. On the tiled path the output's ``logits`` are None (as liger-kernel's fused loss
 does in training): the point is never to build them. The loss, the cache, the hidden states and
 the attentions are those HF returns; with ``return_dict=False`` the tuple is
@@ -54,7 +63,7 @@ from torch import nn
 from ..forwards.instance import check_own_forward
 from .loss import causal_lm_loss, check_chunk_tokens, default_head_chunk
 
-__all__ = ["head_support", "tile_head", "tiled_head_installed", "TiledCausalLMForward", "TiledHead"]
+__all__ = ["final_norm_support", "head_support", "tile_head", "tiled_head_installed", "TiledCausalLMForward", "TiledHead"]
 
 # tokens per chunk, or ``chunk(batch, length) -> tokens`` asked once per call (0: untiled).
 Chunk = Union[int, Callable[[int, int], int]]
@@ -128,6 +137,76 @@ def _read_template(cls: type) -> _Template:
     if found is None:
         return _Template(reason=f"the base model is not reachable: {name} does not call it as outputs = self.<name>(...)")
     return _Template(base=found.group(1))
+
+
+_NORM_CALL = re.compile(r"^\s*hidden_states\s*=\s*self\.(\w+)\(hidden_states\)\s*$")
+
+
+@functools.lru_cache(maxsize=None)
+def _read_final_norm(cls: type) -> _Template:
+    # Once per base-model class: the attribute of the norm its forward ends with (``base``), or why
+    # the norm cannot run inside the head's chunks (``reason``).
+    name = f"{cls.__name__}.forward"
+    try:
+        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, TypeError):
+        return _Template(reason=f"the source of {name} cannot be read")
+    assigns = list(re.finditer(_ASSIGN.format("hidden_states"), source, re.MULTILINE))
+    if not assigns:
+        return _Template(reason=f"{name} assigns no hidden_states")
+    start = source.rfind("\n", 0, assigns[-1].end()) + 1  # the line itself (the match may begin on blank ones)
+    end = source.find("\n", start)
+    found = _NORM_CALL.match(source[start:end if end >= 0 else len(source)])
+    if found is None:
+        return _Template(reason=f"{name} does not end with hidden_states = self.<norm>(hidden_states)")
+    rest = re.sub(r"\s+", "", source[end:]).replace("last_hidden_state=hidden_states", "")
+    if "hidden_states" in rest:
+        return _Template(reason=f"{name} uses the normed hidden states otherwise than as its last hidden state")
+    return _Template(base=found.group(1))
+
+
+def _rows_problem(norm: nn.Module, width: int, like: torch.Tensor) -> str:
+    # Token-wise, shown on a few rows: normed whole and in two parts, the same bits. A norm sharded
+    # by FSDP2 (DTensor parameters outside the forward) is checked as a copy with plain ones.
+    if any(type(p.data) is not torch.Tensor for p in norm.parameters()):
+        norm = copy.deepcopy(norm)
+        generator = torch.Generator(device=like.device).manual_seed(0)
+        for name, p in list(norm.named_parameters(recurse=False)):
+            plain = torch.randn(tuple(p.shape), generator=generator, device=like.device).to(like.dtype)
+            setattr(norm, name, nn.Parameter(plain, requires_grad=False))
+    generator = torch.Generator(device=like.device).manual_seed(1)
+    rows = torch.randn(5, width, generator=generator, device=like.device).to(like.dtype)
+    try:
+        with torch.no_grad():
+            whole, parts = norm(rows), torch.cat([norm(rows[:2]), norm(rows[2:])])
+    except Exception as exc:  # noqa: BLE001 - any failure means: not shown token-wise
+        return f"running it on a few rows raised {type(exc).__name__}: {exc}"
+    if not isinstance(whole, torch.Tensor) or whole.shape != rows.shape or not torch.equal(whole, parts):
+        return "it does not work token by token (a few rows normed whole and in two parts differ)"
+    return ""
+
+
+def final_norm_support(model: nn.Module) -> tuple[str, str]:
+    """The attribute of ``model``'s base model holding the final norm the tiled head may run
+    inside its chunks, and '' with the reason where it cannot (see the module notes)."""
+    base = _read_template(type(model)).base
+    module = getattr(model, base, None) if base else None
+    if not isinstance(module, nn.Module):
+        return "", "the base model is not reachable"
+    template = _read_final_norm(type(module))
+    if template.reason:
+        return "", template.reason
+    norm = module._modules.get(template.base)
+    if not isinstance(norm, nn.Module):
+        return "", f"{type(module).__name__}.{template.base} is not a module"
+    if norm._forward_hooks or norm._forward_pre_hooks or "forward" in norm.__dict__:
+        return "", f"{type(module).__name__}.{template.base} has forward hooks or an instance forward"
+    head = model.lm_head
+    like = head.weight.to_local() if hasattr(head.weight, "to_local") else head.weight
+    problem = _rows_problem(norm, head.in_features, like.detach())
+    if problem:
+        return "", f"{type(module).__name__}.{template.base}: {problem}"
+    return template.base, ""
 
 
 def _head_module_problem(model: nn.Module) -> str:
@@ -316,13 +395,15 @@ class TiledCausalLMForward:
     ``chunk`` tokens; otherwise, or when the chunk is 0, the original ``fn`` runs unchanged.
 
     ``model``: the model; ``fn``: its original bound forward (``fn.__self__`` is the model);
-    ``chunk``: tokens per chunk, or ``chunk(batch, length) -> tokens`` asked once per call.
+    ``chunk``: tokens per chunk, or ``chunk(batch, length) -> tokens`` asked once per call;
+    ``norm``: the attribute of the base model's final norm to run inside the chunks
+    (:func:`final_norm_support`), '' to run it whole.
     ``inspect.signature`` of the stand-in is the original's (Trainer and ``generate`` read it).
     """
 
-    __slots__ = ("fn", "chunk", "base", "_signature", "_var_keyword")
+    __slots__ = ("fn", "chunk", "base", "norm", "_signature", "_var_keyword")
 
-    def __init__(self, model: nn.Module, fn: Callable[..., Any], chunk: Chunk) -> None:
+    def __init__(self, model: nn.Module, fn: Callable[..., Any], chunk: Chunk, norm: str = "") -> None:
         if getattr(fn, "__self__", None) is not model:
             raise ValueError("offload.TiledCausalLMForward: fn must be the model's own bound forward")
         template = _read_template(type(model))
@@ -331,6 +412,7 @@ class TiledCausalLMForward:
         self.fn = fn
         self.chunk = chunk
         self.base = template.base
+        self.norm = norm
         self._signature = inspect.signature(fn)
         self._var_keyword = next(
             (p.name for p in self._signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -377,10 +459,22 @@ class TiledCausalLMForward:
         arguments.pop("logits_to_keep", None)
         # The base model gets what the template passes it: the named arguments and the rest of
         # the keyword arguments (attention kwargs, output_hidden_states, ...).
-        outputs = getattr(model, self.base)(**arguments, **extra)
+        base = getattr(model, self.base)
+        wants_states = arguments.get("output_hidden_states", extra.get("output_hidden_states"))
+        if wants_states is None:
+            wants_states = getattr(model.config, "output_hidden_states", False)
+        norm = base._modules.get(self.norm) if self.norm and not wants_states else None
+        if norm is not None:
+            # The norm runs inside the chunks: the base model's own call of it passes its input on.
+            base._modules[self.norm] = nn.Identity()
+        try:
+            outputs = base(**arguments, **extra)
+        finally:
+            if norm is not None:
+                base._modules[self.norm] = norm
         loss = causal_lm_loss(
             outputs[0], model.lm_head, labels, chunk_tokens=chunk, ignore_index=ignore_index,
-            num_items_in_batch=num_items, shift_labels=shift_labels,
+            num_items_in_batch=num_items, shift_labels=shift_labels, norm=norm,
         )
         # The cache field is ``past_key_values`` up to 5.17, ``cache`` later: carry what exists.
         carried = {f.name: getattr(outputs, f.name, None)
@@ -390,15 +484,15 @@ class TiledCausalLMForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "TiledCausalLMForward":
         fn = copy.deepcopy(self.fn, memo)  # a bound method: bound to the copied model
-        return TiledCausalLMForward(fn.__self__, fn, copy.deepcopy(self.chunk, memo))
+        return TiledCausalLMForward(fn.__self__, fn, copy.deepcopy(self.chunk, memo), self.norm)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Not the bound method itself: unpickling it reads model.forward, which may be this.
-        return (_rebuild, (self.model, self.chunk))
+        return (_rebuild, (self.model, self.chunk, self.norm))
 
 
-def _rebuild(model: nn.Module, chunk: Chunk) -> TiledCausalLMForward:
-    return TiledCausalLMForward(model, types.MethodType(type(model).forward, model), chunk)
+def _rebuild(model: nn.Module, chunk: Chunk, norm: str = "") -> TiledCausalLMForward:
+    return TiledCausalLMForward(model, types.MethodType(type(model).forward, model), chunk, norm)
 
 
 def tiled_head_installed(model: nn.Module) -> Optional[TiledCausalLMForward]:
@@ -429,13 +523,15 @@ class TiledHead:
         self.remove()
 
 
-def tile_head(model: nn.Module, chunk_tokens: Optional[Chunk] = None) -> TiledHead:
+def tile_head(model: nn.Module, chunk_tokens: Optional[Chunk] = None, tile_norm: bool = True) -> TiledHead:
     """Run ``model``'s LM head and loss over chunks of ``chunk_tokens`` tokens whenever it is
     called with labels, until ``remove()`` (see the module notes for what the output holds).
 
     ``chunk_tokens``: an int >= 1; a callable ``(batch, length) -> tokens`` asked once per call
     (0: that call runs untiled); None: :func:`offload.tiling.loss.default_head_chunk` of the
-    vocabulary (about 1 GiB of working set). Raises ``ValueError`` for a model
+    vocabulary (about 1 GiB of working set). ``tile_norm``: run the base model's final norm
+    inside the chunks too, where :func:`final_norm_support` shows it can (else it runs whole,
+    silently). Raises ``ValueError`` for a model
     :func:`head_support` refuses (with its reason), one tiled already, one whose ``forward`` was
     replaced on the instance by other code (an ``OffloadActivations(..., model=model)`` holding it
     is named, with how to release it; the inert stand-in of one collected without ``close()`` is
@@ -455,6 +551,7 @@ def tile_head(model: nn.Module, chunk_tokens: Optional[Chunk] = None) -> TiledHe
         chunk = check_chunk_tokens(chunk_tokens, "offload.tile_head")
     # An instance attribute: nn.Module.__call__ reads self.forward, so hooks and the class stay
     # as they are, and deleting it restores the class's forward.
-    wrapper = TiledCausalLMForward(model, model.forward, chunk)
+    norm = final_norm_support(model)[0] if tile_norm else ""
+    wrapper = TiledCausalLMForward(model, model.forward, chunk, norm)
     model.forward = wrapper
     return TiledHead(model, wrapper)

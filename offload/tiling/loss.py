@@ -28,6 +28,13 @@ Under autocast (float32 weights, bf16 GEMMs: HF Trainer's ``bf16=True``) the log
 autocast's dtype, as HF's do; backward recomputes them under the forward's autocast state even
 when it runs outside the ``with torch.autocast`` block, and its GEMMs run in that dtype.
 
+The final norm may run inside the chunks too (``norm``: a module that works token by token, the
+base model's ``RMSNorm``): then the hidden states given are the last layer's, before the norm, and
+each chunk is normed, projected and scored in turn; backward recomputes the chunk's norm and
+takes its gradients from autograd. Untiled, the norm's float32 upcast and its saved tensors cost
+about 12 bytes a hidden element for the whole step (32 GiB at 524,288 tokens of a 4096-wide
+model); chunked, one chunk's. Its weight gradient is a float32 sum of per-chunk gradients.
+
 Repeatable: chunks run in a fixed order and every sum is ours or a GEMM's (no atomics of ours),
 so two runs give the same bits. Saved tensors go through ``ctx.save_for_backward``, hence through
 the saved-tensor hooks: an offload context may move the hidden states to the host until backward.
@@ -118,16 +125,21 @@ def _denominator(labels: Tensor, ignore_index: int, num_items: Optional[Union[in
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """The tiled head and loss (see the module notes); called by :func:`linear_cross_entropy`."""
+    """The tiled head and loss (see the module notes); called by :func:`linear_cross_entropy`.
+    ``norm`` (or None) runs on each chunk first; its parameters come last among the inputs, so
+    that their gradients reach autograd's accumulation (and FSDP's or DDP's hooks) as any
+    input's do."""
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Optional[Tensor], labels: Tensor,
-                denom: Tensor, chunk_tokens: int, ignore_index: int) -> Tensor:
+                denom: Tensor, chunk_tokens: int, ignore_index: int, norm: Optional[torch.nn.Module],
+                *norm_params: Tensor) -> Tensor:
         device_type = hidden.device.type
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         compute_dtype = hidden.dtype
         for start in range(0, hidden.shape[0], chunk_tokens):
-            logits = F.linear(hidden[start:start + chunk_tokens], weight, bias)
+            rows = hidden[start:start + chunk_tokens]
+            logits = F.linear(norm(rows) if norm is not None else rows, weight, bias)
             compute_dtype = logits.dtype  # hidden's, or autocast's
             loss = F.cross_entropy(logits.float(), labels[start:start + chunk_tokens],
                                    ignore_index=ignore_index, reduction="sum")
@@ -135,6 +147,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total = total + loss
         ctx.save_for_backward(hidden, weight, bias, labels, denom)
         ctx.chunk_tokens, ctx.ignore_index, ctx.compute_dtype = chunk_tokens, ignore_index, compute_dtype
+        ctx.norm, ctx.norm_params = norm, len(norm_params)
         # Backward recomputes the logits under this autocast state, so that they are the
         # forward's bits: callers usually run backward outside their autocast block.
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
@@ -148,9 +161,19 @@ class _LinearCrossEntropy(torch.autograd.Function):
         want_bias = want_bias and bias is not None
         chunk, ignore_index, dtype = ctx.chunk_tokens, ctx.ignore_index, ctx.compute_dtype
         device_type, autocast_on, autocast_dtype = ctx.autocast
+        norm = ctx.norm
+        # The norm's parameters as its forward reads them now (FSDP has gathered them again for
+        # backward), those that want a gradient.
+        params = list(norm.parameters()) if norm is not None else []
+        want_params = [want and p.requires_grad for want, p in zip(ctx.needs_input_grad[8:], params)]
+        grad_params = [torch.zeros(p.shape, dtype=torch.float32, device=p.device) if want else None
+                       for want, p in zip(want_params, params)]
+        # The gradient into the norm's output, chunk by chunk: wanted for the hidden states or
+        # the norm's parameters.
+        want_normed = want_hidden or any(want_params)
         scale = grad_loss.to(torch.float32) / denom
         # The weight as the head's GEMM saw it (a no-op unless autocast cast it), cast once.
-        weight_c = weight.to(dtype) if want_hidden else weight
+        weight_c = weight.to(dtype) if want_normed else weight
         grad_hidden = torch.empty_like(hidden) if want_hidden else None
         # float32 sums in a fixed chunk order; no buffer at all for a frozen head.
         grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_weight else None
@@ -158,8 +181,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             stop = start + chunk
             y = labels[start:stop]
+            rows, normed = hidden[start:stop], None
+            if norm is not None:
+                # The chunk's norm again, now recorded, so that autograd gives its gradients.
+                rows = rows.detach().requires_grad_(want_hidden)
+                with torch.enable_grad(), torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
+                    normed = norm(rows)
             with torch.autocast(device_type, dtype=autocast_dtype, enabled=autocast_on):
-                logits = F.linear(hidden[start:stop], weight, bias)
+                logits = F.linear(normed.detach() if normed is not None else rows, weight, bias)
             # The gradient of cross_entropy in float32, written over the softmax in place:
             # softmax * s - onehot * s, with s = grad / denom on kept rows and 0 on ignored ones.
             grad = torch.softmax(logits.float(), dim=-1)
@@ -174,30 +203,53 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad.scatter_(1, target, grad.gather(1, target) - row_scale)
             # The backward of .float(): the gradient reaches the linear in the logits' dtype.
             grad = grad.to(dtype)
-            if grad_hidden is not None:
+            head_input = normed.detach() if normed is not None else rows
+            if normed is not None and want_normed:
+                _norm_backward(normed, rows, torch.mm(grad, weight_c), params, want_params, grad_params,
+                               grad_hidden[start:stop] if grad_hidden is not None else None)
+            elif grad_hidden is not None:
                 if grad_hidden.dtype == dtype:
                     torch.mm(grad, weight_c, out=grad_hidden[start:stop])
                 else:  # autocast: the GEMM ran in its dtype, the input keeps its own
                     grad_hidden[start:stop] = torch.mm(grad, weight_c)
             if grad_weight is not None:
-                grad_weight.add_(torch.mm(grad.t(), hidden[start:stop].to(dtype)))
+                grad_weight.add_(torch.mm(grad.t(), head_input.to(dtype)))
             if grad_bias is not None:
                 grad_bias.add_(grad.sum(0, dtype=torch.float32))
-            del grad
+            del grad, normed
         return (
             grad_hidden,
             grad_weight.to(weight.dtype) if grad_weight is not None else None,
             grad_bias.to(bias.dtype) if grad_bias is not None else None,
-            None, None, None, None,
+            None, None, None, None, None,
+            *(g.to(p.dtype) if g is not None else None for g, p in zip(grad_params, params)),
         )
+
+
+def _norm_backward(normed: Tensor, rows: Tensor, grad_normed: Tensor, params: list[Tensor],
+                   want_params: list[bool], grad_params: list[Optional[Tensor]], grad_rows: Optional[Tensor]) -> None:
+    """One chunk's norm backward: its input's gradient written into ``grad_rows`` (when wanted),
+    its parameters' added to their float32 sums."""
+    inputs = ([rows] if grad_rows is not None else []) + [p for p, want in zip(params, want_params) if want]
+    grads = torch.autograd.grad(normed, inputs, grad_normed.to(normed.dtype))
+    if grad_rows is not None:
+        grad_rows.copy_(grads[0])
+        grads = grads[1:]
+    wanted = iter(grads)
+    for want, total in zip(want_params, grad_params):
+        if want:
+            total.add_(next(wanted).float())  # type: ignore[union-attr]
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias: Optional[Tensor] = None,
                          chunk_tokens: int, ignore_index: int = -100,
-                         num_items: Optional[Union[int, Tensor]] = None) -> Tensor:
+                         num_items: Optional[Union[int, Tensor]] = None,
+                         norm: Optional[torch.nn.Module] = None) -> Tensor:
     """``cross_entropy(F.linear(hidden, weight, bias).float(), labels)`` computed over chunks of
     ``chunk_tokens`` rows, never holding more than one chunk's logits (see the module notes for
-    the numerics and the tolerances against the untiled computation).
+    the numerics and the tolerances against the untiled computation). ``norm``: a token-wise
+    module applied to each chunk first (``F.linear(norm(hidden), ...)``, the norm's float32
+    working set never whole), differentiable in its parameters too.
 
     ``hidden``: (N, H); ``weight``: (V, H); ``labels``: (N,) int64, row n's target, on hidden's
     device (rows equal to ``ignore_index`` count for nothing). Returns a float32 scalar: the
@@ -209,15 +261,17 @@ def linear_cross_entropy(hidden: Tensor, weight: Tensor, labels: Tensor, *, bias
     check_chunk_tokens(chunk_tokens, "offload.tiling.linear_cross_entropy")
     _check_inputs(hidden, weight, labels, bias)
     denom = _denominator(labels, ignore_index, num_items)
-    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, denom, chunk_tokens, ignore_index)
+    params = tuple(norm.parameters()) if norm is not None else ()
+    return _LinearCrossEntropy.apply(hidden, weight, bias, labels, denom, chunk_tokens, ignore_index, norm, *params)
 
 
 def causal_lm_loss(hidden_states: Tensor, lm_head: torch.nn.Linear, labels: Optional[Tensor], *,
                    chunk_tokens: int, ignore_index: int = -100,
                    num_items_in_batch: Optional[Union[int, Tensor]] = None,
-                   shift_labels: Optional[Tensor] = None) -> Tensor:
+                   shift_labels: Optional[Tensor] = None, norm: Optional[torch.nn.Module] = None) -> Tensor:
     """HF's causal-LM loss (``ForCausalLMLoss``) of ``lm_head`` over ``hidden_states`` (B, T, H),
-    tiled by :func:`linear_cross_entropy`.
+    tiled by :func:`linear_cross_entropy` (``norm``: the final norm, run inside the chunks on
+    hidden states given before it).
 
     The targets are ``shift_labels`` as given (B, T), or ``labels`` (B, T) shifted as HF shifts
     them: padded on the right with ``ignore_index`` and moved one token left, so token t predicts
@@ -233,5 +287,5 @@ def causal_lm_loss(hidden_states: Tensor, lm_head: torch.nn.Linear, labels: Opti
     hidden = hidden_states.reshape(-1, hidden_states.shape[-1])
     return linear_cross_entropy(
         hidden, lm_head.weight, targets, bias=lm_head.bias, chunk_tokens=chunk_tokens,
-        ignore_index=ignore_index, num_items=num_items_in_batch,
+        ignore_index=ignore_index, num_items=num_items_in_batch, norm=norm,
     )
