@@ -12,11 +12,12 @@ is not bitwise equal to an untiled one; it is bitwise repeatable, and bitwise eq
 without offload. Plans tile only where no untiled plan fits (``offload.planner``).
 """
 
-from .causal_lm import TiledHead, head_support, tile_head
+from .causal_lm import TiledHead, final_norm_support, head_support, tile_head
 from .loss import causal_lm_loss, default_head_chunk, linear_cross_entropy
 from .tokenwise import TiledTokenwise, tile_tokenwise, tiled_tokenwise, tokenwise_support
 
 __all__ = [
-    "TiledHead", "TiledTokenwise", "causal_lm_loss", "default_head_chunk", "head_support", "linear_cross_entropy",
+    "TiledHead", "TiledTokenwise", "causal_lm_loss", "default_head_chunk", "final_norm_support", "head_support",
+    "linear_cross_entropy",
     "tile_head", "tile_tokenwise", "tiled_tokenwise", "tokenwise_support",
 ]

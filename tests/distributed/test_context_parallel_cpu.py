@@ -139,14 +139,15 @@ def _head_under_fsdp(meshes: Any) -> dict[str, Any]:
         out = model(**_batch())
         out.loss.backward()
         grads = [p.grad.full_tensor() for p in model.parameters()]
+        norm = head.wrapper.norm if head is not None else ""
         if head is not None:
             head.remove()
-        return support, out.loss.detach(), out.logits is None, grads
+        return support, out.loss.detach(), out.logits is None, grads, norm
 
-    (ok, why), plain, _, plain_grads = run(False)
-    _, tiled, logits_skipped, tiled_grads = run(True)
-    _, again, _, again_grads = run(True)
-    return {"supported": ok, "why": why, "logits_skipped": logits_skipped,
+    (ok, why), plain, _, plain_grads, _ = run(False)
+    _, tiled, logits_skipped, tiled_grads, norm = run(True)
+    _, again, _, again_grads, _ = run(True)
+    return {"supported": ok, "why": why, "logits_skipped": logits_skipped, "norm_inside": norm == "norm",
             "loss_close": bool(torch.allclose(tiled, plain, rtol=1e-5)),
             "grads_close": all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(tiled_grads, plain_grads)),
             "repeatable": bool(torch.equal(tiled, again)) and all(torch.equal(a, b) for a, b in zip(tiled_grads, again_grads))}
@@ -367,6 +368,8 @@ def test_a_head_sharded_by_fsdp2_is_checked_and_tiled(ranks: list[dict[str, Any]
     for seen in _get(ranks, "head_fsdp"):
         assert seen["supported"] and not seen["why"], seen["why"]
         assert seen["logits_skipped"], "the tiled path builds no logits"
+        # The final norm (its weight sharded too) runs inside the chunks, its gradient reduced by FSDP2.
+        assert seen["norm_inside"], seen
         assert seen["loss_close"] and seen["grads_close"] and seen["repeatable"], seen
 
 
