@@ -169,11 +169,7 @@ def _rows_problem(norm: nn.Module, width: int, like: torch.Tensor) -> str:
     # Token-wise, shown on a few rows: normed whole and in two parts, the same bits. A norm sharded
     # by FSDP2 (DTensor parameters outside the forward) is checked as a copy with plain ones.
     if any(type(p.data) is not torch.Tensor for p in norm.parameters()):
-        norm = copy.deepcopy(norm)
-        generator = torch.Generator(device=like.device).manual_seed(0)
-        for name, p in list(norm.named_parameters(recurse=False)):
-            plain = torch.randn(tuple(p.shape), generator=generator, device=like.device).to(like.dtype)
-            setattr(norm, name, nn.Parameter(plain, requires_grad=False))
+        norm = _with_plain_parameters(norm, like)
     generator = torch.Generator(device=like.device).manual_seed(1)
     rows = torch.randn(5, width, generator=generator, device=like.device).to(like.dtype)
     try:
@@ -184,6 +180,21 @@ def _rows_problem(norm: nn.Module, width: int, like: torch.Tensor) -> str:
     if not isinstance(whole, torch.Tensor) or whole.shape != rows.shape or not torch.equal(whole, parts):
         return "it does not work token by token (a few rows normed whole and in two parts differ)"
     return ""
+
+
+def _with_plain_parameters(norm: nn.Module, like: torch.Tensor) -> nn.Module:
+    # A copy of ``norm`` whose own parameters are plain tensors of their (global) shapes, seeded,
+    # in ``like``'s dtype and device. Not a deepcopy: an FSDP2-managed module's sharded parameters
+    # may not copy (their storage can be freed between steps); its dicts are copied one level, so
+    # that the original keeps its parameters.
+    clone = object.__new__(type(norm))
+    clone.__dict__.update({k: type(v)(v) if isinstance(v, dict) else v for k, v in norm.__dict__.items()})
+    generator = torch.Generator(device=like.device).manual_seed(0)
+    for name, p in norm._parameters.items():
+        if p is not None:
+            plain = torch.randn(tuple(p.shape), generator=generator, device=like.device).to(like.dtype)
+            clone._parameters[name] = nn.Parameter(plain, requires_grad=False)
+    return clone
 
 
 def final_norm_support(model: nn.Module) -> tuple[str, str]:
