@@ -31,9 +31,9 @@ when it runs outside the ``with torch.autocast`` block, and its GEMMs run in tha
 The final norm may run inside the chunks too (``norm``: a module that works token by token, the
 base model's ``RMSNorm``): then the hidden states given are the last layer's, before the norm, and
 each chunk is normed, projected and scored in turn; backward recomputes the chunk's norm and
-takes its gradients from autograd. Untiled, the norm's float32 upcast and its saved tensors cost
-about 12 bytes a hidden element for the whole step (32 GiB at 524,288 tokens of a 4096-wide
-model); chunked, one chunk's. Its weight gradient is a float32 sum of per-chunk gradients.
+takes its gradients from autograd. Untiled, the norm's float32 upcast and its saved tensors are
+held for the whole step (the head's peak 6.75 bytes a hidden element higher on the H200, bf16);
+chunked, one chunk's. Its weight gradient is a float32 sum of per-chunk gradients.
 
 Repeatable: chunks run in a fixed order and every sum is ours or a GEMM's (no atomics of ours),
 so two runs give the same bits. Saved tensors go through ``ctx.save_for_backward``, hence through
