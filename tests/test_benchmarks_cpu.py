@@ -336,8 +336,12 @@ def test_varlen_stream_is_fixed_and_covers_every_length() -> None:
 
 def test_device_everywhere_cpu_smoke_runs_each_case_and_contender() -> None:
     result = run_smoke("device_everywhere.py", "device_everywhere_pytest", "--cases", "8b-16384", "--contenders",
-                       "ckpt,device", "--jobs", "2")
+                       "ckpt,device", "--jobs", "2", "--profile-step", "1")
     runs = result["runs"]
+    for run in runs.values():  # the step profiled, and no other
+        profiled = [s for s in run["steps"] if "profile" in s]
+        assert [s["step"] for s in profiled] == [1], [s["step"] for s in run["steps"]]
+        assert profiled[0]["profile"] and all(r["self_host_ms"] >= 0 and r["calls"] >= 1 for r in profiled[0]["profile"])
     assert list(runs) == ["8b-16384:ckpt", "8b-16384:device"]
     assert not {k: r["error"] for k, r in runs.items() if "error" in r}
     dev = runs["8b-16384:device"]
