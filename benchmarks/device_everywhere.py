@@ -191,6 +191,9 @@ def run_case(env: Env, case: str, contender: str, args: Any) -> dict[str, Any]:
     ctx = None
     result: dict[str, Any] = {"case": case, "contender": contender, "info": worker_info(env), "workload": spec.describe(),
                               "frozen_base": frozen, "trainable_params": trainable}
+    if args.pinner_workers:  # the arena's background pinner, for an A/B of its threads (first_step.py --registration)
+        offload.host.pinning.PINNER_WORKERS = args.pinner_workers
+    result["pinner_workers"] = offload.host.pinning.PINNER_WORKERS
     if contender in ("device", "lowest"):
         result["budget"] = budget_for(env, contender)
         ctx = offload.OffloadActivations(layers, memory_budget_bytes=result["budget"], measure_peak=True, **offload_options(env))
@@ -428,6 +431,8 @@ def parse(argv: list[str]) -> tuple[Any, Any]:
     parser.add_argument("--recovery-cap-gib", type=float, default=None, help="the cap in GiB (instead of the fraction)")
     parser.add_argument("--recovery-steps", type=int, default=3, help="steps under the lowered cap")
     parser.add_argument("--recovery-empty-cache", action="store_true", help="the loop also empties the cache after an OOM")
+    parser.add_argument("--pinner-workers", type=int, default=0,
+                        help="threads of the arena's background pinner (default: offload.host.pinning.PINNER_WORKERS)")
     parser.add_argument("--profile-step", type=int, default=-1, metavar="K",
                         help="run step K (0-based: with plans, 2 is the first plan's stand-in) under torch.profiler: "
                              "the host calls that took longest, printed and in the step's record")

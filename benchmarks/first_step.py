@@ -40,8 +40,8 @@ work (issue 50 s1: a first plan's stand-in step ran as long as its plan's blocks
 loops, ``kernels`` (eight 8192^2 bf16 matmuls, then a synchronise), ``launches`` (400 tiny
 kernels, then a synchronise) and ``queued`` (400 of those matmuls, about 0.6 s of GPU work queued
 ahead, then a synchronise: a stall of the host thread's launches alone hides behind the queue, one
-of the GPU's work does not), each timed alone, then again and again while two threads (as
-``offload.host.pinning``'s workers) pin ``GIB`` GiB in blocks of ``--block-mib`` with
+of the GPU's work does not), each timed alone, then again and again while ``--pinner-workers``
+threads (default: ``offload.host.pinning``'s two) pin ``GIB`` GiB in blocks of ``--block-mib`` with
 ``--pin-method`` (``register_huge``, the arena's for blocks from 8 MiB; ``host_alloc``:
 ``cuMemHostAlloc``). The stall is the loops' time beyond their quiet median, reported against the
 pinning's wall time. It needs the native extension and CUDA.
@@ -322,7 +322,8 @@ def stall_figures(loop_ms: list[float], quiet_ms: float, pin_s: float) -> dict[s
             "stall_share": stall / pin_s if pin_s > 0 else 0.0}
 
 
-def registration_stall(gib: int, block_mib: int, method: str = "register_huge") -> list[dict[str, Any]]:
+def registration_stall(gib: int, block_mib: int, method: str = "register_huge",
+                       workers: int = 0) -> list[dict[str, Any]]:
     """Each loop's stall while the arena's background pinner pins ``gib`` GiB (see the module
     notes, ``--registration``)."""
     import concurrent.futures
@@ -330,6 +331,8 @@ def registration_stall(gib: int, block_mib: int, method: str = "register_huge") 
 
     from offload.host import native
     from offload.host.pinning import PINNER_WORKERS
+
+    workers = workers or PINNER_WORKERS
 
     if not torch.cuda.is_available() or native.extension() is None:
         raise SystemExit(f"--registration needs CUDA and the native extension ({native.native_reason()})")
@@ -364,7 +367,7 @@ def registration_stall(gib: int, block_mib: int, method: str = "register_huge") 
         for _ in range(3):
             timed(fn)
         quiet = statistics.median(timed(fn) for _ in range(15))
-        with concurrent.futures.ThreadPoolExecutor(PINNER_WORKERS) as pool:
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
             started = time.perf_counter()
             futures = [pool.submit(pin, block_mib << 20) for _ in range((gib << 10) // block_mib)]
             loop = []
@@ -374,6 +377,7 @@ def registration_stall(gib: int, block_mib: int, method: str = "register_huge") 
             blocks = [f.result() for f in futures]
         del blocks
         rows.append({"loop": name, "quiet_ms": quiet, "gib": gib, "block_mib": block_mib, "method": method,
+                     "workers": workers,
                      **stall_figures(loop, quiet, pin_s)})
     return rows
 
@@ -386,13 +390,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--block-mib", type=int, default=1024, help="--registration's block size (MiB)")
     parser.add_argument("--pin-method", default="register_huge", choices=("register_huge", "register", "host_alloc"),
                         help="--registration's way to pin (offload.host.pinning)")
+    parser.add_argument("--pinner-workers", type=int, default=0,
+                        help="--registration's pinning threads (default: offload.host.pinning.PINNER_WORKERS)")
     env = common.setup(parser, argv)
     args = env.args
     if args.registration:
-        rows = registration_stall(args.registration, args.block_mib, args.pin_method)
+        rows = registration_stall(args.registration, args.block_mib, args.pin_method, args.pinner_workers)
         common.write_json("first_step_registration", env, {"rows": rows})
         common.print_table(f"pinning in the background against this thread's GPU work ({common.device_name(env)})", rows, [
-            ("loop", "loop", ""), ("method", "pinned by", ""), ("quiet_ms", "quiet ms", ".1f"), ("iterations", "iterations", ""),
+            ("loop", "loop", ""), ("method", "pinned by", ""), ("workers", "threads", ""), ("quiet_ms", "quiet ms", ".1f"), ("iterations", "iterations", ""),
             ("pin_s", "pinning s", ".2f"), ("stall_s", "stall s", ".2f"), ("stall_share", "stall / pinning", ".2f")])
         return 0
     if args.steps < MIN_STEPS:

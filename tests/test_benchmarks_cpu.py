@@ -336,8 +336,9 @@ def test_varlen_stream_is_fixed_and_covers_every_length() -> None:
 
 def test_device_everywhere_cpu_smoke_runs_each_case_and_contender() -> None:
     result = run_smoke("device_everywhere.py", "device_everywhere_pytest", "--cases", "8b-16384", "--contenders",
-                       "ckpt,device", "--jobs", "2", "--profile-step", "1")
+                       "ckpt,device", "--jobs", "2", "--profile-step", "1", "--pinner-workers", "1")
     runs = result["runs"]
+    assert {run["pinner_workers"] for run in runs.values()} == {1}
     for run in runs.values():  # the step profiled, and no other
         profiled = [s for s in run["steps"] if "profile" in s]
         assert [s["step"] for s in profiled] == [1], [s["step"] for s in run["steps"]]
