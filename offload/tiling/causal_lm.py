@@ -414,7 +414,7 @@ class TiledCausalLMForward:
     ``inspect.signature`` of the stand-in is the original's (Trainer and ``generate`` read it).
     """
 
-    __slots__ = ("fn", "chunk", "base", "norm", "_signature", "_var_keyword")
+    __slots__ = ("fn", "chunk", "base", "norm", "_identity", "_signature", "_var_keyword")
 
     def __init__(self, model: nn.Module, fn: Callable[..., Any], chunk: Chunk, norm: str = "") -> None:
         if getattr(fn, "__self__", None) is not model:
@@ -426,6 +426,9 @@ class TiledCausalLMForward:
         self.chunk = chunk
         self.base = template.base
         self.norm = norm
+        # One stand-in for the norm for all calls (a new module each call would make a compiled
+        # base model recompile).
+        self._identity = nn.Identity()
         self._signature = inspect.signature(fn)
         self._var_keyword = next(
             (p.name for p in self._signature.parameters.values() if p.kind is inspect.Parameter.VAR_KEYWORD), None)
@@ -479,7 +482,7 @@ class TiledCausalLMForward:
         norm = base._modules.get(self.norm) if self.norm and not wants_states else None
         if norm is not None:
             # The norm runs inside the chunks: the base model's own call of it passes its input on.
-            base._modules[self.norm] = nn.Identity()
+            base._modules[self.norm] = self._identity
         try:
             outputs = base(**arguments, **extra)
         finally:
