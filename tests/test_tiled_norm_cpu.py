@@ -155,3 +155,24 @@ def test_the_planner_counts_the_head_without_the_whole_norm() -> None:
     # What the chunked norm adds back is one chunk's working set (256 tokens, with the margin).
     assert saved - 2 * 256 * HIDDEN * 16 <= whole.head_bytes - inside.head_bytes <= saved
     assert HeadInfo(VOCAB, HIDDEN, True, True).norm == ""  # the default: the norm whole
+
+
+@pytest.mark.parametrize("family,norm_name", [("Phi", "final_layernorm"), ("Gemma", "norm"), ("Qwen3", "norm")])
+def test_other_families_norms_run_inside_and_agree(family: str, norm_name: str) -> None:
+    # Phi's final norm is a LayerNorm with a bias, under another name; Gemma's scales by 1 + weight.
+    if not hasattr(transformers, f"{family}ForCausalLM"):
+        pytest.skip(f"this transformers has no {family}")
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{family}Config")(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, pad_token_id=0, bos_token_id=1, eos_token_id=1)
+    model = getattr(transformers, f"{family}ForCausalLM")(config)
+    x = torch.randint(0, 64, (2, 20), generator=torch.Generator().manual_seed(2))
+    plain = step(model, input_ids=x, labels=x)
+    with tile_head(model, CHUNK) as tiled:
+        assert tiled.wrapper.norm == norm_name
+        got = step(model, input_ids=x, labels=x)
+    torch.testing.assert_close(got[0], plain[0], rtol=RTOL, atol=ATOL)
+    assert got[1].keys() == plain[1].keys() and any(norm_name in n for n in got[1])
+    for name, grad in plain[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=RTOL, atol=ATOL, msg=lambda m: f"{family} {name}: {m}")
