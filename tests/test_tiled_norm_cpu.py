@@ -22,21 +22,18 @@ from offload.planner.tiling import HIDDEN_BYTES, NORMED_HIDDEN_BYTES, HeadInfo, 
 from offload.tiling.causal_lm import final_norm_support, tile_head
 
 from _util import llama_grads
+from test_tiled_loss_cpu import FP32_ATOL as ATOL, FP32_RTOL as RTOL, HIDDEN, VOCAB, tiny_llama as plain_llama
 
 transformers = pytest.importorskip("transformers")
 
-RTOL, ATOL = 1e-5, 1e-6
-VOCAB, HIDDEN, CHUNK = 300, 64, 7
+CHUNK = 7
 
 
 def tiny_llama(seed: int = 0) -> Any:
-    config = transformers.LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128, attn_implementation="sdpa",
-    )
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():  # a trained norm's weight is not all ones: its gradient then matters
+    """The tiled-loss tests' tiny Llama, its final norm's weight not all ones (a trained one's is
+    not: its gradient then matters)."""
+    model = plain_llama(seed)
+    with torch.no_grad():
         model.model.norm.weight.uniform_(0.5, 1.5)
     return model
 

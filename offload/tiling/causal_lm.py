@@ -109,13 +109,20 @@ class _Template:
     reason: str = ""
 
 
+def _forward_source(cls: type) -> tuple[str, Optional[str]]:
+    """``Class.forward`` as a name, and its source (None where it cannot be read)."""
+    name = f"{cls.__name__}.forward"
+    try:
+        return name, inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (AttributeError, OSError, TypeError):
+        return name, None
+
+
 @functools.lru_cache(maxsize=None)
 def _read_template(cls: type) -> _Template:
     # Once per class: reading and scanning a forward's source takes a millisecond or so.
-    name = f"{cls.__name__}.forward"
-    try:
-        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
-    except (AttributeError, OSError, TypeError):
+    name, source = _forward_source(cls)
+    if source is None:
         return _Template(reason=_NOT_TILEABLE + f"the source of {name} cannot be read, so it cannot be checked")
     flat = re.sub(r"\s+", "", source)
     for word in _EXTRAS:
@@ -148,10 +155,8 @@ _NORM_CALL = re.compile(r"^\s*hidden_states\s*=\s*self\.(\w+)\(hidden_states\)\s
 def _read_final_norm(cls: type) -> _Template:
     # Once per base-model class: the attribute of the norm its forward ends with (``base``), or why
     # the norm cannot run inside the head's chunks (``reason``).
-    name = f"{cls.__name__}.forward"
-    try:
-        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
-    except (AttributeError, OSError, TypeError):
+    name, source = _forward_source(cls)
+    if source is None:
         return _Template(reason=f"the source of {name} cannot be read")
     assigns = list(re.finditer(_ASSIGN.format("hidden_states"), source, re.MULTILINE))
     if not assigns:

@@ -147,7 +147,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             total = total + loss
         ctx.save_for_backward(hidden, weight, bias, labels, denom)
         ctx.chunk_tokens, ctx.ignore_index, ctx.compute_dtype = chunk_tokens, ignore_index, compute_dtype
-        ctx.norm, ctx.norm_params = norm, len(norm_params)
+        ctx.norm = norm
         # Backward recomputes the logits under this autocast state, so that they are the
         # forward's bits: callers usually run backward outside their autocast block.
         ctx.autocast = (device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type))
