@@ -71,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     Env, apply_defaults, exit_status, fmt, free_memory, gib, make_parser, print_table, setup, verdict, write_json,
 )
+from step_profile import Profiling  # noqa: E402
 from step_records import PlanWatch, clear_grads, make_train_step, measure_step, plan_fields  # noqa: E402
 from workers import (  # noqa: E402
     add_worker_options, check_cuda_or_exit, parent_env, parent_meta, spawn_all, strip_parent_options, worker_env,
@@ -125,33 +126,13 @@ def after_failure(env: Env, model: torch.nn.Module, optimizer: Any, empty_cache:
     return run
 
 
-def profiled(step: Callable[[], Any], into: dict[str, Any]) -> Callable[[], Any]:
-    """``step`` under ``torch.profiler`` (host ops and the CUDA runtime's calls, kernels): the 20
-    entries of longest own host time go to ``into["profile"]``, and the table is printed. Where a
-    step waits on the driver (a launch or ``cudaMalloc`` behind a host-memory registration, a
-    synchronisation), that call's own time shows it."""
-    def run() -> Any:
-        from torch.profiler import ProfilerActivity, profile
-
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        with profile(activities=activities) as prof:
-            out = step()
-        table = prof.key_averages()
-        top = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[:20]
-        into["profile"] = [{"name": e.key, "calls": e.count, "self_host_ms": e.self_cpu_time_total / 1e3,
-                            "host_ms": e.cpu_time_total / 1e3} for e in top]
-        print(table.table(sort_by="self_cpu_time_total", row_limit=15), flush=True)
-        return out
-    return run
-
-
 def run_steps(env: Env, step: Callable[[], Any], watch: PlanWatch, phase: str, count: int,
-              on_failure: Callable[[], None], records: list[dict[str, Any]], profile_step: int = -1) -> None:
-    """``count`` steps of ``phase``, each recorded into ``records`` (and printed); the step of
-    index ``profile_step`` (``--profile-step``) runs :func:`profiled`."""
+              on_failure: Callable[[], None], records: list[dict[str, Any]], profile: Optional["Profiling"] = None) -> None:
+    """``count`` steps of ``phase``, each recorded into ``records`` (and printed); the steps
+    ``profile`` names (``--profile-step``) run under :func:`step_profile.profiled`."""
     for _ in range(count):
         extra: dict[str, Any] = {}
-        fn = profiled(step, extra) if len(records) == profile_step else step
+        fn = profile.wrap(step, len(records), extra) if profile is not None else step
         rec = {"step": len(records), "phase": phase, **measure_step(env, fn, on_failure=on_failure), **watch.at_entry,
                **extra}
         if phase == "probe" and watch.at_entry:  # the plan came at this step's entry: it ran planned
@@ -162,11 +143,11 @@ def run_steps(env: Env, step: Callable[[], Any], watch: PlanWatch, phase: str, c
 
 
 def plan_until_in_force(env: Env, step: Callable[[], Any], watch: PlanWatch, on_failure: Callable[[], None],
-                        records: list[dict[str, Any]], profile_step: int = -1) -> int:
+                        records: list[dict[str, Any]], profile: Optional["Profiling"] = None) -> int:
     """Steps until one runs under a plan (the ones before are probe steps, that one a warm-up).
     Returns the warm-up steps it ran (1, or 0 when no plan came)."""
     for _ in range(MAX_PLANNING_STEPS):
-        run_steps(env, step, watch, "probe", 1, on_failure, records, profile_step)
+        run_steps(env, step, watch, "probe", 1, on_failure, records, profile)
         if records[-1]["phase"] == "warmup":
             return 1
     print(f"  no plan after {MAX_PLANNING_STEPS} steps", flush=True)
@@ -203,13 +184,14 @@ def run_case(env: Env, case: str, contender: str, args: Any) -> dict[str, Any]:
     train = make_train_step(model, watch, optimizer)
     on_failure = after_failure(env, model, optimizer)
     records: list[dict[str, Any]] = []
+    profile = Profiling.from_args(args, f"{case}_{contender}")
     with hf_checkpointing(model) if contender == "ckpt" else contextlib.nullcontext():
         warmed = 0
         if ctx is not None and contender != "default":
-            warmed = plan_until_in_force(env, lambda: train(ids), watch, on_failure, records, args.profile_step)
+            warmed = plan_until_in_force(env, lambda: train(ids), watch, on_failure, records, profile)
         run_steps(env, lambda: train(ids), watch, "warmup", max(0, args.warmup - warmed), on_failure, records,
-                  args.profile_step)
-        run_steps(env, lambda: train(ids), watch, "timed", args.steps, on_failure, records, args.profile_step)
+                  profile)
+        run_steps(env, lambda: train(ids), watch, "timed", args.steps, on_failure, records, profile)
     result["steps"] = records
     result["summary"] = summarize(records)
     if ctx is not None and getattr(ctx, "plan", None) is not None:
@@ -433,9 +415,12 @@ def parse(argv: list[str]) -> tuple[Any, Any]:
     parser.add_argument("--recovery-empty-cache", action="store_true", help="the loop also empties the cache after an OOM")
     parser.add_argument("--pinner-workers", type=int, default=0,
                         help="threads of the arena's background pinner (default: offload.host.pinning.PINNER_WORKERS)")
-    parser.add_argument("--profile-step", type=int, default=-1, metavar="K",
-                        help="run step K (0-based: with plans, 2 is the first plan's stand-in) under torch.profiler: "
-                             "the host calls that took longest, printed and in the step's record")
+    parser.add_argument("--profile-step", default="", metavar="K[,K]",
+                        help="run steps K (0-based: with plans, 2 is the first plan's stand-in) under torch.profiler "
+                             "and a stack sampler: the host calls and lines that took longest, printed and in the "
+                             "step's record")
+    parser.add_argument("--trace-dir", default=None,
+                        help="with --profile-step: also write each profiled step's Chrome trace (gzipped) here")
     parser.add_argument("--out", default=None, help="results file (default benchmarks/results/<name>.json)")
     add_worker_options(parser)
     return parser, parser.parse_args(argv)

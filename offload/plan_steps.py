@@ -497,20 +497,20 @@ class PlannedSteps(AheadSteps):
         self.engine.arena.pin_for_plan(sizes, hold_idle=self.profile is not None and self.profile.shape is not None)
 
     def _pin_ahead(self) -> None:
-        # After the low-memory sizing step: a plan from its figures (the measured step's will
-        # be close) says which host regions to pin while the probe's last steps run.
+        # After the sizing step, where a measured plain step follows: its plan's regions pinned meanwhile.
         sizing = self._sequence.sizing if self._sequence is not None else None
         if self._pinned_ahead or sizing is None or self.profile is not None:
             return
         self._pinned_ahead = True
+        sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
+        if self._stand_in_fits(sizing):  # pinned behind the first plan's stand-in: no search for it now
+            return
         try:
-            sizing = dataclasses.replace(sizing, link=self._sequence.link())  # type: ignore[union-attr]
             plan = self.costs.timed("search", lambda: choose(sizing, self.budget, self.device, expandable=self._expandable,
                                                              host_budget=self.engine.arena.plan_host_bytes()))
         except (BudgetError, ValueError):
             return  # the measured step decides; nothing to pin ahead
-        if not self._stand_in_fits(sizing):  # (else pinned behind the first plan's stand-in, none waited for)
-            self._pin(PlannedSchedule(plan, sizing).region_bytes())
+        self._pin(PlannedSchedule(plan, sizing).region_bytes())
 
     def _check_out_of_memory(self) -> None:
         # The allocator's count, read at each planned step's entry (tens of microseconds): the

@@ -128,7 +128,7 @@ def test_the_background_pinners_seconds_beside_each_step_are_shown_not_charged()
     costs.enter()
     costs.kind("size")
     clock.spend(2.0)
-    background[0] = 3.5  # two workers pinned beside the step
+    background[0] = 3.5  # the pinner's workers pinned beside the step
     costs.enter()
     costs.kind("planned")
     clock.spend(1.0)

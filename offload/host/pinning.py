@@ -62,11 +62,17 @@ from . import native
 from .numa import NumaPlacement
 
 HUGE_PAGE_MIN_BYTES = 8 << 20
-# Blocks pinned at once in the background. The driver registers blocks from two threads side by
-# side: on an H200 host 32 blocks of 256 MiB pinned at 14 GB/s from one worker, 34 GB/s from two
-# (37 from four), each touching its pages with half as many threads. Two leave cores to the
-# training thread and its data loaders.
-PINNER_WORKERS = 2
+# Threads pinning blocks in the background. ``cuMemHostRegister`` holds the driver's lock while
+# it pins, and every driver call of the process waits behind it: the training thread's launches,
+# synchronisations and cudaMalloc. Work the GPU has queued runs on, so a step loses what its thread
+# could not queue ahead. Measured on an H200 (``benchmarks/first_step.py --registration 12``, 1 GiB
+# blocks; the share of the pinning's wall time lost by a loop that synchronises every 13 ms / by a
+# loop of 400 launches): two workers 0.93 / 0.45, one 0.27-0.31 / 0.26-0.32, pinning 12 GiB in
+# about the same wall time. Two keep the lock almost always held; one leaves the training thread
+# gaps. Registering a block in smaller pieces would shorten each hold, but the driver refuses a
+# copy whose host range spans two registrations (CUDA_ERROR_INVALID_VALUE, measured), and a
+# group's tensors are laid out across its whole block: blocks are registered whole.
+PINNER_WORKERS = 1
 
 # (block, bytes really locked) for a request of ``nbytes``.
 Allocator = Callable[[int], tuple[torch.Tensor, int]]
@@ -145,7 +151,7 @@ class BackgroundPinner:
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
         self._queued = itertools.count()
         self.busy_s = 0.0
-        self._busy_lock = threading.Lock()  # two workers add to busy_s
+        self._busy_lock = threading.Lock()  # PINNER_WORKERS threads add to busy_s
 
     def _run(self, nbytes: int) -> tuple[torch.Tensor, int]:
         if self._device_index is not None and self._device_index >= 0:
