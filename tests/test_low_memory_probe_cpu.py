@@ -248,10 +248,40 @@ def test_auto_calibrates_where_the_middle_layer_is_called_twice(model) -> None:
 
 
 def test_auto_stays_at_low_memory_where_the_plain_step_would_not_fit(model) -> None:
+    # The sizing step is then the measured one: one probe step, not two.
     layers, x = model
     profile, kinds = run(sequence(layers, limit=1), layers, x)
-    assert kinds == ["recompute", "recompute"] and profile.probe == "recompute"
-    assert "more than the device" in profile.probe_reason
+    assert kinds == ["recompute"] and profile.probe == "recompute"
+    assert "more than the device" in profile.probe_reason and "the sizing step measured" in profile.probe_reason
+
+
+class ColdFirstForward(SlowForward):
+    """A block whose forward takes 30 ms on ``clock``, its first 300 ms (the process's warm-up)."""
+
+    def __init__(self, inner: torch.nn.Module, clock: VirtualClock, cold: bool) -> None:
+        super().__init__(inner, clock)
+        self.cold = cold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cold:
+            self.cold = False
+            self.clock.advance(270)
+        return super().forward(x)
+
+
+def test_the_measured_sizing_step_leaves_the_warm_up_out(model, monkeypatch) -> None:
+    layers, x = model
+    clock = VirtualClock()
+    monkeypatch.setattr(offload.planner.timeline.Clock, "host_now", clock)
+    cold = torch.nn.ModuleList(ColdFirstForward(layer, clock, cold=i == 0) for i, layer in enumerate(layers))
+    profile, kinds = run(sequence(cold, limit=1), cold, x)
+    assert kinds == ["recompute"]
+    assert [l.forward_ms for l in profile.layers] == pytest.approx([30.0] * len(layers), abs=1e-6)
+    assert "the warm-up left out of layers 0" in profile.probe_reason
+    # The plain step is predicted from the steady times (each layer's forward twice less the recompute).
+    warm, _ = run(sequence(cold, limit=1), cold, x)
+    assert profile.plain_step_ms == pytest.approx(warm.plain_step_ms, abs=1e-6)
+    assert "warm-up" not in warm.probe_reason
 
 
 def test_out_of_memory_in_a_plain_probe_falls_back_to_low_memory(model) -> None:

@@ -11,7 +11,8 @@ A plan is made from one measured probe step (:mod:`offload.planner.probe`) after
        The sizing step measured its middle layer's recompute (the recompute's memory and time
        factors), which a calibration step (plain, one layer recomputed) would; only where that
        layer is called more than once does a calibration step come first.
-    3. Otherwise the measured step is a low-memory one too. Two steps in all.
+    3. Otherwise the sizing step is the measured one (a second low-memory step would measure the
+       same), its first-run layers' warm-up taken out (:mod:`offload.planner.warm_up`). One step.
     On CPU there is no device memory to run out of: the plain probe runs directly.
 ``"plain"``
     Plain warm-up steps, the last one calibrating, then the measured plain step.
@@ -51,6 +52,7 @@ from .probe import ProbeStep
 from .scaling import predict_plain
 from .search import PEAK_MODEL_ERROR, BudgetError
 from .types import PLAIN_PROBE, RECOMPUTE_PROBE, LinkProfile, StepProfile
+from .warm_up import layer_kind, without_warm_up
 
 AUTO = "auto"
 PROBE_CHOICES = (AUTO, PLAIN_PROBE, RECOMPUTE_PROBE)
@@ -281,6 +283,12 @@ class ProbeSequence:
                 self.reason = f"low-memory probe: {own.why}" if own.low_memory else (
                     f"low-memory probe: on another rank of the plan group the plain step would not fit its "
                     f"device (here {own.why})")
+                if probe is not None:
+                    # The measured step would be the same low-memory step again: this one is it,
+                    # its first-run layers' warm-up taken out (offload.planner.warm_up). Every
+                    # rank has its profile at this same step (the verdict is the agreed one).
+                    self.todo = []
+                    return self._measured_sizing(probe)
             else:
                 # The sizing step measured its middle layer's recompute as a calibration step
                 # would (docs/design.md, "The first steps"): the measured plain step comes next,
@@ -293,6 +301,16 @@ class ProbeSequence:
         elif kind == "measure" and probe is not None:
             return replace(probe.profile(self.link(), recompute_peak=self.recompute_peak), probe_reason=self.reason)
         return None
+
+    def _measured_sizing(self, probe: ProbeStep) -> StepProfile:
+        measured = probe.profile(self.link())
+        kinds = [layer_kind(r.module, layer) for r, layer in zip(probe.records, measured.layers)]
+        profile, steadied = without_warm_up(measured, kinds)
+        note = "; the sizing step measured"
+        if steadied:
+            profile = predict_plain(profile)
+            note += f" (the warm-up left out of layers {', '.join(map(str, steadied))})"
+        return replace(profile, probe_reason=self.reason + note)
 
     def step_done(self, probe: Optional[ProbeStep]) -> Optional[StepProfile]:
         """One process: take a step that ran to its end (its backward may have failed); the

@@ -413,8 +413,10 @@ def _case_checks(case: Case, ranks: list[dict[str, Any]], phases: list[list[str]
                  last: int) -> list[str]:
     out = []
     if case.forced_low_memory:
-        if phases[0][:2] != ["recompute>recompute", "recompute>recompute"]:
-            out.append(f"the ranks did not all take the low-memory probe (sizing, then measured): {phases[0][:3]}")
+        # One low-memory step on every rank, the sizing step measured, then the plan on all at once.
+        if phases[0][:2] != ["recompute>recompute", "planned>planned"]:
+            out.append(f"the ranks did not all take the low-memory probe (the sizing step measured, then "
+                       f"planned together): {phases[0][:3]}")
         if "another rank" not in ranks[0]["reason"]:
             out.append(f"rank 0's probe reason does not say another rank chose: {ranks[0]['reason']!r}")
     if case.new_bucket:
