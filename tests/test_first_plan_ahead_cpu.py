@@ -141,12 +141,19 @@ def test_the_measured_step_waits_for_nothing_pinned_ahead(monkeypatch: pytest.Mo
     pins: list[Any] = []
     real_pin = oa._planned._pin
     oa._planned._pin = lambda sizes: (pins.append(oa._planned.profile), real_pin(sizes))
+    # The plan pinned ahead is searched (plan_steps.choose before the profile exists) only where
+    # it is pinned: not where a stand-in fits.
+    searched_ahead: list[bool] = []
+    real_choose = offload.plan_steps.choose
+    monkeypatch.setattr(offload.plan_steps, "choose",
+                        lambda *a, **k: (searched_ahead.append(oa._planned.profile is None), real_choose(*a, **k))[1])
     for _ in range(4):
         assert_bitwise(expected, oa_step(layers, x, oa))
     rows = oa.first_steps
     assert [r["kind"] for r in rows][:2] == ["size", "measure"], rows
-    assert rows[1]["search_s"] > 0 and oa._planned._pinned_ahead  # the sizing figures' plan (a stand-in fits)
+    assert rows[1]["search_s"] > 0 and oa._planned._pinned_ahead  # the stand-in's check, or the sizing figures' plan
     assert (None in pins) is not ahead, pins  # pinned during the probe steps only without plans ahead
+    assert searched_ahead.count(True) == (0 if ahead else 1), searched_ahead
 
 
 def test_no_stand_in_is_followed_over_the_budget() -> None:
