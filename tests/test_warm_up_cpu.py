@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from offload.planner.types import LayerProfile, LinkProfile, StepProfile
+from offload.planner.types import LayerProfile, LinkProfile, SelectiveProfile, StepProfile
 from offload.planner.warm_up import WARM_UP_SPREAD, without_warm_up
 
 MB = 1 << 20
@@ -32,6 +32,18 @@ def test_the_first_forward_and_the_first_backward_of_a_kind_lose_their_warm_up()
     assert (steady.layers[3].backward_ms, steady.layers[3].attention_backward_ms) == (20.0, 4.0)
     assert steady.layers[3].forward_ms == 12.0
     assert steady.layers[1:3] == tuple(layers[1:3])
+
+
+def test_a_cold_forwards_selective_times_are_replaced_with_it() -> None:
+    def selective(fwd: float, extra: float) -> SelectiveProfile:
+        return SelectiveProfile((MB,), 2 * MB, extra, forward_ms=fwd)
+
+    layers = [replace(layer(90.0, 20.0), selective=selective(60.0, 30.0))] + \
+        [replace(layer(10.0 + i, 20.0), selective=selective(6.0 + i, 3.0 + i)) for i in range(3)]
+    steady, changed = without_warm_up(profile(layers))
+    assert changed == [0]
+    assert steady.layers[0].selective == selective(7.0, 4.0)  # the median layer's (index 2)
+    assert steady.layers[0].selective.slot_bytes == layers[0].selective.slot_bytes  # its sizes stay its own
 
 
 def test_times_within_the_spread_of_the_slowest_other_stay_as_measured() -> None:

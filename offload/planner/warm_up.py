@@ -9,8 +9,9 @@ run forward and the first to run backward; a plan made from them would take that
 one (on the H200, LLAMA-8B's shape at 16384: the process's first step 4.9 s, the next 2.3 s).
 
 Layers alike (:func:`layer_kind`: the same class, parameter shapes and input bytes) run the same
-kernels, so the first-run layer of a kind is compared with the others of its kind: slower than every one of them
-by more than :data:`WARM_UP_SPREAD`, it gets the times of their median layer. Layers alike that
+kernels, so the first-run layer of a kind is compared with the others of its kind: slower than
+every one of them by more than :data:`WARM_UP_SPREAD`, it gets the times of their median layer
+(its selective candidates' times with them: they were measured in that same forward). Layers alike that
 legitimately differ (sliding-window and global attention, a router's imbalance) have a slow one
 among the others too, so their first is left as measured. What runs once a step (the embedding
 before the layers, the head and the loss after them) has nothing to compare with and keeps its
@@ -29,22 +30,28 @@ from .types import LayerProfile, StepProfile
 WARM_UP_SPREAD = 1.5
 MIN_ALIKE = 3  # the first-run layer and at least two to compare it with
 
-# A direction's timing fields, as the probe measured them.
+# A direction's timing fields, as the probe measured them (the first is the one compared).
 _FIELDS = {
     "forward": ("forward_ms", "attention_forward_ms"),
     "backward": ("backward_ms", "attention_backward_ms"),
 }
+_SELECTIVE_FIELDS = ("forward_ms", "extra_backward_ms")  # measured in the layer's forward
 
 
 def _steady(layers: Sequence[LayerProfile], first: int, others: Sequence[int], direction: str) -> LayerProfile:
     """Layer ``first`` with its ``direction`` times from the median of ``others``, where it was a
     warm-up outlier; else as it was."""
-    time, *rest = _FIELDS[direction]
-    ranked = sorted(others, key=lambda j: getattr(layers[j], time))
-    if getattr(layers[first], time) <= WARM_UP_SPREAD * getattr(layers[ranked[-1]], time):
-        return layers[first]
+    fields = _FIELDS[direction]
+    ranked = sorted(others, key=lambda j: getattr(layers[j], fields[0]))
+    cold = layers[first]
+    if getattr(cold, fields[0]) <= WARM_UP_SPREAD * getattr(layers[ranked[-1]], fields[0]):
+        return cold
     median = layers[ranked[len(ranked) // 2]]
-    return replace(layers[first], **{name: getattr(median, name) for name in (time, *rest)})
+    steady = {name: getattr(median, name) for name in fields}
+    if direction == "forward" and cold.selective is not None and median.selective is not None:
+        steady["selective"] = replace(cold.selective, **{name: getattr(median.selective, name)
+                                                         for name in _SELECTIVE_FIELDS})
+    return replace(cold, **steady)
 
 
 def layer_kind(module: Optional[torch.nn.Module], layer: LayerProfile) -> Hashable:
