@@ -127,7 +127,7 @@ def after_failure(env: Env, model: torch.nn.Module, optimizer: Any, empty_cache:
 
 
 def run_steps(env: Env, step: Callable[[], Any], watch: PlanWatch, phase: str, count: int,
-              on_failure: Callable[[], None], records: list[dict[str, Any]], profile: Optional["Profiling"] = None) -> None:
+              on_failure: Callable[[], None], records: list[dict[str, Any]], profile: Optional[Profiling] = None) -> None:
     """``count`` steps of ``phase``, each recorded into ``records`` (and printed); the steps
     ``profile`` names (``--profile-step``) run under :func:`step_profile.profiled`."""
     for _ in range(count):
@@ -143,7 +143,7 @@ def run_steps(env: Env, step: Callable[[], Any], watch: PlanWatch, phase: str, c
 
 
 def plan_until_in_force(env: Env, step: Callable[[], Any], watch: PlanWatch, on_failure: Callable[[], None],
-                        records: list[dict[str, Any]], profile: Optional["Profiling"] = None) -> int:
+                        records: list[dict[str, Any]], profile: Optional[Profiling] = None) -> int:
     """Steps until one runs under a plan (the ones before are probe steps, that one a warm-up).
     Returns the warm-up steps it ran (1, or 0 when no plan came)."""
     for _ in range(MAX_PLANNING_STEPS):

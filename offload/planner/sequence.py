@@ -279,16 +279,18 @@ class ProbeSequence:
         elif kind == "size":
             self.sizing = own.sizing
             if agreed.low_memory:
-                self.mode, self.todo = RECOMPUTE_PROBE, ["measure"]
+                self.mode = RECOMPUTE_PROBE
                 self.reason = f"low-memory probe: {own.why}" if own.low_memory else (
                     f"low-memory probe: on another rank of the plan group the plain step would not fit its "
                     f"device (here {own.why})")
-                if probe is not None:
-                    # The measured step would be the same low-memory step again: this one is it,
-                    # its first-run layers' warm-up taken out (offload.planner.warm_up). Every
-                    # rank has its profile at this same step (the verdict is the agreed one).
-                    self.todo = []
-                    return self._measured_sizing(probe)
+                if probe is None:  # (no figures to take: measure at low memory)
+                    self.todo = ["measure"]
+                    return None
+                # The measured step would be the same low-memory step again: this one is it, its
+                # first-run layers' warm-up taken out (offload.planner.warm_up). Every rank has
+                # its profile at this same step (the verdict is the agreed one).
+                self.todo = []
+                return self._measured_sizing(probe)
             else:
                 # The sizing step measured its middle layer's recompute as a calibration step
                 # would (docs/design.md, "The first steps"): the measured plain step comes next,
