@@ -158,8 +158,9 @@ def run_contender(env: Env, contender: str, args: Any, grads_file: Optional[Path
         records = []
         for i, length in enumerate(lengths):
             ids = batch_ids(args.seed, i, length, spec.batch, spec.vocab, env.device)
+            before = host_and_allocator(ctx, env)
             rec = measure_step(env, lambda: step(ids), on_failure=after_failure)
-            rec = {"step": i, "length": length, **rec, **watch.at_entry}
+            rec = {"step": i, "length": length, **rec, **watch.at_entry, **counter_deltas(before, host_and_allocator(ctx, env))}
             if ctx is not None:
                 rec["phase"] = "planned" if watch.at_entry else "probe"
                 if watch.at_entry:
@@ -167,7 +168,7 @@ def run_contender(env: Env, contender: str, args: Any, grads_file: Optional[Path
             records.append(rec)
             shown = rec.get("error") or f"{rec['ms']:.1f} ms, peak {fmt(gib(rec['peak_bytes']), '.2f')} GiB"
             kind = f"[{'new, ' if rec.get('new_bucket') else ''}{rec['plan_kind']}] " if "plan_kind" in rec else ""
-            print(f"  step {i:>2}  T={length:<6} {shown}  {kind}{rec.get('plan', '')}", flush=True)
+            print(f"  step {i:>2}  T={length:<6} {shown}  {kind}{rec.get('plan', '')}{counters_text(rec)}", flush=True)
             del ids
     result["steps"] = records
     result["summary"] = summarize_steps(records)
@@ -313,6 +314,47 @@ def _max_diff(ours: dict[int, Any], plain: dict[int, Any], length: int) -> Optio
         return None
     a, b = ours[length][0], plain[length][0]
     return {n: float((a[n].float() - b[n].float()).abs().max()) for n in a if n in b}
+
+
+# Per step (ours): what its arena did (blocks pinned, freed, trimmed to the plans' bound; acquires
+# that waited for or kept a group while a block was pinned), the background pinner's seconds, and
+# the caching allocator's cudaMalloc and cudaFree calls: a step slower than its bucket's steady
+# one is explained by these (the driver's lock; issue 50 s2).
+ARENA_COUNTERS = ("pinned_allocations", "freed_blocks", "trimmed_for_plan", "waited_for_pinning", "kept_while_pinning",
+                  "failures")
+
+
+def host_and_allocator(ctx: Any, env: Env) -> dict[str, float]:
+    """The running totals :func:`counter_deltas` takes the step's share of (empty on the CPU
+    without a context)."""
+    totals: dict[str, float] = {}
+    arena = getattr(getattr(getattr(ctx, "_planned", None), "engine", None), "arena", None)
+    if arena is not None:
+        totals.update({name: getattr(arena.counters, name) for name in ARENA_COUNTERS})
+        totals["acquire_s"] = arena.counters.acquire_s
+        totals["background_pin_s"] = arena.pinner.busy_s
+    if env.cuda:
+        stats = torch.cuda.memory_stats(env.device)
+        totals["cuda_mallocs"] = stats.get("segment.all.allocated", 0)
+        totals["cuda_frees"] = stats.get("segment.all.freed", 0)
+    return totals
+
+
+def counter_deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """What each running total of :func:`host_and_allocator` grew by over the step."""
+    return {f"d_{name}": after[name] - before[name] for name in before if name in after}
+
+
+def counters_text(rec: dict[str, Any]) -> str:
+    """The step's counters as the stream's line shows them ('' where none moved)."""
+    names = {"pinned_allocations": "pinned", "freed_blocks": "freed", "trimmed_for_plan": "trimmed",
+             "waited_for_pinning": "waited", "kept_while_pinning": "kept", "cuda_mallocs": "cudaMalloc",
+             "cuda_frees": "cudaFree"}
+    parts = [f"{word} {rec['d_' + name]:g}" for name, word in names.items() if rec.get("d_" + name)]
+    for name in ("background_pin_s", "acquire_s"):
+        if rec.get("d_" + name, 0) >= 0.001:
+            parts.append(f"{name[:-2].replace('_', ' ')} {rec['d_' + name]:.3f} s")
+    return f"  [{', '.join(parts)}]" if parts else ""
 
 
 def stream_table(results: dict[str, dict[str, Any]], budget: int) -> list[dict[str, Any]]:

@@ -251,6 +251,10 @@ def test_varlen_cpu_smoke_runs_the_stream_in_three_processes() -> None:
     assert phases[0] == "probe" and "planned" in phases, f"ours never planned: {phases}"
     assert all(s.get("plan") for s in runs["ours"]["steps"] if s["phase"] == "planned")
     assert runs["ours"]["budget_bytes"] == 24 << 20, "the smoke budget is 24 MiB"
+    # Each step of ours says what its arena did: blocks pinned over the stream add up to those held.
+    ours_steps = runs["ours"]["steps"]
+    assert all("d_pinned_allocations" in s and "d_trimmed_for_plan" in s for s in ours_steps)
+    assert sum(s["d_pinned_allocations"] for s in ours_steps) >= 1, "no step of ours pinned a block"
     assert "check" not in runs["ckpt"], "only ours and plain are checked bit for bit"
     rows = {r["length"]: r for r in result["bitwise"]}
     assert set(rows) == set(lengths)
@@ -260,6 +264,16 @@ def test_varlen_cpu_smoke_runs_the_stream_in_three_processes() -> None:
     assert targets["T22 bitwise"]["ok"] is True
     assert targets["T22 peak"]["ok"] is None and targets["T22 time"]["ok"] is None, "no verdict on CPU numbers"
     assert len(result["rows"]) == 5 and all(r["ours_ms"] and r["ckpt_ms"] and r["plain_ms"] for r in result["rows"])
+
+
+def test_varlen_counts_what_each_step_of_the_arena_did() -> None:
+    varlen = bench_module("varlen")
+    before = {"pinned_allocations": 3, "trimmed_for_plan": 1, "background_pin_s": 0.5, "cuda_mallocs": 7}
+    after = {"pinned_allocations": 5, "trimmed_for_plan": 1, "background_pin_s": 0.75, "cuda_mallocs": 7}
+    deltas = varlen.counter_deltas(before, after)
+    assert deltas == {"d_pinned_allocations": 2, "d_trimmed_for_plan": 0, "d_background_pin_s": 0.25, "d_cuda_mallocs": 0}
+    assert varlen.counters_text(deltas) == "  [pinned 2, background pin 0.250 s]"
+    assert varlen.counters_text(varlen.counter_deltas(before, before)) == ""
 
 
 def test_varlen_verdicts_follow_the_targets() -> None:

@@ -105,8 +105,8 @@ class StepStats(TypedDict):
     - ``host_needed_bytes`` (int or None, bytes): host memory the plan in force needs (its
       regions' blocks, as the allocator holds them); None when no plan is in force.
     - ``host_bound_bytes`` (int or None, bytes): the most the arena holds for its plans: the
-      largest need of its recent plans plus a slack (``offload.host.room``); idle blocks beyond
-      it are dropped, least recently used first. None when no plan is in force.
+      needs of its recent plans together plus a slack (``offload.host.room``); idle blocks beyond it are dropped, least
+      recently used first. None when no plan is in force.
     - ``host_peak_bytes`` (int, bytes): the most host memory the arena has held at once (blocks
       being pinned included), since the context was made.
     - ``host_node_available_bytes`` / ``host_node_floor_bytes`` (int or None, bytes): the node's

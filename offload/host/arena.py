@@ -119,7 +119,7 @@ class HostArena:
         self._account = self.ledger.open_account()
         weakref.finalize(self, self._account.close)
         self._warned: set[object] = set()  # the refusals (by the node or not) and limits said once
-        self.needs = PlanNeeds()  # what the plans put in force lately need, and the bound it sets
+        self.needs = PlanNeeds(self._expect)  # what the plans put in force lately need, and the bound it sets
         self.counters = ArenaCounters()
         self.claimed = 0  # bytes promised at pack time to tensors of groups not yet laid out
         self._free = IdleBlocks()
@@ -347,20 +347,22 @@ class HostArena:
 
     # -- plans -----------------------------------------------------------------------------------
     def pin_for_plan(self, sizes: Iterable[int], *, hold_idle: bool) -> None:
-        """A plan whose steps will ask for regions of these sizes is put in force: its need bounds
-        what the arena holds (:mod:`offload.host.room`); idle blocks beyond the bound go, least
-        recently used first and those the plan cannot use before those it can; the regions no
-        block serves are pinned in the background, as far as the bound and the room allow.
+        """A plan whose steps will ask for regions of these sizes is put in force: with the plans
+        remembered, it bounds what the arena holds (:mod:`offload.host.room`); idle blocks beyond
+        the bound, or the budgets' room for the blocks it misses, go, least recently used first
+        and those the plan cannot use before those it can; the regions no block serves are pinned
+        in the background, as far as the bound and the room allow.
         ``hold_idle``: keep idle blocks between steps (plans per shape; pinned arenas only)."""
         sizes = list(sizes)
         blocks = sorted(align_up(max(int(n), 1), BLOCK_GRANULE) for n in sizes)
-        self.needs.note(tuple(blocks), sum(self._expect(b) for b in blocks))
+        self.needs.note(tuple(blocks))
         self.hold_idle = hold_idle and self.pinned
         with self._lock:
             self._settle_finished()
             serving, missing = self._serve(sizes)
-            dropped = self._trim_to_plans(sum(self._expect(m) for m in missing), keep=serving)
-            room = self.needs.cap - self._committed()  # type: ignore[operator]
+            dropped = self._drop_idle_for(sum(missing), sum(self._expect(m) for m in missing), keep=serving)
+            room = min(self.needs.cap, self.budget_bytes) - self._committed()  # type: ignore[type-var]
+            room = min(room, self.ledger.free_bytes)
         if dropped:
             self._give_back_dropped()
         if not self.pinned:
@@ -444,7 +446,7 @@ class HostArena:
             # Make room from idle blocks, least recently used first, before giving up on the
             # budget (this arena's, the process's or the node's: a freed block is refunded to the
             # ledger), and to stay within what the plans need.
-            dropped = self._free_over_budget(size, charge)
+            dropped = self._drop_idle_for(size, charge)
             if self._committed() + size > self.budget_bytes:
                 self.counters.failures += 1
                 charged = False
@@ -493,31 +495,23 @@ class HostArena:
             self._count_pinned(pinned_bytes, size)
         return Region(block=block, pinned_bytes=pinned_bytes, used_in_step=step)
 
-    def _free_over_budget(self, size: int, charge: int) -> bool:
-        # Called with the lock held: drop idle blocks, least recently used first, while a block of
-        # ``size`` (``charge`` to the ledger) would not fit the budget, the plans' bound, or the
-        # process's and node's room (those only if dropping all would make room: other contexts
-        # may hold the rest, and ours would go for nothing). Whether any was dropped.
+    def _drop_idle_for(self, size: int = 0, charge: int = 0, keep: frozenset = frozenset()) -> bool:
+        # Called with the lock held: drop idle blocks, least recently used first (those in
+        # ``keep``, ids of regions, last), while ``size`` more bytes (``charge`` to the ledger)
+        # would not fit the budget, the plans' bound, or the process's and node's room (those only
+        # if dropping all would make room: other contexts may hold the rest, and ours would go for
+        # nothing). Whether any was dropped; those dropped for the plans' bound are counted.
         ledger = self.ledger
         reachable = ledger.free_bytes + self._free.pinned_bytes() >= charge
         cap = self.needs.cap
         dropped = False
-        while self._free and (
-            self._committed() + size > self.budget_bytes or (reachable and ledger.free_bytes < charge)
-            or (cap is not None and self._committed() + charge > cap)
-        ):
-            self._drop_free(self._free.least_recent())
-            dropped = True
-        return dropped
-
-    def _trim_to_plans(self, adding: int = 0, keep: frozenset = frozenset()) -> bool:
-        # Called with the lock held: drop idle blocks, least recently used first (those in
-        # ``keep`` last), while what is held and ``adding`` more would pass the plans' bound.
-        cap = self.needs.cap
-        dropped = False
-        while cap is not None and self._free and self._committed() + adding > cap:
+        while self._free:
+            over_plans = cap is not None and self._committed() + charge > cap
+            if not (over_plans or self._committed() + size > self.budget_bytes
+                    or (reachable and ledger.free_bytes < charge)):
+                break
             self._drop_free(self._free.least_recent(keep))
-            self.counters.trimmed_for_plan += 1
+            self.counters.trimmed_for_plan += over_plans
             dropped = True
         return dropped
 
@@ -551,7 +545,7 @@ class HostArena:
         first = finished_step if first_step is None else first_step
         if self.hold_idle and not self.retain:
             with self._lock:
-                dropped = self._trim_to_plans()  # idle blocks of other shapes, within the bound
+                dropped = self._drop_idle_for()  # idle blocks of no remembered plan, within the bound
             if dropped:
                 self._give_back_dropped()
         if self.retain or self.hold_idle or self._last_acquiring_step < first:

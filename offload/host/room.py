@@ -4,8 +4,9 @@
 (:meth:`offload.engine.schedules.planned.PlannedSchedule.region_bytes`); their blocks, as the
 allocator holds them, are the plan's *need*. With plans per batch shape, the arena keeps idle
 blocks between steps so that each shape's plan finds its own; what it holds (in use, idle and
-being pinned) is bounded by the largest need among the last :data:`PLANS_REMEMBERED` plans put in
-force, plus a slack:
+being pinned) is bounded by the needs of the last :data:`PLANS_REMEMBERED` plans put in force
+together (one plan runs at a time, so blocks one serves another are held once, and less is held),
+plus a slack:
 
     slack = max(PLAN_SLACK_FRACTION x need, PLAN_SLACK_MIN_BYTES)    (25%, at least 256 MiB)
 
@@ -74,28 +75,35 @@ def fit_within(sizes: list[int], room: int, held: Callable[[int], int]) -> list[
 
 
 class PlanNeeds:
-    """The needs of the plans put in force lately, newest first, and the bound they set."""
+    """The blocks of the plans put in force lately, newest first, and the bound they set.
+    ``held(size)``: the bytes a block of ``size`` holds (the allocator's rounding)."""
 
-    def __init__(self) -> None:
+    def __init__(self, held: Callable[[int], int] = lambda n: n) -> None:
         self._needs: list[tuple[tuple[int, ...], int]] = []
+        self._held = held
 
-    def note(self, blocks: tuple[int, ...], need: int) -> None:
-        """A plan whose regions take ``blocks`` (sorted sizes) and ``need`` held bytes is in force."""
+    def note(self, blocks: tuple[int, ...]) -> None:
+        """A plan whose regions take ``blocks`` (sorted sizes) is in force."""
+        need = sum(self._held(size) for size in blocks)
         self._needs = [(blocks, need)] + [entry for entry in self._needs if entry[0] != blocks]
         del self._needs[PLANS_REMEMBERED:]
 
     @property
     def latest(self) -> Optional[int]:
-        """The need of the plan in force (None: no plan yet)."""
+        """The need of the plan in force: the bytes its blocks hold (None: no plan yet)."""
         return self._needs[0][1] if self._needs else None
 
     @property
     def cap(self) -> Optional[int]:
-        """The bytes the arena may hold: the largest need remembered plus its slack (None: no
-        plan yet, no bound but the budgets and the node)."""
+        """The bytes the arena may hold: the needs of the plans remembered together, plus a
+        slack (None: no plan yet, no bound but the budgets and the node). The plans of a stream
+        of length buckets run in turn; each finds its blocks held, whichever it shares with
+        another (a bound of the largest need alone dropped the other buckets' blocks, and their
+        next steps pinned them again on the step's thread: issue 50 s2, up to 2.1 s of a 0.32 s
+        step)."""
         if not self._needs:
             return None
-        need = max(n for _, n in self._needs)
+        need = sum(n for _, n in self._needs)
         return need + plan_slack(need)
 
 
