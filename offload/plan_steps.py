@@ -56,12 +56,12 @@ import torch
 
 from .engine.core import OffloadEngine
 from .layers.short_probe import ShortStep
+from .planner.ahead import NO_STAND_INS
 from .planner.ahead_steps import AheadSteps
 from .planner.agree import agree_max, agree_planned_step, ranks_agree_enabled
-from .planner.budget import DEVICE
 from .planner.first_steps import FirstSteps
 from .planner.link import Once, measure_link
-from .planner.make import LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
+from .planner.make import DEVICE, LOWEST, Budget, check_device_budget, choose, probe_policy, read_device_budget, \
     step_figures, use_expandable_segments
 from .planner.probe import ProbeStep
 from .planner.scaling import profile_at, profile_shape
@@ -295,8 +295,8 @@ class PlannedSteps(AheadSteps):
             return
         # Plans ahead once a first plan is in force (that one is made here: nothing to stand in).
         ahead_now = together and ahead is not None and bool(self._agreed) and bucket not in ahead.on_main
-        failed, options = None, self._stand_ins(bucket) if plan is None and ahead_now else (None, None)
-        standing = standing or options[0] or options[1]
+        failed, options = None, self._stand_ins(bucket) if plan is None and ahead_now else NO_STAND_INS
+        standing = standing or options.first()
         plan = plan or (standing.plan if standing is not None else None)
         if plan is None:
             try:
@@ -305,7 +305,7 @@ class PlannedSteps(AheadSteps):
                 failed = exc
             else:  # the first plan: a stand-in while its blocks are pinned, where they are not held
                 options = self._first_options(ahead, bucket, plan)
-                standing = options[1]
+                standing = options.lowest
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
         # holds: decide together, so no rank raises alone while the others wait in a collective.
         if together:

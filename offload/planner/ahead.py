@@ -8,7 +8,11 @@ is made on the calling thread; its blocks may be pinned behind a stand-in too, a
 once and ready when pinned: :meth:`offload.planner.ahead_steps.AheadSteps._first_options`), a step
 of a bucket new to the plan group:
 
-- follows a **stand-in** found with no search and no new pinning (:func:`stand_ins`): the plan of
+- follows a **stand-in** found with no search and no new pinning (:func:`stand_ins`): every
+  layer kept (the plain step: nothing recomputed, nothing copied), where its predicted peak at
+  this bucket is within the budget (a short bucket's own plan is then the same: LLAMA-1B's
+  2048-token step, 150 ms under its own plan, took 456 ms recomputing every layer instead, on
+  the H200); else the plan of
   the smallest bucket already planned that covers it (same batch, longer: its blocks are pinned,
   and a plan for a longer step holds for a shorter one), re-checked at this bucket by the cost
   model (one ``simulate``: predicted peak within the budget, host bytes within the room); else
@@ -44,7 +48,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 from .actions import Action
 from .make import choose
@@ -55,8 +59,9 @@ from .shapes import StepShape
 from .tiling import HeadInfo
 from .types import LayerPlan, Plan, StepProfile
 
-__all__ = ["Made", "PlansAhead", "StandIn", "Yielding", "make_ahead", "stand_ins"]
+__all__ = ["Made", "NO_STAND_INS", "PlansAhead", "StandIn", "StandIns", "Yielding", "make_ahead", "stand_ins"]
 
+KEPT_STAND_IN = "every layer kept"
 LOWEST_STAND_IN = "every layer recomputed"
 LOWEST_KEPT_STAND_IN = "every layer recomputed, inputs kept"
 
@@ -88,14 +93,40 @@ class StandIn:
     top: StepShape
 
 
+class StandIns(NamedTuple):
+    """The stand-ins a new bucket's step may follow, fastest first (None: it does not fit):
+    every layer kept, the covering bucket's plan, every layer recomputed."""
+
+    kept: Optional[StandIn]
+    cover: Optional[StandIn]
+    lowest: Optional[StandIn]
+
+    def first(self) -> Optional[StandIn]:
+        """The fastest that fits this rank."""
+        return next((option for option in self if option is not None), None)
+
+    def unfit(self) -> list[bool]:
+        """For each, whether it does not fit this rank (what the ranks agree on)."""
+        return [option is None for option in self]
+
+    def agreed(self, unfit_on_any: Sequence[int]) -> Optional[StandIn]:
+        """The fastest that fits every rank, from each one's ``unfit`` agreed by the ranks' max
+        (None: none does). Every rank then follows a plan of one shape: recomputing on one and
+        not on another would change the collectives a sharded model's layers issue."""
+        return next((option for option, unfit in zip(self, unfit_on_any) if not unfit), None)
+
+
+NO_STAND_INS = StandIns(None, None, None)
+
+
 def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape, Plan], budget_bytes: Optional[int],
-              host_bytes: int) -> tuple[Optional[StandIn], Optional[StandIn]]:
-    """The plans a step of ``bucket`` may follow now, with no search and no new pinning: (the plan
-    of the smallest of ``plans``, the buckets every rank has planned, of the same batch that
-    covers ``bucket``; every layer recomputed at ``bucket``, its inputs kept where that fits),
-    each None unless its predicted peak at ``bucket`` is within ``budget_bytes`` (None: the plain
-    step's peak there) and its copies within ``host_bytes``. One ``simulate`` each, no search;
-    the same candidates on every rank."""
+              host_bytes: int) -> StandIns:
+    """The plans a step of ``bucket`` may follow now, with no search and no new pinning: every
+    layer kept at ``bucket``; the plan of the smallest of ``plans``, the buckets every rank has
+    planned, of the same batch that covers ``bucket``; every layer recomputed at ``bucket``, its
+    inputs kept where that fits. Each None unless its predicted peak at ``bucket`` is within
+    ``budget_bytes`` (None: the plain step's peak there) and its copies within ``host_bytes``.
+    One ``simulate`` each, no search; the same candidates on every rank."""
     at = profile_at(profile, bucket)
     budget = at.plain_peak_bytes if budget_bytes is None else budget_bytes
 
@@ -103,6 +134,12 @@ def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape,
         predicted = simulate(at, plan.layers, budget)
         return predicted.peak_bytes <= budget and predicted.d2h_bytes <= host_bytes
 
+    def at_bucket(layer: LayerPlan, kind: str) -> StandIn:
+        plan = plan_for(at, [layer] * len(at.layers), budget)
+        return StandIn(replace(plan, budget_reason=f"a stand-in while this bucket's own plan is made: {kind}"), kind, bucket)
+
+    kept = at_bucket(LayerPlan(Action.KEEP), KEPT_STAND_IN)
+    kept = kept if fits(kept.plan) else None
     covering = min((s for s in plans if s.batch == bucket.batch and s.length > bucket.length),
                    key=lambda s: s.length, default=None)
     cover = None
@@ -110,13 +147,12 @@ def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape,
     if covering is not None and not plans[covering].tiles() and fits(plans[covering]):
         cover = StandIn(plans[covering], f"bucket {covering.length}'s plan", covering)
     low = None
-    for kind, kept in ((LOWEST_KEPT_STAND_IN, True), (LOWEST_STAND_IN, False)):
-        lowest = plan_for(at, [LayerPlan(Action.RECOMPUTE, keep_inputs=kept)] * len(at.layers), budget)
-        if fits(lowest):
-            reason = f"a stand-in while this bucket's own plan is made: {kind}"
-            low = StandIn(replace(lowest, budget_reason=reason), kind, bucket)
+    for kind, kept_inputs in ((LOWEST_KEPT_STAND_IN, True), (LOWEST_STAND_IN, False)):
+        lowest = at_bucket(LayerPlan(Action.RECOMPUTE, keep_inputs=kept_inputs), kind)
+        if fits(lowest.plan):
+            low = lowest
             break
-    return cover, low
+    return StandIns(kept, cover, low)
 
 
 @dataclass

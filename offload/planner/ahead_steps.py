@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Optional, Union
 
 from ..engine.schedules.planned import PlannedSchedule
 from .agree import agree_max
-from .ahead import Made, PlansAhead, StandIn, make_ahead, stand_ins
+from .ahead import NO_STAND_INS, Made, PlansAhead, StandIn, StandIns, make_ahead, stand_ins
 from .budget import DEVICE
 from .actions import Action
 from .make import LOWEST, choose
@@ -102,7 +102,7 @@ class AheadSteps:
             return read.budget_bytes, read.describe() + (" (expandable segments turned on)" if self._expandable else "")
         return (int(self.budget) if self.budget is not None else None), ""
 
-    def _stand_ins(self, bucket: StepShape) -> tuple[Optional[StandIn], Optional[StandIn]]:
+    def _stand_ins(self, bucket: StepShape) -> StandIns:
         # The stand-ins a new bucket's step may follow (offload.planner.ahead.stand_ins), at the
         # budget and host room there are now.
         budget, _ = self._budget_read()
@@ -111,21 +111,21 @@ class AheadSteps:
         host = self.engine.arena.plan_host_bytes()
         agreed = {s: p for s, p in self._plans.items() if s in self._agreed}
         options = stand_ins(self.profile, bucket, agreed, budget, host)
-        if options != (None, None):
+        if options.first() is not None:
             self._host_figure = host
         return options
 
-    def _agree_stand_in(self, failed: Optional[BaseException], options: tuple[Optional[StandIn], Optional[StandIn]],
+    def _agree_stand_in(self, failed: Optional[BaseException], options: StandIns,
                         standing: Optional[StandIn]) -> tuple[bool, Optional[StandIn]]:
         # One collective where the group meets a new bucket (the "plan fits" point): whether any
-        # rank found no plan, and the stand-in every rank can follow (the covering bucket's plan,
-        # else every layer recomputed), so the ranks follow plans of one shape; where none is, a
-        # rank keeps its own (plans may differ between ranks: offload.planner.agree).
-        failed_any, cover_unfit, lowest_unfit = agree_max(
-            [failed is not None, options[0] is None, options[1] is None], self.engine.transport.device,
+        # rank found no plan, and the fastest stand-in every rank can follow (StandIns.agreed),
+        # so the ranks follow plans of one shape; where none is, a rank keeps its own (plans may
+        # differ between ranks: offload.planner.agree).
+        failed_any, *unfit = agree_max(
+            [failed is not None, *options.unfit()], self.engine.transport.device,
             self._group, "plan fits")  # type: ignore[attr-defined]
-        if standing is not None and not (cover_unfit and lowest_unfit):
-            standing = options[1] if cover_unfit else options[0]
+        if standing is not None and options.agreed(unfit) is not None:
+            standing = options.agreed(unfit)
         elif self._first is not None:
             standing = None  # the first plan's stand-in: on every rank or on none (PlansAhead's entries agree)
         if failed_any:
@@ -170,8 +170,7 @@ class AheadSteps:
     def _regions(plan: Plan) -> list[int]:
         return PlannedSchedule(plan, plan.profile).region_bytes()
 
-    def _first_options(self, ahead: Optional[PlansAhead], bucket: StepShape,
-                       own: Plan) -> tuple[None, Optional[StandIn]]:
+    def _first_options(self, ahead: Optional[PlansAhead], bucket: StepShape, own: Plan) -> StandIns:
         # The first plan (after the probe steps, an out-of-memory step or a new budget), made on
         # this thread: where its host blocks are not held, its steps follow a stand-in until they
         # are pinned in the background, and every rank switches together (PlansAhead's readiness
@@ -182,18 +181,18 @@ class AheadSteps:
         # nothing needs pinning, or no such plan fits, or it would copy as much as the own plan.
         self._first = None
         if ahead is None or self._agreed or bucket in ahead.on_main:
-            return None, None
+            return NO_STAND_INS
         self._first = Made(own, self._host_figure or 0, None, 0.0, background=False)
         if not self._needs_pinning(own):
-            return None, None
+            return NO_STAND_INS
         arena = self.engine.arena
         idle = max(0, arena.counters.bytes_held - arena.counters.bytes_in_use)
         emptied = self.engine.transport.device.type == "cuda" and (self.budget == DEVICE or self._cap is not None)
         plan = self._least_copying(profile_at(self.profile, bucket), idle, emptied)
         if plan is None or plan.prediction.d2h_bytes >= own.prediction.d2h_bytes:
-            return None, None  # the own plan at once, as without plans ahead
+            return NO_STAND_INS  # the own plan at once, as without plans ahead
         reason = f"a stand-in while this plan's host blocks are pinned: {FIRST_STAND_IN}; {own.budget_reason}"
-        return None, StandIn(dataclasses.replace(plan, budget_reason=reason), FIRST_STAND_IN, bucket)
+        return StandIns(None, None, StandIn(dataclasses.replace(plan, budget_reason=reason), FIRST_STAND_IN, bucket))
 
     def _least_copying(self, at: Any, idle: Optional[int] = None, emptied: bool = False) -> Optional[Plan]:
         # The fastest plan of profile ``at`` under the budget that copies no more than ``idle``

@@ -27,6 +27,7 @@ from spawn import free_port, rank_results, run_ranks
 import offload
 from offload.models import GPTBlock, run_layers
 from offload.planner import ahead, ahead_steps
+from offload.planner.actions import Action
 from offload.planner.search import BudgetError
 
 WORLD = 2
@@ -126,13 +127,14 @@ def _failure_case(rank: int) -> dict[str, Any]:
 
 
 def _stand_in_case(rank: int) -> dict[str, Any]:
-    # Rank 1 alone finds the covering bucket's plan unfit (as a "device" budget read lower there
-    # would): both must follow the same stand-in, every layer recomputed at the bucket.
+    # Rank 1 alone finds the plain step and the covering bucket's plan unfit (as a "device"
+    # budget read lower there would): both must follow the same stand-in, every layer
+    # recomputed at the bucket.
     layers = _layers()
     oa = _context(layers)
     if rank == 1:
         real = ahead_steps.stand_ins
-        ahead_steps.stand_ins = lambda *args: (None, real(*args)[1])  # type: ignore[assignment]
+        ahead_steps.stand_ins = lambda *args: real(*args)._replace(kept=None, cover=None)  # type: ignore[assignment]
     out: dict[str, Any] = {"bitwise": []}
     for step, length in enumerate([16, 16, 16, 16, 32]):  # the probe, the first plan, bucket 32's stand-in
         out["bitwise"].append(_step(layers, oa, rank, step, length))
@@ -142,6 +144,7 @@ def _stand_in_case(rank: int) -> dict[str, Any]:
     out["switched"] = oa._planned.last_plan["plan"]
     out["bitwise"].append(_step(layers, oa, rank, 6, 24))
     out["kind"], out["shape"] = oa._planned.last_plan["plan"], list(oa.plan.profile.shape)
+    out["recomputed"] = all(layer.action == Action.RECOMPUTE for layer in oa.plan.layers)
     return out
 
 
@@ -232,6 +235,7 @@ def test_ranks_follow_the_stand_in_every_rank_can_follow(results: list[dict[str,
     assert [c["switched"] for c in cases] == ["own", "own"], cases
     assert [c["kind"] for c in cases] == ["stand-in", "stand-in"], cases
     assert cases[0]["shape"] == cases[1]["shape"] == [2, 25], f"the ranks follow stand-ins of other shapes: {cases}"
+    assert [c["recomputed"] for c in cases] == [True, True], f"the ranks follow stand-ins of other kinds: {cases}"
     assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
 
 
