@@ -137,30 +137,30 @@ def test_a_new_buckets_stand_in_sends_the_inputs_where_keeping_them_does_not_fit
         assert (low.plan.prediction.d2h_bytes == 0) is (kind == ahead.LOWEST_KEPT_STAND_IN)
 
 
-def test_a_new_bucket_whose_plain_step_fits_keeps_every_layer_meanwhile() -> None:
-    # A short bucket whose plain step fits the budget: recomputing every layer would only slow
-    # it (its own plan keeps every layer too); a budget under its plain peak leaves the others.
+def _stand_ins_at_plain_peak() -> tuple[ahead.StandIns, ahead.StandIns]:
+    # A bucket's stand-ins under its plain step's peak, and one byte under it.
     layers = make_gpt_layers(4)
     profile = offload.planner.profile_step(layers, lambda: train_step(layers, _x(0, 16)), device="cpu", min_offload_bytes=0)
     bucket = StepShape(2, 32)
     plain = profile_at(profile, bucket).plain_peak_bytes
-    options = ahead.stand_ins(profile, bucket, {}, plain, host_bytes=1 << 40)
+    return tuple(ahead.stand_ins(profile, bucket, {}, budget, host_bytes=1 << 40)  # type: ignore[return-value]
+                 for budget in (plain, plain - 1))
+
+
+def test_a_new_bucket_whose_plain_step_fits_keeps_every_layer_meanwhile() -> None:
+    # A short bucket whose plain step fits the budget: recomputing every layer would only slow
+    # it (its own plan keeps every layer too); a budget under its plain peak leaves the others.
+    options, under = _stand_ins_at_plain_peak()
     assert options.kept is not None and options.kept.kind == ahead.KEPT_STAND_IN
     assert all(layer.action == Action.KEEP and not layer.selective for layer in options.kept.plan.layers)
     assert options.kept.plan.prediction.d2h_bytes == 0 and options.first() is options.kept
-    under = ahead.stand_ins(profile, bucket, {}, plain - 1, host_bytes=1 << 40)
     assert under.kept is None and under.first() is under.lowest is not None
 
 
 def test_the_ranks_follow_the_fastest_stand_in_that_fits_every_one() -> None:
     # Each rank's own options, agreed by the ranks' max of "does not fit": one rank without
     # room for the plain step moves every rank to the next option that fits all.
-    layers = make_gpt_layers(4)
-    profile = offload.planner.profile_step(layers, lambda: train_step(layers, _x(0, 16)), device="cpu", min_offload_bytes=0)
-    bucket = StepShape(2, 32)
-    plain = profile_at(profile, bucket).plain_peak_bytes
-    roomy = ahead.stand_ins(profile, bucket, {}, plain, host_bytes=1 << 40)
-    tight = ahead.stand_ins(profile, bucket, {}, plain - 1, host_bytes=1 << 40)
+    roomy, tight = _stand_ins_at_plain_peak()
     unfit = [max(a, b) for a, b in zip(roomy.unfit(), tight.unfit())]
     assert unfit == [True, True, False]
     assert roomy.agreed(unfit) is roomy.lowest and tight.agreed(unfit) is tight.lowest
