@@ -361,8 +361,8 @@ class HostArena:
             self._settle_finished()
             serving, missing = self._serve(sizes)
             dropped = self._drop_idle_for(sum(missing), sum(self._expect(m) for m in missing), keep=serving)
-            room = min(self.needs.cap, self.budget_bytes) - self._committed()  # type: ignore[type-var]
-            room = min(room, self.ledger.free_bytes)
+            room = min(self.needs.cap - self._committed(), self.budget_bytes - self._committed(),  # type: ignore[operator]
+                       self.ledger.free_bytes)
         if dropped:
             self._give_back_dropped()
         if not self.pinned:

@@ -4,9 +4,9 @@
 (:meth:`offload.engine.schedules.planned.PlannedSchedule.region_bytes`); their blocks, as the
 allocator holds them, are the plan's *need*. With plans per batch shape, the arena keeps idle
 blocks between steps so that each shape's plan finds its own; what it holds (in use, idle and
-being pinned) is bounded by the needs of the last :data:`PLANS_REMEMBERED` plans put in force
-together (one plan runs at a time, so blocks one serves another are held once, and less is held),
-plus a slack:
+being pinned) is bounded by the needs of the last :data:`PLANS_REMEMBERED` plans put in force,
+added up (one plan runs at a time, and a block that serves two plans is held once, so what is
+held is at most that), plus a slack:
 
     slack = max(PLAN_SLACK_FRACTION x need, PLAN_SLACK_MIN_BYTES)    (25%, at least 256 MiB)
 

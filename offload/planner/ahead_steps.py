@@ -124,8 +124,9 @@ class AheadSteps:
         failed_any, *unfit = agree_max(
             [failed is not None, *options.unfit()], self.engine.transport.device,
             self._group, "plan fits")  # type: ignore[attr-defined]
-        if standing is not None and options.agreed(unfit) is not None:
-            standing = options.agreed(unfit)
+        agreed = options.agreed(unfit)
+        if standing is not None and agreed is not None:
+            standing = agreed
         elif self._first is not None:
             standing = None  # the first plan's stand-in: on every rank or on none (PlansAhead's entries agree)
         if failed_any:
