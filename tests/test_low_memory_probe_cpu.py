@@ -19,6 +19,7 @@ import torch
 import offload
 from offload.planner import Action, BudgetError, LayerPlan, plan_for, profile_step
 from offload.planner.model import held_bytes, offloaded_bytes
+from offload.planner.scaling import predict_plain
 from offload.planner.sequence import ProbeSequence
 from offload.planner.make import probe_policy
 from offload.planner.types import LinkProfile
@@ -282,6 +283,29 @@ def test_the_measured_sizing_step_leaves_the_warm_up_out(model, monkeypatch) -> 
     warm, _ = run(sequence(cold, limit=1), cold, x)
     assert profile.plain_step_ms == pytest.approx(warm.plain_step_ms, abs=1e-6)
     assert "warm-up" not in warm.probe_reason
+
+
+def test_the_measured_plain_step_leaves_a_new_lengths_warm_up_out(model, monkeypatch) -> None:
+    # The plain step measured after the sizing one is often the first at its length (a stream's
+    # second batch), and the length's one-off costs land in its first layer (H200, LLAMA-1B at
+    # 6144: layer 0's forward 135 ms against 11 for the others; every plan predicted 42% slow).
+    layers, x = model
+    clock = VirtualClock()
+    monkeypatch.setattr(offload.planner.timeline.Clock, "host_now", clock)
+    cold = torch.nn.ModuleList(ColdFirstForward(layer, clock, cold=False) for layer in layers)
+
+    def cold_when_plain(probe: object) -> None:
+        cold[0].cold = probe is not None and probe.mode == "plain"  # (its first forward only)
+
+    profile, kinds = run(sequence(cold, limit=1 << 40), cold, x, fail=cold_when_plain)
+    warm, _ = run(sequence(cold, limit=1 << 40), cold, x)
+    assert kinds == ["recompute", "plain"] == _ and profile.probe == "plain"
+    assert [l.forward_ms for l in profile.layers] == pytest.approx([30.0] * len(layers), abs=1e-6)
+    assert "the warm-up left out of layers 0" in profile.probe_reason and "warm-up" not in warm.probe_reason
+    # The plain step's time is the cost model's on the steady layers; its peak stays the measured one.
+    assert profile.plain_step_ms == pytest.approx(predict_plain(profile).plain_step_ms, abs=1e-6)
+    assert profile.plain_step_ms < warm.plain_step_ms + 270 - 1
+    assert profile.plain_peak_bytes == warm.plain_peak_bytes
 
 
 def test_out_of_memory_in_a_plain_probe_falls_back_to_low_memory(model) -> None:

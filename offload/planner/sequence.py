@@ -301,18 +301,27 @@ class ProbeSequence:
                 self.grow = calibrated
                 self.reason = f"plain probe: {own.why}"
         elif kind == "measure" and probe is not None:
-            return replace(probe.profile(self.link(), recompute_peak=self.recompute_peak), probe_reason=self.reason)
+            # The measured plain step is often the first at its length (a stream's second batch):
+            # the length's one-off costs land in its first layers too (H200, LLAMA-1B at 6144:
+            # layer 0's forward 135 ms against 11 for the others, and every plan predicted 42%
+            # slow). Taken out as the sizing step's are; the peak stays the one measured.
+            profile, steadied = self._steadied(probe, probe.profile(self.link(), recompute_peak=self.recompute_peak))
+            if steadied:
+                profile = replace(profile, plain_step_ms=predict_plain(profile).plain_step_ms)
+            return replace(profile, probe_reason=self.reason + _left_out(steadied))
         return None
 
     def _measured_sizing(self, probe: ProbeStep) -> StepProfile:
-        measured = probe.profile(self.link())
-        kinds = [layer_kind(r.module, layer) for r, layer in zip(probe.records, measured.layers)]
-        profile, steadied = without_warm_up(measured, kinds)
-        note = "; the sizing step measured"
+        profile, steadied = self._steadied(probe, probe.profile(self.link()))
         if steadied:
             profile = predict_plain(profile)
-            note += f" (the warm-up left out of layers {', '.join(map(str, steadied))})"
-        return replace(profile, probe_reason=self.reason + note)
+        return replace(profile, probe_reason=self.reason + "; the sizing step measured" + _left_out(steadied))
+
+    @staticmethod
+    def _steadied(probe: ProbeStep, measured: StepProfile) -> tuple[StepProfile, list[int]]:
+        # The measured step's first-run layers' warm-up taken out (offload.planner.warm_up).
+        kinds = [layer_kind(r.module, layer) for r, layer in zip(probe.records, measured.layers)]
+        return without_warm_up(measured, kinds)
 
     def step_done(self, probe: Optional[ProbeStep]) -> Optional[StepProfile]:
         """One process: take a step that ran to its end (its backward may have failed); the
@@ -369,3 +378,8 @@ class ProbeSequence:
             profile = self.advance(own, agreed, failure, current)
             if profile is not None:
                 return profile
+
+
+def _left_out(steadied: Sequence[int]) -> str:
+    """The probe reason's note on the layers whose warm-up was taken out (none: nothing)."""
+    return f" (the warm-up left out of layers {', '.join(map(str, steadied))})" if steadied else ""
