@@ -36,8 +36,8 @@ every rank plans that step again (the others at their own budgets), so no rank r
 **Host blocks ahead.** The sizing step's figures give a plan's host regions, pinned from then on
 and waited for at the measured step's entry (pinning takes the driver's lock: kernels launched
 late would be timed into its layers); with plans ahead, only where no stand-in would fit: else the
-first plan's steps follow one that copies little while its blocks pin in the background
-(:meth:`AheadSteps._first_options`), and no probe step waits. What each first step spent where:
+first plan's steps follow a stand-in that copies nothing while the plan is made and its blocks
+pin in the background, as a new bucket's do, and no probe step waits. What each first step spent where:
 :mod:`offload.planner.first_steps` (``OffloadActivations.first_steps`` and its report). With plans per
 shape, idle blocks stay between steps (``HostArena.hold_idle``): each shape's plan finds its own.
 **Plans ahead** (``plan_ahead``, default on CUDA): a new bucket's steps follow a stand-in while its
@@ -293,19 +293,16 @@ class PlannedSteps(AheadSteps):
             self._scale(shape, standing.top if standing is not None else bucket)
             self._note(bucket, False, standing, started)
             return
-        # Plans ahead once a first plan is in force (that one is made here: nothing to stand in).
-        ahead_now = together and ahead is not None and bool(self._agreed) and bucket not in ahead.on_main
-        failed, options = None, self._stand_ins(bucket) if plan is None and ahead_now else NO_STAND_INS
+        ahead_now = together and ahead is not None and bucket not in ahead.on_main
+        read = self._read_for_bucket() if ahead_now and plan is None else None
+        failed, options = None, self._stand_ins(bucket, read) if read is not None else NO_STAND_INS
         standing = standing or options.first()
         plan = plan or (standing.plan if standing is not None else None)
-        if plan is None:
+        if plan is None:  # no stand-in fits: planned now, on this thread
             try:
                 plan = self._make(profile_at(profile, bucket), bucket, shape)
             except BudgetError as exc:
                 failed = exc
-            else:  # the first plan: a stand-in while its blocks are pinned, where they are not held
-                options = self._first_options(ahead, bucket, plan)
-                standing = options.lowest
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
         # holds: decide together, so no rank raises alone while the others wait in a collective.
         if together:
@@ -316,7 +313,7 @@ class PlannedSteps(AheadSteps):
         if failed is not None:
             raise failed
         self._agreed.add(bucket)
-        self._start_ahead(ahead, bucket, standing, ahead_now)
+        self._start_ahead(ahead, bucket, standing, ahead_now, read)
         if standing is None and bucket not in self._plans:
             self._plans[bucket] = plan  # type: ignore[assignment]
         if plan is not self.plan:  # (a schedule holds the micro-batches in flight: keep it)
@@ -395,8 +392,8 @@ class PlannedSteps(AheadSteps):
         self._step_mark = mark
 
     # -- plans -------------------------------------------------------------------------------------
-    def _read_device(self) -> Any:
-        return read_device_budget(self.device, expandable=self._expandable)
+    def _read_device(self, emptied: bool = False) -> Any:
+        return read_device_budget(self.device, expandable=self._expandable, emptied=emptied)
 
     def _make(self, profile: StepProfile, shape: Optional[StepShape], step: Optional[StepShape] = None) -> Plan:
         """The plan for ``profile`` (at ``shape``, the bucket of the step's own shape ``step``)

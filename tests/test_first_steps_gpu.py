@@ -44,7 +44,9 @@ def test_two_probe_steps_where_the_plain_step_fits_bit_for_bit() -> None:
     for _ in range(5):
         assert_bitwise(expected, oa_step(layers, x, oa))
     rows = oa.first_steps
-    assert [r["kind"] for r in rows[:4]] == ["size", "measure", "planned", "planned"], rows
+    # The first planned step follows a stand-in while its plan is made in the background.
+    assert [r["kind"] for r in rows[:3]] == ["size", "measure", "stand-in"], rows
+    assert rows[3]["kind"] in ("stand-in", "planned"), rows
     profile = oa.plan.profile
     assert profile.probe == "plain"
     # Calibrated by the sizing step's middle layer, within the bounds a calibration step has.
@@ -52,7 +54,7 @@ def test_two_probe_steps_where_the_plain_step_fits_bit_for_bit() -> None:
     for r in rows[:3]:
         assert 0 <= sum(r[f"{p}_s"] for p in PHASES) <= r["wall_s"], r
     assert rows[0]["device_s"] > 0 and rows[1]["device_s"] > 0
-    assert rows[2]["search_s"] > 0 and rows[1]["link_s"] > 0  # the link: for the plan pinned ahead
+    assert rows[2]["search_s"] == 0 and rows[1]["link_s"] > 0  # no search on the step's thread; the link measured
     assert rows[1]["allocator_s"] > 0  # grown before the measured step
     assert "first steps" in oa.report()
     oa.close()

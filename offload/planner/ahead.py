@@ -3,10 +3,9 @@ made off the critical path (issue 50 s2).
 
 A bucket's own plan costs a search (0.45 s for 16 layers, 2 s for 32 with selective variants)
 and the pinning of its new host blocks (0.5 to 1.1 s on the H200): on its first step that was 2-5x
-the bucket's steady step. Instead, once a first plan is in force (the one after the probe steps
-is made on the calling thread; its blocks may be pinned behind a stand-in too, an entry "made" at
-once and ready when pinned: :meth:`offload.planner.ahead_steps.AheadSteps._first_options`), a step
-of a bucket new to the plan group:
+the bucket's steady step. Instead, a step of a bucket new to the plan group (the first planned
+step's too: the plan after the probe steps cost its step 0.17-0.40 s of search on the H200, and
+its blocks' pinning came beside it):
 
 - follows a **stand-in** found with no search and no new pinning (:func:`stand_ins`): every
   layer kept (the plain step: nothing recomputed, nothing copied), where its predicted peak at
@@ -164,7 +163,6 @@ class Made:
     host_bytes: int
     limited: Optional[tuple[int, int]]
     seconds: float
-    background: bool = True  # made on the background thread (else: on the calling one, the first plan)
 
 
 def make_ahead(profile: StepProfile, bucket: StepShape, budget: Optional[int], cap: Optional[int],
@@ -219,28 +217,22 @@ class PlansAhead:
         return next((e.stand_in for e in self.started if e.bucket == bucket and not e.adopted), None)
 
     def start(self, bucket: StepShape, step: Optional[int], stand_in: Optional[StandIn],
-              make: Optional[Callable[[], Made]], made: Optional[Made] = None) -> None:
+              make: Optional[Callable[[], Made]]) -> None:
         """``bucket``, new to the group, follows ``stand_in`` while ``make()`` runs in the
         background; or (both None) its plan was made on the main thread: ready at once; or (no
-        stand-in, at no step) it is a known bucket queued ahead of its first step; or (``made``,
-        the first plan, made on the main thread) it follows ``stand_in`` while ``made``'s blocks
-        are pinned, asked now. A bucket queued already takes the stand-in (its making goes on).
-        Called on every rank at the same step."""
+        stand-in, at no step) it is a known bucket queued ahead of its first step. A bucket
+        queued already takes the stand-in (its making goes on). Called on every rank at the
+        same step."""
         entry = next((e for e in self.started if e.bucket == bucket), None)
         if entry is not None:
             entry.stand_in, entry.adopted = stand_in, entry.adopted or stand_in is None
-        elif made is not None and stand_in is not None:
-            done: concurrent.futures.Future = concurrent.futures.Future()
-            done.set_result(made)
-            self.started.append(_Entry(bucket, done, made=made, pin_asked=True, step=step, stand_in=stand_in))
-            self._pin(made.plan)
         else:
             future = self._pool.submit(make) if make is not None else None
             self.started.append(_Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None,
                                        adopted=future is None))
         if stand_in is not None:
-            behind = "made, its blocks pinned in the background" if made is not None else "made in the background"
-            self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is {behind}")
+            self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is made "
+                            "in the background")
 
     def poll(self) -> None:
         """Between steps, on the main thread: ask for the blocks of the plans made since, and

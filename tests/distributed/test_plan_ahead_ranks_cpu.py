@@ -3,8 +3,9 @@ from a new bucket's stand-in to its own plan at the same step, even when one ran
 making is slowed on purpose (the switch changes what a rank recomputes, so its collectives under
 FSDP), a making that failed on one rank is raised at the bucket's next step on both, where
 one rank cannot follow the covering bucket's plan both follow the other stand-in, and the first
-plan's stand-in gives way on both at the same step when one rank's pinning is slowed (issue 50 s1). Each rank's
-gradients are bitwise its plain run's at every step.
+plan (made in the background behind a stand-in too) is followed on both from the same step when
+one rank's pinning is slowed (issue 50 s1). Each rank's gradients are bitwise its plain run's at
+every step.
 
 A collective one rank never joins fails within the group's short timeout, and the processes are
 killed past a deadline: the test fails, it never hangs CI.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,7 @@ DEADLINE_S = 180.0
 DELAY_S = 1.5   # rank 1's background making, slowed on purpose
 PAUSE_S = 0.25  # between steps: rank 0's making is ready after the first
 STEPS = 8       # of bucket 32, after the probe
+FIRST = 16      # the probe steps' length, the first plan's bucket
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="torch.distributed with gloo is not available")
@@ -74,16 +77,32 @@ def _context(layers: torch.nn.ModuleList) -> Any:
 
 
 def _slow_rank(rank: int, fail: bool) -> None:
+    # Rank 1's making of any bucket but the first plan's (that one the cases wait for).
     real = ahead.choose
 
-    def slowed(*args: Any, **kwargs: Any) -> Any:
-        if rank == 1:
+    def slowed(profile: Any, *args: Any, **kwargs: Any) -> Any:
+        if rank == 1 and profile.shape[1] != FIRST:
             time.sleep(DELAY_S)
             if fail:
                 raise BudgetError("no plan fits (injected on rank 1)")
-        return real(*args, **kwargs)
+        return real(profile, *args, **kwargs)
 
     ahead.choose = slowed
+
+
+def _to_first_plan(layers: torch.nn.ModuleList, oa: Any, rank: int, bitwise: list[bool]) -> int:
+    """The probe steps and the first plan's stand-in step, then, once its own plan is made and
+    ready on both ranks, the step that follows it. Returns the next step's number."""
+    for step in range(4):
+        bitwise.append(_step(layers, oa, rank, step, FIRST))
+    planned = oa._planned
+    assert planned.last_plan["plan"] == "stand-in", planned.last_plan
+    planned._ahead.started[0].future.exception(timeout=30)
+    planned._ahead.poll()
+    dist.barrier()  # ready on both
+    bitwise.append(_step(layers, oa, rank, 4, FIRST))
+    assert planned.last_plan["plan"] == "own", planned.last_plan
+    return 5
 
 
 def _switch_case(rank: int) -> dict[str, Any]:
@@ -91,11 +110,10 @@ def _switch_case(rank: int) -> dict[str, Any]:
     oa = _context(layers)
     _slow_rank(rank, fail=False)
     out: dict[str, Any] = {"kinds": [], "ready_here": [], "bitwise": []}
-    for step in range(4):  # the probe steps, then the first plan (made on the calling thread)
-        out["bitwise"].append(_step(layers, oa, rank, step, 16))
+    first = _to_first_plan(layers, oa, rank, out["bitwise"])
     planned = oa._planned
-    for step in range(4, 4 + STEPS):
-        if step > 4:
+    for step in range(first, first + STEPS):
+        if step > first:
             planned._ahead.poll()  # what the step's entry does: this rank's own readiness, before the step
             out["ready_here"].append(planned._ahead.started[-1].ready)
         out["bitwise"].append(_step(layers, oa, rank, step, 32))
@@ -110,18 +128,17 @@ def _failure_case(rank: int) -> dict[str, Any]:
     oa = _context(layers)
     _slow_rank(rank, fail=True)
     out: dict[str, Any] = {"bitwise": [], "kinds": []}
-    for step in range(4):  # the probe steps, then the first plan (made on the calling thread)
-        out["bitwise"].append(_step(layers, oa, rank, step, 16))
-    out["bitwise"].append(_step(layers, oa, rank, 4, 32))  # the stand-in
+    _to_first_plan(layers, oa, rank, out["bitwise"])
+    out["bitwise"].append(_step(layers, oa, rank, 5, 32))  # the stand-in
     out["kinds"].append(oa._planned.last_plan["plan"])
     time.sleep(DELAY_S + 0.5)
     dist.barrier()  # both makings are over: rank 1's failed
     try:
-        _step(layers, oa, rank, 5, 32)
+        _step(layers, oa, rank, 6, 32)
         out["raised"] = None
     except BudgetError as exc:
         out["raised"] = str(exc)
-    out["bitwise"].append(_step(layers, oa, rank, 6, 32))  # planned on the calling thread now
+    out["bitwise"].append(_step(layers, oa, rank, 7, 32))  # planned on the calling thread now
     out["kinds"].append(oa._planned.last_plan["plan"])
     return out
 
@@ -136,13 +153,13 @@ def _stand_in_case(rank: int) -> dict[str, Any]:
         real = ahead_steps.stand_ins
         ahead_steps.stand_ins = lambda *args: real(*args)._replace(kept=None, cover=None)  # type: ignore[assignment]
     out: dict[str, Any] = {"bitwise": []}
-    for step, length in enumerate([16, 16, 16, 16, 32]):  # the probe, the first plan, bucket 32's stand-in
-        out["bitwise"].append(_step(layers, oa, rank, step, length))
+    _to_first_plan(layers, oa, rank, out["bitwise"])
+    out["bitwise"].append(_step(layers, oa, rank, 5, 32))  # bucket 32's stand-in
     time.sleep(0.5)
     dist.barrier()  # bucket 32's own plan is made on both ranks
-    out["bitwise"].append(_step(layers, oa, rank, 5, 32))
+    out["bitwise"].append(_step(layers, oa, rank, 6, 32))
     out["switched"] = oa._planned.last_plan["plan"]
-    out["bitwise"].append(_step(layers, oa, rank, 6, 24))
+    out["bitwise"].append(_step(layers, oa, rank, 7, 24))
     out["kind"], out["shape"] = oa._planned.last_plan["plan"], list(oa.plan.profile.shape)
     out["recomputed"] = all(layer.action == Action.RECOMPUTE for layer in oa.plan.layers)
     return out
@@ -154,7 +171,6 @@ def _first_case(rank: int) -> dict[str, Any]:
     layers = _layers()
     oa = _context(layers)
     planned = oa._planned
-    planned._needs_pinning = lambda plan: bool(planned._regions(plan))
     asked: list[float] = []
 
     def pinned() -> bool:
@@ -164,15 +180,16 @@ def _first_case(rank: int) -> dict[str, Any]:
     planned._ahead._pinned = pinned
     out: dict[str, Any] = {"kinds": [], "ready_here": [], "bitwise": []}
     for step in range(3):  # the probe steps
-        out["bitwise"].append(_step(layers, oa, rank, step, 16))
+        out["bitwise"].append(_step(layers, oa, rank, step, FIRST))
     for step in range(3, 3 + STEPS):
         if step > 3:
             planned._ahead.poll()  # what the step's entry does: this rank's own readiness, before the step
             out["ready_here"].append(planned._ahead.started[0].ready)
-        out["bitwise"].append(_step(layers, oa, rank, step, 16))
+        out["bitwise"].append(_step(layers, oa, rank, step, FIRST))
         out["kinds"].append(planned.last_plan["plan"])
         time.sleep(PAUSE_S)
-    out["log"] = planned.ahead_log()
+    # (Each rank's making took its own seconds.)
+    out["log"] = [re.sub(r"in [0-9.]+ s", "in S s", line) for line in planned.ahead_log()]
     return out
 
 
