@@ -415,9 +415,7 @@ class PlannedSteps(AheadSteps):
             if shape is None:
                 raise
             raise self._no_fit(exc, shape, step) from None
-        if self._lowered:
-            plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
-        return plan
+        return self._noted(plan)
 
     def _no_fit(self, exc: BaseException, shape: StepShape, step: Optional[StepShape], where: str = "") -> BudgetError:
         # The step as the user ran it; the shape the plan is made for only as the reason.

@@ -62,10 +62,10 @@ def test_a_stream_of_three_lengths_with_plans_ahead_bit_for_bit_within_budget(mo
     assert oa._planned._ahead is not None, "plan_ahead is the default on CUDA"
     emptied = []
     # (step, length, wait for the plan made ahead first, the plan kind that step must follow)
-    stream = [(0, 1024, False, None), (1, 1024, False, None), (2, 1024, False, None),  # the probe
-              (3, 1024, False, "stand-in"),                       # the first plan: made in the background
-              (4, 2048, False, "stand-in"), (5, 2048, True, "own"), (6, 1024, False, "own"),
-              (7, 1536, False, "stand-in"), (8, 1536, True, "own"), (9, 2048, False, "own")]
+    stream = [(0, 1024, False, None), (1, 1024, False, None),  # the probe: sizing, then the measured step
+              (2, 1024, False, "stand-in"), (3, 1024, True, "own"),  # the first plan: made in the background
+              (4, 2048, False, "stand-in"), (5, 2048, True, "own"),
+              (6, 1536, False, "stand-in"), (7, 1536, True, "own"), (8, 2048, False, "own")]
     with warnings.catch_warnings():
         warnings.simplefilter("error", UserWarning)  # "the plan was made for ..." is a failure
         for step, n, wait, kind in stream:

@@ -25,7 +25,7 @@ from .make import LOWEST
 from .scaling import profile_shape
 from .search import BudgetError
 from .shapes import StepShape
-from .types import StepProfile
+from .types import Plan, StepProfile
 
 __all__ = ["AheadSteps", "check_plan_ahead"]
 
@@ -124,7 +124,16 @@ class AheadSteps:
         options = stand_ins(self.profile, bucket, agreed, budget, host)
         if options.first() is not None:
             self._host_figure = host
-        return options
+        if not self._lowered:
+            return options
+        return StandIns(*(dataclasses.replace(o, plan=self._noted(o.plan)) if o is not None else None for o in options))
+
+    def _noted(self, plan: Plan) -> Plan:
+        """``plan`` with the reason the budget was lowered (an out-of-memory step, less host room),
+        if it was, after its own budget reason: what the user reads in ``oa.plan.budget_reason``."""
+        if not self._lowered:
+            return plan
+        return dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
 
     def _agree_stand_in(self, failed: Optional[BaseException], options: StandIns,
                         standing: Optional[StandIn]) -> tuple[bool, Optional[StandIn]]:
@@ -179,9 +188,7 @@ class AheadSteps:
 
     def _adopt(self, bucket: StepShape, made: Made) -> None:
         # Every rank has the bucket's own plan made and pinned: it is put in force from this step.
-        plan = made.plan
-        if self._lowered:
-            plan = dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
+        plan = self._noted(made.plan)
         self._plans[bucket] = plan
         self._host_figure = made.host_bytes
         if made.limited is not None:
