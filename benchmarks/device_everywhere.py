@@ -45,7 +45,7 @@ error is simulated (a forward hook raises it once) and ``"lowest"`` stands in fo
     python benchmarks/device_everywhere.py --cpu-smoke --cases 8b-16384   # tiny check, no GPU
 
 T14 (issue 50 s1), the first steps, from the same runs of each planned contender: no step over
-1.5x the steady step (the timed steps' median) and the first 5 steps (probe steps included)
+1.5x the steady step (the timed steps' median, all on the own plan) and the first 5 steps (probe and stand-in steps included)
 together at most 6 steady steps. Each such run also records ``OffloadActivations.first_steps``
 (what each probe step and the first planned steps spent on the probe's end of step, the plan
 search, the link, empty_cache and waiting for host blocks) in its JSON (``first_steps``) and
@@ -136,7 +136,8 @@ def run_steps(env: Env, step: Callable[[], Any], watch: PlanWatch, phase: str, c
         rec = {"step": len(records), "phase": phase, **measure_step(env, fn, on_failure=on_failure), **watch.at_entry,
                **extra}
         if phase == "probe" and watch.at_entry:  # the plan came at this step's entry: it ran planned
-            rec["phase"] = "warmup"
+            # (A stand-in while the own plan is made and pinned is not yet the plan's step.)
+            rec["phase"] = "stand-in" if rec.get("plan_kind") == "stand-in" else "warmup"
         records.append(rec)
         shown = rec.get("error") or f"{rec['ms']:.1f} ms, peak {fmt(gib(rec['peak_bytes']), '.2f')} GiB"
         print(f"  {rec['phase']:<7} step {rec['step']:>2}: {shown}  {rec.get('plan', '')}", flush=True)
@@ -144,8 +145,9 @@ def run_steps(env: Env, step: Callable[[], Any], watch: PlanWatch, phase: str, c
 
 def plan_until_in_force(env: Env, step: Callable[[], Any], watch: PlanWatch, on_failure: Callable[[], None],
                         records: list[dict[str, Any]], profile: Optional[Profiling] = None) -> int:
-    """Steps until one runs under a plan (the ones before are probe steps, that one a warm-up).
-    Returns the warm-up steps it ran (1, or 0 when no plan came)."""
+    """Steps until one runs under its own plan (the ones before are probe steps and stand-ins,
+    that one a warm-up), so that the timed steps, the steady step T14 and T23 judge by, are
+    the plan's. Returns the warm-up steps it ran (1, or 0 when no plan came)."""
     for _ in range(MAX_PLANNING_STEPS):
         run_steps(env, step, watch, "probe", 1, on_failure, records, profile)
         if records[-1]["phase"] == "warmup":

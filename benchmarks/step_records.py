@@ -49,7 +49,7 @@ class PlanWatch:
     """The forward's ``with``: enters ``ctx`` (an ``OffloadActivations``, or None for no context)
     and notes ``ctx.plan`` at the forward's end (the plan for the step's shape is made at its
     first layer). ``at_entry`` holds the last step's :func:`plan_fields` (``{}``: a probe step),
-    with ``planning_s``, the context's seconds spent planning so far."""
+    with ``planning_s``, the context's seconds spent planning so far, and ``plan_kind``."""
 
     def __init__(self, ctx: Any = None) -> None:
         self.ctx = ctx
@@ -71,6 +71,8 @@ class PlanWatch:
             planned = getattr(self.ctx, "_planned", None)
             if planned is not None and self.at_entry:
                 self.at_entry["planning_s"] = getattr(planned, "planning_s", None)
+                # "stand-in" (a new shape's, while its own plan is made and pinned) or "own".
+                self.at_entry["plan_kind"] = (getattr(planned, "last_plan", None) or {}).get("plan", "own")
             return self.ctx.__exit__(*exc)
         return None
 

@@ -306,7 +306,7 @@ class PlannedSteps(AheadSteps):
         # Every rank meets a bucket new to the group at the same step, whatever its own cache
         # holds: decide together, so no rank raises alone while the others wait in a collective.
         if together:
-            failed_any, standing = self._agree_stand_in(failed, options, standing)
+            failed_any, standing = self._agree_stand_in(failed, options, standing, read)
             plan = standing.plan if standing is not None else plan
             if failed_any and failed is None:
                 failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; see its error")
@@ -447,6 +447,11 @@ class PlannedSteps(AheadSteps):
         self._host_refusals = self.engine.arena.counters.process_refusals
         schedule = PlannedSchedule(plan, plan.profile)  # type: ignore[arg-type]
         schedule.peak = self._peak
+        if self._ahead is not None:
+            # A plan made in the background during this step's forward (the first plan's: 0.4 s
+            # of search beside the 8B shape's 0.7 s forward) has its blocks asked at its end,
+            # pinned beside the backward rather than from the next step on (issue 50 s1, T14).
+            schedule.after_forward = self._ahead.poll
         engine = self.engine
         engine.schedule = schedule
         engine.model_layers = len(plan.layers)

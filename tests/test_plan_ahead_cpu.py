@@ -122,8 +122,10 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
             # The stand-in's predicted peak at the bucket fits the budget (and so, at its own top).
             assert simulate(profile_at(planned.profile, top), plan.layers, budget).peak_bytes <= budget
             assert plan.prediction.peak_bytes <= budget
-        if step == 4:  # a new bucket: every layer recomputed, its inputs kept (nothing to pin)
-            assert plan.prediction.d2h_bytes == 0 and all(lp.keep_inputs for lp in plan.layers), plan.describe()
+        if step == 4:  # a new bucket: the last layers kept, the others recomputed, inputs kept (nothing to pin)
+            recomputed = [lp for lp in plan.layers if lp.action == Action.RECOMPUTE]
+            assert plan.prediction.d2h_bytes == 0 and recomputed and all(lp.keep_inputs for lp in recomputed), plan.describe()
+            assert all(lp.action == Action.KEEP for lp in plan.layers[len(recomputed):]), plan.describe()
         if step == 7:  # a new bucket under 32: the covering bucket's plan, pinned already
             assert plan is planned._plans[StepShape(2, 32)]
     assert kinds == ["stand-in", "stand-in", "own", "stand-in", "own"], kinds
@@ -131,7 +133,7 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
     # Every making on another thread.
     assert len(calls.background) == 2 and threading.get_ident() not in calls.background
     log = "\n".join(planned.ahead_log())
-    assert "follows a stand-in, every layer recomputed, inputs kept" in log and "follows a stand-in, bucket 32's plan" in log
+    assert "follows a stand-in, the last " in log and "follows a stand-in, bucket 32's plan" in log, log
     assert "follows its own plan from here" in oa.plan_report()
 
 
@@ -169,7 +171,29 @@ def test_a_new_bucket_whose_plain_step_fits_keeps_every_layer_meanwhile() -> Non
     assert options.kept is not None and options.kept.kind == ahead.KEPT_STAND_IN
     assert all(layer.action == Action.KEEP and not layer.selective for layer in options.kept.plan.layers)
     assert options.kept.plan.prediction.d2h_bytes == 0 and options.first() is options.kept
-    assert under.kept is None and under.first() is under.lowest is not None
+    assert under.kept is None and under.first() is under.some is not None and under.lowest is not None
+    # Under it, every layer but one kept (the last ones), nothing copied.
+    assert under.some.recomputed == 1 and under.some.plan.prediction.d2h_bytes == 0
+
+
+def test_the_last_layers_kept_are_as_many_as_fit() -> None:
+    # Between the lowest peak and the plain one: the most of the last layers kept whose peak
+    # fits; one more does not (bisected, a peak grows with each layer kept).
+    layers = make_gpt_layers(8)
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, _x(0, 16)), device="cpu", min_offload_bytes=0)
+    bucket = StepShape(2, 32)
+    at = profile_at(profile, bucket)
+    low = ahead.stand_ins(profile, bucket, {}, at.plain_peak_bytes, host_bytes=1 << 40).lowest
+    budget = (low.plan.prediction.peak_bytes + at.plain_peak_bytes) // 2
+    some = ahead.stand_ins(profile, bucket, {}, budget, host_bytes=1 << 40).some
+    kept = 8 - some.recomputed
+    assert 0 < kept < 8, some.kind
+    assert some.kind == ahead.SOME_KEPT_STAND_IN.format(kept=kept)
+    peaks = [simulate(at, ahead._last_kept(8, k), budget).peak_bytes for k in (kept, kept + 1)]
+    assert peaks[0] <= budget < peaks[1], (kept, peaks, budget)
+    # Rebuilt at the count the ranks agreed on (more recomputed): it fits too.
+    fewer = ahead.some_kept(profile, bucket, budget, some.recomputed + 2)
+    assert fewer.recomputed == some.recomputed + 2 and fewer.plan.prediction.peak_bytes <= budget
 
 
 def test_the_ranks_follow_the_fastest_stand_in_that_fits_every_one() -> None:
@@ -177,10 +201,11 @@ def test_the_ranks_follow_the_fastest_stand_in_that_fits_every_one() -> None:
     # room for the plain step moves every rank to the next option that fits all.
     roomy, tight = _stand_ins_at_plain_peak()
     unfit = [max(a, b) for a, b in zip(roomy.unfit(), tight.unfit())]
-    assert unfit == [True, True, False]
-    assert roomy.agreed(unfit) is roomy.lowest and tight.agreed(unfit) is tight.lowest
+    assert unfit == [True, True, False, False]
+    assert roomy.agreed(unfit) is roomy.some and tight.agreed(unfit) is tight.some
+    assert max(roomy.recomputed(), tight.recomputed()) == tight.recomputed() >= 1
     assert roomy.agreed(roomy.unfit()) is roomy.kept
-    assert ahead.NO_STAND_INS.agreed([True, True, True]) is None
+    assert ahead.NO_STAND_INS.agreed([True, True, True, True]) is None
 
 
 def test_a_failure_in_the_background_is_raised_at_the_buckets_next_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,7 +264,7 @@ def test_known_lengths_are_planned_ahead_of_their_first_step(monkeypatch: pytest
     calls.main.clear()
     x = _x(4, 24)
     assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
-    assert planned.last_plan["plan"] == "stand-in" and "every layer recomputed" in planned.ahead_log()[-1]
+    assert planned.last_plan["plan"] == "stand-in" and "the others recomputed" in planned.ahead_log()[-1]
     calls.gate.set()
     for entry in planned._ahead.started:
         entry.future.exception(timeout=30)

@@ -67,7 +67,7 @@ Group = Union[None, Literal[False], "dist.ProcessGroup"]
 
 # Where the ranks agree (the module notes), each with its number in the reduced tensor.
 POINTS = ("probe step", "short probe", "planned step", "plan fits", "values")
-_WIDTH = 5  # values per call, at most: every call reduces as many (its point's two, then these)
+_WIDTH = 6  # values per call, at most: every call reduces as many (its point's two, then these)
 
 
 def ranks_agree_enabled(group: Group = None) -> bool:
@@ -101,7 +101,7 @@ def _cuda(device: torch.device) -> torch.device:
 
 
 def agree_max(values: Sequence[int], device: torch.device, group: Group = None, point: str = "values") -> list[int]:
-    """The element-wise maximum of ``values`` (at most five non-negative ints) over the ranks
+    """The element-wise maximum of ``values`` (at most six non-negative ints) over the ranks
     of ``group`` (the default group if None), in one all-reduce: the largest size, the worst
     outcome, any rank's flag (as 0 or 1). ``values`` itself, with no collective, where
     :func:`ranks_agree_enabled` is false. Every rank must call it at the same ``point`` (one of

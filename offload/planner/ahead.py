@@ -58,9 +58,11 @@ from .shapes import StepShape
 from .tiling import HeadInfo
 from .types import LayerPlan, Plan, StepProfile
 
-__all__ = ["Made", "NO_STAND_INS", "PlansAhead", "StandIn", "StandIns", "Yielding", "make_ahead", "stand_ins"]
+__all__ = ["Made", "NO_STAND_INS", "PlansAhead", "StandIn", "StandIns", "Yielding", "make_ahead", "some_kept",
+           "stand_ins"]
 
 KEPT_STAND_IN = "every layer kept"
+SOME_KEPT_STAND_IN = "the last {kept} layers kept, the others recomputed, inputs kept"
 LOWEST_STAND_IN = "every layer recomputed"
 LOWEST_KEPT_STAND_IN = "every layer recomputed, inputs kept"
 
@@ -90,14 +92,17 @@ class StandIn:
     plan: Plan
     kind: str
     top: StepShape
+    recomputed: int = 0  # the layers the "last layers kept" stand-in recomputes (the ranks agree on the most)
 
 
 class StandIns(NamedTuple):
     """The stand-ins a new bucket's step may follow, fastest first (None: it does not fit):
-    every layer kept, the covering bucket's plan, every layer recomputed."""
+    every layer kept, the covering bucket's plan, the last layers kept and the others
+    recomputed, every layer recomputed."""
 
     kept: Optional[StandIn]
     cover: Optional[StandIn]
+    some: Optional[StandIn]
     lowest: Optional[StandIn]
 
     def first(self) -> Optional[StandIn]:
@@ -108,6 +113,11 @@ class StandIns(NamedTuple):
         """For each, whether it does not fit this rank (what the ranks agree on)."""
         return [option is None for option in self]
 
+    def recomputed(self) -> int:
+        """The layers the "last layers kept" stand-in recomputes here (0: none fits): the ranks
+        follow the most any of them must, so that every rank's recomputes are the same layers."""
+        return self.some.recomputed if self.some is not None else 0
+
     def agreed(self, unfit_on_any: Sequence[int]) -> Optional[StandIn]:
         """The fastest that fits every rank, from each one's ``unfit`` agreed by the ranks' max
         (None: none does). Every rank then follows a plan of one shape: recomputing on one and
@@ -115,17 +125,19 @@ class StandIns(NamedTuple):
         return next((option for option, unfit in zip(self, unfit_on_any) if not unfit), None)
 
 
-NO_STAND_INS = StandIns(None, None, None)
+NO_STAND_INS = StandIns(None, None, None, None)
 
 
 def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape, Plan], budget_bytes: Optional[int],
               host_bytes: int) -> StandIns:
     """The plans a step of ``bucket`` may follow now, with no search and no new pinning: every
     layer kept at ``bucket``; the plan of the smallest of ``plans``, the buckets every rank has
-    planned, of the same batch that covers ``bucket``; every layer recomputed at ``bucket``, its
-    inputs kept where that fits. Each None unless its predicted peak at ``bucket`` is within
-    ``budget_bytes`` (None: the plain step's peak there) and its copies within ``host_bytes``.
-    One ``simulate`` each, no search; the same candidates on every rank."""
+    planned, of the same batch that covers ``bucket``; the most of the last layers kept that
+    fit, the others recomputed with their inputs kept (:func:`_most_kept`); every layer
+    recomputed at ``bucket``, its inputs kept where that fits. Each None unless its predicted
+    peak at ``bucket`` is within ``budget_bytes`` (None: the plain step's peak there) and its
+    copies within ``host_bytes``. A ``simulate`` or a few each, no search; the same candidates
+    on every rank."""
     at = profile_at(profile, bucket)
     budget = at.plain_peak_bytes if budget_bytes is None else budget_bytes
 
@@ -151,7 +163,48 @@ def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape,
         if fits(lowest.plan):
             low = lowest
             break
-    return StandIns(kept, cover, low)
+    some = None
+    if low is not None and low.kind == LOWEST_KEPT_STAND_IN:  # (beside "kept": a rank may not fit that one)
+        most = _most_kept(len(at.layers), lambda layers: fits(plan_for(at, layers, budget)))
+        some = _some_kept(at, bucket, budget, most) if most else None
+    return StandIns(kept, cover, some, low)
+
+
+def some_kept(profile: StepProfile, bucket: StepShape, budget_bytes: Optional[int], recomputed: int) -> StandIn:
+    """The "last layers kept" stand-in at ``bucket`` recomputing ``recomputed`` layers (the most
+    the ranks agreed on: fewer kept than this rank's own fits it too, a peak only grows with each
+    layer kept)."""
+    at = profile_at(profile, bucket)
+    return _some_kept(at, bucket, at.plain_peak_bytes if budget_bytes is None else budget_bytes,
+                      len(at.layers) - recomputed)
+
+
+def _some_kept(at: StepProfile, bucket: StepShape, budget: int, kept: int) -> StandIn:
+    kind = SOME_KEPT_STAND_IN.format(kept=kept)
+    plan = plan_for(at, _last_kept(len(at.layers), kept), budget)
+    return StandIn(replace(plan, budget_reason=f"a stand-in while this bucket's own plan is made: {kind}"), kind, bucket,
+                   len(at.layers) - kept)
+
+
+def _last_kept(layers: int, kept: int) -> list[LayerPlan]:
+    """The last ``kept`` of ``layers`` kept, the others recomputed with their inputs kept: what
+    gradient checkpointing does with room to spare, nothing copied. The last ones because the
+    backward frees them first, before the recomputes' peaks of the layers before them."""
+    return [LayerPlan(Action.RECOMPUTE, keep_inputs=True)] * (layers - kept) + [LayerPlan(Action.KEEP)] * kept
+
+
+def _most_kept(layers: int, fits: Callable[[list[LayerPlan]], bool]) -> int:
+    """The most of the last layers :func:`_last_kept` can keep with ``fits`` (0 where keeping
+    one does not fit): bisected, a peak grows with each layer kept (log2 of the layers'
+    simulations: 5 for 32 layers)."""
+    low, high = 0, layers - 1  # (every layer kept is the "kept" stand-in)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if fits(_last_kept(layers, middle)):
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 
 from ..engine.schedules.planned import PlannedSchedule
 from .agree import agree_max
-from .ahead import Made, PlansAhead, StandIn, StandIns, make_ahead, stand_ins
+from .ahead import Made, PlansAhead, StandIn, StandIns, make_ahead, some_kept, stand_ins
 from .budget import DEVICE
 from .make import LOWEST
 from .scaling import profile_shape
@@ -116,9 +116,7 @@ class AheadSteps:
     def _stand_ins(self, bucket: StepShape, read: BudgetRead) -> StandIns:
         # The stand-ins a new bucket's step may follow (offload.planner.ahead.stand_ins), at the
         # budget read and the host room there are now.
-        budget = read[0]
-        if self._cap is not None:
-            budget = self._cap if budget is None else min(budget, self._cap)
+        budget = self._capped(read[0])
         host = self.engine.arena.plan_host_bytes()
         agreed = {s: p for s, p in self._plans.items() if s in self._agreed}
         options = stand_ins(self.profile, bucket, agreed, budget, host)
@@ -128,6 +126,12 @@ class AheadSteps:
             return options
         return StandIns(*(dataclasses.replace(o, plan=self._noted(o.plan)) if o is not None else None for o in options))
 
+    def _capped(self, budget: Optional[int]) -> Optional[int]:
+        # A budget read, under the ceiling an out-of-memory step set.
+        if self._cap is None:
+            return budget
+        return self._cap if budget is None else min(budget, self._cap)
+
     def _noted(self, plan: Plan) -> Plan:
         """``plan`` with the reason the budget was lowered (an out-of-memory step, less host room),
         if it was, after its own budget reason: what the user reads in ``oa.plan.budget_reason``."""
@@ -135,16 +139,19 @@ class AheadSteps:
             return plan
         return dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
 
-    def _agree_stand_in(self, failed: Optional[BaseException], options: StandIns,
-                        standing: Optional[StandIn]) -> tuple[bool, Optional[StandIn]]:
+    def _agree_stand_in(self, failed: Optional[BaseException], options: StandIns, standing: Optional[StandIn],
+                        read: Optional[BudgetRead]) -> tuple[bool, Optional[StandIn]]:
         # One collective where the group meets a new bucket (the "plan fits" point): whether any
         # rank found no plan, and the fastest stand-in every rank can follow (StandIns.agreed),
-        # so the ranks follow plans of one shape; where none is, a rank keeps its own (plans may
-        # differ between ranks: offload.planner.agree).
-        failed_any, *unfit = agree_max(
-            [failed is not None, *options.unfit()], self.engine.transport.device,
+        # with as many layers recomputed as any rank must, so the ranks follow plans of one
+        # shape; where none is, a rank keeps its own (plans may differ between ranks:
+        # offload.planner.agree).
+        failed_any, *unfit, recomputed = agree_max(
+            [failed is not None, *options.unfit(), options.recomputed()], self.engine.transport.device,
             self._group, "plan fits")  # type: ignore[attr-defined]
         agreed = options.agreed(unfit)
+        if agreed is not None and agreed is options.some and agreed.recomputed != recomputed and read is not None:
+            agreed = some_kept(self.profile, agreed.top, self._capped(read[0]), recomputed)
         if standing is not None and agreed is not None:
             standing = agreed
         return bool(failed_any), standing
@@ -176,9 +183,7 @@ class AheadSteps:
         shape = profile_shape(sizing)
         if self._plans_ahead() is None or shape is None:
             return False
-        budget, _ = self._budget_read()
-        if self._cap is not None:
-            budget = self._cap if budget is None else min(budget, self._cap)
+        budget = self._capped(self._budget_read()[0])
         return stand_ins(sizing, shape, {}, budget, self.engine.arena.plan_host_bytes()).first() is not None
 
     def _maker(self, bucket: StepShape, read: BudgetRead) -> Callable[[], Made]:

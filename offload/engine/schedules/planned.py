@@ -35,7 +35,7 @@ step with its own groups and its own ``held`` figures (a :class:`Holding`, by st
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -108,6 +108,9 @@ class PlannedSchedule(Schedule):
         # The step's peak, read at the forward's and the backward's end (the plan report's
         # measured peak, offload.engine.step_peak); None: not measured.
         self.peak: Optional[StepPeak] = None
+        # Called at the forward's end (the planner's: a plan made in the background since the
+        # step's entry has its host blocks asked then, not a step later).
+        self.after_forward: Optional[Callable[[], None]] = None
 
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
@@ -242,6 +245,8 @@ class PlannedSchedule(Schedule):
     def on_forward_end(self, engine: EngineView) -> None:
         if self.peak is not None:
             self.peak.read()
+        if self.after_forward is not None:
+            self.after_forward()
 
     def _check_bytes(self, engine: EngineView, layer: int, group: Group) -> None:
         # The plan's figure for what the layer copies against what it did. A plan is made for
