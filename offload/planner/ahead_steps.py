@@ -122,9 +122,7 @@ class AheadSteps:
         options = stand_ins(self.profile, bucket, agreed, budget, host)
         if options.first() is not None:
             self._host_figure = host
-        if not self._lowered:
-            return options
-        return StandIns(*(dataclasses.replace(o, plan=self._noted(o.plan)) if o is not None else None for o in options))
+        return StandIns(*map(self._noted_stand_in, options))
 
     def _capped(self, budget: Optional[int]) -> Optional[int]:
         # A budget read, under the ceiling an out-of-memory step set.
@@ -139,6 +137,10 @@ class AheadSteps:
             return plan
         return dataclasses.replace(plan, budget_reason=f"{plan.budget_reason}; {self._lowered}")
 
+    def _noted_stand_in(self, option: Optional[StandIn]) -> Optional[StandIn]:
+        # A stand-in whose plan says why the budget was lowered, if it was (see _noted).
+        return dataclasses.replace(option, plan=self._noted(option.plan)) if option is not None and self._lowered else option
+
     def _agree_stand_in(self, failed: Optional[BaseException], options: StandIns, standing: Optional[StandIn],
                         read: Optional[BudgetRead]) -> tuple[bool, Optional[StandIn]]:
         # One collective where the group meets a new bucket (the "plan fits" point): whether any
@@ -151,7 +153,7 @@ class AheadSteps:
             self._group, "plan fits")  # type: ignore[attr-defined]
         agreed = options.agreed(unfit)
         if agreed is not None and agreed is options.some and agreed.recomputed != recomputed and read is not None:
-            agreed = some_kept(self.profile, agreed.top, self._capped(read[0]), recomputed)
+            agreed = self._noted_stand_in(some_kept(self.profile, agreed.top, self._capped(read[0]), recomputed))
         if standing is not None and agreed is not None:
             standing = agreed
         return bool(failed_any), standing
