@@ -83,7 +83,8 @@ def test_a_stream_of_three_lengths_with_plans_ahead_bit_for_bit_within_budget(mo
     assert emptied == [], f"steps {emptied} emptied the allocator's cache"
     assert oa.plan is oa._planned._plans[StepShape(2, 2048)]
     log = "\n".join(oa._planned.ahead_log())
-    assert "follows a stand-in, every layer recomputed" in log and "follows a stand-in, bucket 2048's plan" in log
+    # 2048's: the last layers kept, the others recomputed (inputs kept); 1536's: 2048's own plan.
+    assert "length 2048 (new) follows a stand-in, the last " in log and "follows a stand-in, bucket 2048's plan" in log, log
     assert "batch 2 x length 1024 (new) follows a stand-in, every layer kept" in log, log  # its plain step fits
 
 
