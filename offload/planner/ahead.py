@@ -62,7 +62,7 @@ __all__ = ["Made", "NO_STAND_INS", "PlansAhead", "StandIn", "StandIns", "Yieldin
            "stand_ins"]
 
 KEPT_STAND_IN = "every layer kept"
-SOME_KEPT_STAND_IN = "the last {kept} layers kept, the others recomputed, inputs kept"
+SOME_KEPT_STAND_IN = "the last {kept} kept, the others recomputed, inputs kept"
 LOWEST_STAND_IN = "every layer recomputed"
 LOWEST_KEPT_STAND_IN = "every layer recomputed, inputs kept"
 
@@ -180,7 +180,7 @@ def some_kept(profile: StepProfile, bucket: StepShape, budget_bytes: Optional[in
 
 
 def _some_kept(at: StepProfile, bucket: StepShape, budget: int, kept: int) -> StandIn:
-    kind = SOME_KEPT_STAND_IN.format(kept=kept)
+    kind = SOME_KEPT_STAND_IN.format(kept="layer" if kept == 1 else f"{kept} layers")
     plan = plan_for(at, _last_kept(len(at.layers), kept), budget)
     return StandIn(replace(plan, budget_reason=f"a stand-in while this bucket's own plan is made: {kind}"), kind, bucket,
                    len(at.layers) - kept)
