@@ -320,6 +320,13 @@ def test_varlen_judges_each_new_buckets_first_step_against_its_steady_step() -> 
     assert target["ok"] is False and "1 of 2 buckets over" in target["figure"] and "bucket 4096" in target["figure"]
     assert varlen.first_step_target(buckets[:1], smoke=False)["ok"] is True
     assert varlen.first_step_target(buckets, smoke=True)["ok"] is None
+    # Checkpointing's own first step at each length against its steady one, beside ours.
+    assert [b["ckpt_first_x_steady"] for b in buckets] == [pytest.approx(154 / 110), pytest.approx(440 / 220)]
+    assert "checkpointing's first step there 2.00x its steady" in target["figure"]
+    # The stream with every planned step at its bucket's steady time (a probe step as it ran):
+    # 2048's first at 100, 4096's first two at 200, the probe's 50 kept.
+    probe = {"step": 6, "length": 8192, "ms": 50.0}
+    assert varlen.steady_floor([*steps, probe], buckets) == 100 + 100 + 200 * 4 + 50
 
 
 def test_varlen_compares_digests_per_length(tmp_path: Path) -> None:
