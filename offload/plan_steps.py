@@ -398,14 +398,7 @@ class PlannedSteps(AheadSteps):
     def _make(self, profile: StepProfile, shape: Optional[StepShape], step: Optional[StepShape] = None) -> Plan:
         """The plan for ``profile`` (at ``shape``, the bucket of the step's own shape ``step``)
         under the budget in force, lowered after an out-of-memory step."""
-        emptied = self.device.type == "cuda" and ((self.budget == DEVICE and not self._plans) or self._cap is not None)
-        if emptied:
-            # What the device gives is read now: the probe steps' (or a failed step's) cached
-            # blocks go back first, so the plan's memory comes from fresh (expandable) segments
-            # rather than split ones, and what stays reserved is known to be unusable. Only for
-            # the first plan and after an out-of-memory step: it waits for the device, and a new
-            # bucket's step would pay it on its critical path (issue 50 s2).
-            self.costs.timed("empty_cache", torch.cuda.empty_cache)
+        emptied = self._empty_for_first_plan()
         self._host_figure = self.engine.arena.plan_host_bytes()
         try:
             plan = self.costs.timed("search", lambda: choose(

@@ -314,3 +314,25 @@ def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:
     assert step(buckets[1]) == [made, made]
     assert [plans.failed for plans in ranks] == [{buckets[2]: None}, {buckets[2]: ranks[1].failed[buckets[2]]}]
     assert isinstance(ranks[1].failed[buckets[2]], BudgetError)
+
+
+@pytest.mark.parametrize("budget, cap, agreed, empties", [
+    ("device", None, set(), True),            # the first plan under "device": read from an emptied cache
+    ("device", None, {StepShape(2, 32)}, False),  # a later bucket: its step must not wait for the device
+    (1 << 30, 1 << 29, set(), True),          # the first plan after an out-of-memory step's ceiling
+    (1 << 30, None, set(), False),            # a budget in bytes reads nothing from the device
+])
+def test_only_the_first_plan_of_a_budget_empties_the_cache(monkeypatch: pytest.MonkeyPatch, budget: Any, cap: Any,
+                                                         agreed: set, empties: bool) -> None:
+    # One rule for a plan made on the calling thread and a bucket's stand-ins and plan made ahead.
+    from types import SimpleNamespace
+
+    from offload.planner.ahead_steps import AheadSteps
+
+    emptied: list[bool] = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: emptied.append(True))
+    steps = SimpleNamespace(engine=SimpleNamespace(transport=SimpleNamespace(device=torch.device("cuda"))),
+                            _agreed=agreed, budget=budget, _cap=cap,
+                            costs=SimpleNamespace(timed=lambda name, fn: fn()))
+    assert AheadSteps._empty_for_first_plan(steps) is empties  # type: ignore[arg-type]
+    assert emptied == ([True] if empties else [])

@@ -102,16 +102,22 @@ class AheadSteps:
         return (int(self.budget) if self.budget is not None else None), ""
 
     def _read_for_bucket(self) -> BudgetRead:
-        # A new bucket's budget. The first plan of a budget (after the probe steps, an
-        # out-of-memory step or set_budget) reads the device from an emptied cache, as a plan
-        # made on this thread does (PlannedSteps._make): the probe steps' (or the failed step's)
-        # cached blocks go back, and what stays reserved is known to be unusable. Later buckets
-        # do not: a new bucket's step would wait for the device (issue 50 s2).
+        # A new bucket's budget, from an emptied cache for the first plan of a budget.
+        return self._budget_read(self._empty_for_first_plan())
+
+    def _empty_for_first_plan(self) -> bool:
+        """Empty the allocator's cache where the plan about to be made is the first of its budget
+        (after the probe steps, an out-of-memory step or ``set_budget``) under "device" or an
+        out-of-memory step's ceiling; returns whether it did (the device is then read with
+        ``emptied``). The probe steps' (or the failed step's) cached blocks go back, so the
+        plan's memory comes from fresh (expandable) segments rather than split ones, and what
+        stays reserved is known to be unusable. Not for later buckets: emptying waits for the
+        device, and a new bucket's step would pay it on its critical path (issue 50 s2)."""
         emptied = self.engine.transport.device.type == "cuda" and not self._agreed and \
             (self.budget == DEVICE or self._cap is not None)
         if emptied:
             self.costs.timed("empty_cache", torch.cuda.empty_cache)
-        return self._budget_read(emptied)
+        return emptied
 
     def _stand_ins(self, bucket: StepShape, read: BudgetRead) -> StandIns:
         # The stand-ins a new bucket's step may follow (offload.planner.ahead.stand_ins), at the
