@@ -336,3 +336,26 @@ def test_only_the_first_plan_of_a_budget_empties_the_cache(monkeypatch: pytest.M
                             costs=SimpleNamespace(timed=lambda name, fn: fn()))
     assert AheadSteps._empty_for_first_plan(steps) is empties  # type: ignore[arg-type]
     assert emptied == ([True] if empties else [])
+
+
+def test_a_plan_made_during_a_cuda_graph_capture_is_taken_up_after_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Asking for a plan's blocks pins and unpins host memory, which a capture forbids: a poll under
+    # capture leaves the made plan alone, and the first poll after the capture asks for its blocks.
+    import concurrent.futures
+
+    from offload.planner.ahead import Made, PlansAhead, StandIn
+
+    asked: list[Any] = []
+    plans = PlansAhead(asked.append, lambda: True)
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    made = Made(object(), 0, None, 0.0)  # type: ignore[arg-type]
+    future.set_result(made)
+    bucket = StepShape(2, 32)
+    plans.started.append(ahead._Entry(bucket, future, stand_in=StandIn(None, "test", bucket)))  # type: ignore[arg-type]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    plans.poll()
+    assert plans.values() == (1, 0) and asked == []  # behind by one bucket, nothing asked
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert plans.values() == (0, 0) and asked == [made.plan]
+    assert plans.switch(bucket, 0, 0) is made

@@ -52,6 +52,8 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
+import torch
+
 from .actions import Action
 from .make import choose
 from .model import simulate
@@ -292,7 +294,12 @@ class PlansAhead:
 
     def poll(self) -> None:
         """Between steps, on the main thread: ask for the blocks of the plans made since, and
-        latch the ones made and pinned."""
+        latch the ones made and pinned. Not while a CUDA graph is being captured: asking for
+        blocks pins new ones and gives idle ones back, driver calls that a capture forbids (they
+        would invalidate it), so a plan made during a captured step is taken up at the first
+        poll after the capture."""
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return
         for entry in self.started:
             if entry.ready or entry.future is None or not entry.future.done():
                 continue
