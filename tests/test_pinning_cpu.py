@@ -352,3 +352,22 @@ def test_a_claim_waits_for_the_fitting_block_queued_first() -> None:
     assert region is not None and region.block.numel() == 6 * g, "waited for the smallest, queued last"
     assert time.perf_counter() - start < 2.0 and arena.counters.waited_for_pinning == 1
     late.wait(5)
+
+
+def test_each_pinner_worker_relaxes_its_capture_mode_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under torch's global capture mode a pin from any thread breaks a capture on another one:
+    # each worker of a CUDA arena's pinner takes the relaxed mode before its first block.
+    from offload.host import pinning
+
+    relaxed: list[int] = []
+    monkeypatch.setattr(pinning, "relax_capture_mode", lambda: relaxed.append(threading.get_ident()) or True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    pinner = pinning.BackgroundPinner(lambda n: (torch.empty(n, dtype=torch.uint8), n), 0)
+    for future in [pinner.submit(16) for _ in range(3)]:
+        future.result()
+    pinner.close()
+    assert len(relaxed) == pinning.PINNER_WORKERS and threading.get_ident() not in relaxed
+    host_only = pinning.BackgroundPinner(lambda n: (torch.empty(n, dtype=torch.uint8), n), None)
+    host_only.submit(16).result()
+    host_only.close()
+    assert len(relaxed) == pinning.PINNER_WORKERS  # a host-only arena's workers leave the driver alone
