@@ -443,10 +443,8 @@ class OffloadActivations:
         if self.active:
             raise RuntimeError(f"offload: {where} call it between steps, not inside the `with`")
         if self.budget is None and self.plan is None:
-            raise ValueError(
-                f"offload: {where} this OffloadActivations offloads a fixed number of layers; make "
-                "it with memory_budget_bytes=... (or plan=...) to follow plans"
-            )
+            raise ValueError(f"offload: {where} this OffloadActivations offloads a fixed number of layers; "
+                             "make it with memory_budget_bytes=... (or plan=...) to follow plans")
         if self._planned is not None:
             self._planned.set_budget(budget, where)
         else:  # enabled=False: nothing to plan, the budget is kept
@@ -454,9 +452,10 @@ class OffloadActivations:
         self._budget_default = False
 
     @run_eagerly  # reads engine state: a plain value for the compiled forward, not a guard
-    def _recompute_current(self) -> bool:
+    def _recompute_current(self) -> tuple[bool, bool]:
         engine = self.engine
-        return engine is not None and engine.forward.in_layer and engine.schedule.recomputes(engine.forward.layer)
+        layer = engine.forward.layer if engine is not None and engine.forward.in_layer else None
+        return (False, False) if layer is None else (engine.schedule.recomputes(layer), engine.schedule.keeps_attention(layer))
 
     @run_eagerly  # as _recompute_current
     def _tile_current(self) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from ..engine.eager import run_eagerly
 from .recompute import checkpoint_call
-from .selective import SelectiveForward
+from .selective import SelectiveForward, attention_kept_contexts
 from ..tiling.tokenwise import TiledForward
 
 
@@ -35,7 +35,8 @@ class PlanFollower(Protocol):
     active: bool
     _thread: int
 
-    def _recompute_current(self) -> bool: ...
+    # (the plan recomputes the layer being run, its recompute keeps attention's outputs)
+    def _recompute_current(self) -> tuple[bool, bool]: ...
 
     def _selective_current(self) -> bool: ...
 
@@ -84,13 +85,15 @@ class RecomputeForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         owner = self.owners.running()
-        if owner is not None and owner._recompute_current():
+        recomputed, keep_attention = owner._recompute_current() if owner is not None else (False, False)
+        if recomputed:
             # The pre-hook has opened the layer's group: checkpoint's inputs are saved into it
-            # (and offloaded), everything inside goes to checkpoint's own hooks. Its tiling is
+            # (and offloaded), everything inside goes to checkpoint's own hooks, but attention's
+            # outputs, which a plan may keep in the policy's cache (on the GPU). Its tiling is
             # fixed now, for the forward and the recompute alike.
-            tokens = owner._tile_current()
+            tokens = owner._tile_current()  # type: ignore[union-attr]
             fn = functools.partial(_tiled_as, tokens, self.fn) if tokens else self.fn
-            return checkpoint_call(fn, args, kwargs)
+            return checkpoint_call(fn, args, kwargs, **({"context_fn": attention_kept_contexts} if keep_attention else {}))
         return self.fn(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> "RecomputeForward":

@@ -65,6 +65,7 @@ def _expensive_ops() -> frozenset[Any]:
         "mm", "addmm", "bmm", "baddbmm", "_scaled_mm", "convolution",
         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
         "_scaled_dot_product_cudnn_attention", "_efficient_attention_forward", "_flash_attention_forward",
+        "_scaled_dot_product_flash_attention_for_cpu",
     )
     return frozenset(getattr(aten, n).default for n in names if hasattr(aten, n))
 
@@ -80,6 +81,22 @@ def keep_expensive(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> Checkpoint
 
 # The policy's contexts as a plain partial: what torch.compile accepts as ``context_fn``.
 _policy_contexts = functools.partial(create_selective_checkpoint_contexts, keep_expensive)
+
+# The fused attention kernels among them: what a recomputed layer planned ``keep_attention``
+# keeps. At long lengths attention is most of a layer's forward (its FLOPs grow with the length
+# squared, the rest with the length) while its output is one hidden-sized tensor and a logsumexp,
+# so a recompute that skips it costs the layer's matrix products and cheap ops only.
+ATTENTION_OPS = frozenset(op for op in EXPENSIVE_OPS if "attention" in op.name())
+
+
+def keep_attention(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """The policy of a recompute that keeps attention: keep :data:`ATTENTION_OPS`' outputs from
+    the forward, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if func in ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+# As _policy_contexts, for a plan's RECOMPUTE layers that keep attention (plan_wrappers.py).
+attention_kept_contexts = functools.partial(create_selective_checkpoint_contexts, keep_attention)
 
 
 def _inside_checkpoint() -> bool:

@@ -55,6 +55,10 @@ class LayerLike(Slots, Protocol):
     def forward_ms(self) -> float: ...
     @property
     def backward_ms(self) -> float: ...
+    @property
+    def attention_forward_ms(self) -> float: ...
+    @property
+    def attention_bytes(self) -> int: ...
 
 
 class ChoiceLike(Protocol):
@@ -70,6 +74,8 @@ class ChoiceLike(Protocol):
     def tile_tokens(self) -> int: ...
     @property
     def keep_inputs(self) -> bool: ...
+    @property
+    def keep_attention(self) -> bool: ...
 
 
 def _selective(layer: LayerLike, lp: ChoiceLike) -> Optional[SlotsLike]:
@@ -115,7 +121,10 @@ def copied_at(layer: LayerLike, lp: ChoiceLike, shape: tuple[int, int], at: tupl
 
 
 def cached_bytes(layer: LayerLike, lp: ChoiceLike) -> int:
-    """Bytes held outside the hooks (selective caches) from the layer's forward to its backward."""
+    """Bytes held outside the hooks (selective caches, or the attention outputs a recompute
+    keeps) from the layer's forward to its backward."""
+    if lp.action is Action.RECOMPUTE:
+        return layer.attention_bytes if lp.keep_attention else 0
     sel = _selective(layer, lp)
     return layer.cached_bytes if sel is None else sel.cached_bytes
 
@@ -132,10 +141,9 @@ def offloaded_bytes(layer: LayerLike, lp: ChoiceLike) -> int:
 
 def held_bytes(layer: LayerLike, lp: ChoiceLike) -> int:
     """GPU bytes the layer holds from the end of its forward until its group is released (its
-    selective-recompute caches, which are never offloaded, included)."""
-    if lp.action is Action.RECOMPUTE:
-        return layer.input_bytes
-    return sum(layer_slots(layer, lp)) + cached_bytes(layer, lp)
+    selective-recompute caches and kept attention outputs, which are never offloaded, included)."""
+    saved = layer.input_bytes if lp.action is Action.RECOMPUTE else sum(layer_slots(layer, lp))
+    return saved + cached_bytes(layer, lp)
 
 
 def resident_bytes(layer: LayerLike, lp: ChoiceLike) -> int:
@@ -161,6 +169,7 @@ def forward_need_bytes(layer: LayerLike) -> int:
 def backward_cost_ms(layer: LayerLike, lp: ChoiceLike, recompute_time_factor: float = 1.0) -> float:
     """Compute time of the layer's backward, recompute included (before any slowdown)."""
     if lp.action is Action.RECOMPUTE:
-        return layer.backward_ms + recompute_time_factor * layer.forward_ms
+        skipped = layer.attention_forward_ms if lp.keep_attention else 0.0
+        return layer.backward_ms + recompute_time_factor * max(0.0, layer.forward_ms - skipped)
     sel = _selective(layer, lp)
     return layer.backward_ms + (sel.extra_backward_ms if sel is not None else 0.0)

@@ -26,12 +26,15 @@ from .link import measure_link
 from .sequence import AUTO, ProbeSequence, check_probe
 from .search import PEAK_MODEL_ERROR, BudgetError, best_plan, lowest_peak, most_copied_bytes
 from .tiling import HeadInfo, choose_tiled, lowest_tiled, mark_lowest
-from .types import LinkProfile, Plan, StepProfile
+from .types import Action, LinkProfile, Plan, StepProfile
 
 Budget = Union[int, str, None]
 
 LOWEST = "lowest"
 LOWEST_TOLERANCE = 0.03
+# A plan whose recomputed layers would skip less attention than this share of its step is not
+# searched again with them keeping it (the second search and the policy's dispatch cost more).
+KEEP_ATTENTION_MIN_SHARE = 0.01
 
 
 def check_budget(memory_budget_bytes: Budget, where: str) -> Budget:
@@ -184,7 +187,7 @@ def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[
     error = 0.0 if strict else PEAK_MODEL_ERROR  # strict: no plan over the budget
 
     def best(budget: int) -> Plan:
-        return choose_tiled(profile, lambda p: best_plan(p, budget, error, host_budget=host_budget, pause=pause), head)
+        return choose_tiled(profile, lambda p: best_recomputing(p, budget, error, host_budget, pause, p is profile), head)
 
     if memory_budget_bytes == LOWEST:
         # Within 3% of the lowest predicted peak, the fastest plan: the runtime then has that
@@ -217,6 +220,25 @@ def _choose(profile: StepProfile, memory_budget_bytes: Budget, device: Optional[
     if made.budget_bytes != memory_budget_bytes:
         reason += f"; no plan fits it, the lowest plan is followed at {format_bytes(made.budget_bytes)}"
     return dataclasses.replace(made, budget_reason=reason)
+
+
+def best_recomputing(profile: StepProfile, budget: int, model_error: float, host_budget: Optional[int],
+                     pause: Optional[Callable[[], None]], untiled: bool = True) -> Plan:
+    """:func:`~offload.planner.search.best_plan`, or the best plan whose recomputed layers keep
+    attention's outputs when that is predicted faster. It is a search of its own (every
+    recompute keeps them, or none): the outputs held cost memory that the other layers' actions
+    would have used. Tried only where the first plan fits, its recomputed layers would skip at
+    least :data:`KEEP_ATTENTION_MIN_SHARE` of its step, and the profile is untiled."""
+    made = best_plan(profile, budget, model_error, host_budget=host_budget, pause=pause)
+    skipped = sum(layer.attention_forward_ms for layer, lp in zip(profile.layers, made.layers)
+                  if lp.action is Action.RECOMPUTE and layer.attention_bytes)
+    if not untiled or made.budget_bytes != budget or skipped < KEEP_ATTENTION_MIN_SHARE * made.prediction.step_ms:
+        return made
+    try:  # no tolerance: a variant over the budget is simply not taken
+        kept = best_plan(profile, budget, 0.0, host_budget=host_budget, pause=pause, keep_attention=True)
+    except BudgetError:
+        return made
+    return kept if kept.prediction.step_ms < made.prediction.step_ms else made
 
 
 def profile_step(

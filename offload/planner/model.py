@@ -21,7 +21,9 @@ backward longer by ``extra_backward_ms``, see :func:`layer_slots`):
              its backward costs forward_ms + backward_ms and holds saved_bytes transiently.
              Planned ``keep_inputs``: holds input_bytes until its backward ends and copies
              nothing (as KEEP does, with a recompute's backward): for a host room that cannot
-             take every layer's inputs.
+             take every layer's inputs. Planned ``keep_attention``: also holds
+             ``attention_bytes`` (never offloaded) until its backward, whose recompute then
+             costs forward_ms less ``attention_forward_ms``.
   A layer whose copy would be 0 bytes copies nothing and is never "in flight".
   KEEP and OFFLOAD layers also hold their ``cached_bytes`` (selective recompute's caches, never
   offloaded) until their backward; a RECOMPUTE layer holds none (they run plainly inside it).
@@ -55,7 +57,7 @@ Backward, for i = N-1 .. 0:
      Reloaded bytes are held from the moment their H2D is queued (the buffer is allocated then);
   6. compute waits for layer i's H2D if any (backward stall);
   7. the peak candidate ``base + held + grads + transient(i)`` ("backward layer i");
-  8. compute ``backward_ms`` (+ ``recompute_time_factor`` x ``forward_ms`` for RECOMPUTE); then
+  8. compute ``backward_ms`` (+ ``recompute_time_factor`` x the recompute, for RECOMPUTE); then
      every byte of layer i is
      freed, and its ``grad_bytes`` join ``grads``.
 Then ``post_ms``. The step ends when compute is done and both links are idle (a copy still

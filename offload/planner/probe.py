@@ -488,6 +488,7 @@ class ProbeStep:
                 if shape is not None else (),
                 attention_forward_ms=spans_ms(r.attention[0], ms),
                 attention_backward_ms=spans_ms(r.attention[1], ms),
+                attention_bytes=sum(span[2] for span in r.attention[0]),
             ))
         first, last = records[0], records[-1]
         step_ms = ms(self.step_start, self.step_end)

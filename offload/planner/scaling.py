@@ -15,7 +15,7 @@ tokens (batch x length) and ``q`` the ratio of lengths:
   floor between lengths 96 and 200 warned "layer 0 saved 1572864 bytes ... the plan was made
   for 1048576"). A checkpoint's inputs (``input_terms``) grow likewise;
 - a layer's **transient peaks** (forward and backward) grow as its saved bytes do, and the
-  selective caches (GEMM outputs) as tokens;
+  selective caches (GEMM outputs) and attention's outputs (``attention_bytes``) as tokens;
 - **time**: attention's measured share (``attention_forward_ms`` / ``attention_backward_ms``,
   the ``scaled_dot_product_attention`` kernels) grows as ``r * q`` (causal attention's FLOPs,
   batch x length squared), the rest of the layer as ``r``; the embedding, the head and the
@@ -109,6 +109,7 @@ def _layer_at(layer: LayerProfile, shape: StepShape, probe: StepShape, floor: in
         backward_ms=max(0.0, layer.backward_ms - bwd_attn) * r + bwd_attn * rq,
         attention_forward_ms=fwd_attn * rq,
         attention_backward_ms=bwd_attn * rq,
+        attention_bytes=int(round(layer.attention_bytes * r)),
         # The signature names the slots' count and bytes: a plan made at this shape matches it.
         signature=f"{len(slots)}:{sum(slots)}:{inputs}",
         forward_peak_bytes=int(round(layer.forward_peak_bytes * grow)),

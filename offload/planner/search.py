@@ -69,8 +69,6 @@ PEAK_MODEL_ERROR = 0.04
 
 _KEEP = LayerPlan(Action.KEEP)
 _KEEP_SELECTIVE = LayerPlan(Action.KEEP, selective=True)
-_RECOMPUTE = LayerPlan(Action.RECOMPUTE)
-_RECOMPUTE_KEPT = LayerPlan(Action.RECOMPUTE, keep_inputs=True)
 
 Key = tuple[int, ...]  # per layer, an index into that layer's candidate list
 
@@ -104,19 +102,21 @@ def _offload_candidates(slots: Sequence[int], keys: Sequence[int], selective: bo
     return [LayerPlan(Action.OFFLOAD, threshold, selective=selective) for threshold, _ in reversed(kept)]
 
 
-def layer_candidates(layer: LayerProfile, keep_inputs: bool = False) -> list[LayerPlan]:
+def layer_candidates(layer: LayerProfile, keep_inputs: bool = False, keep_attention: bool = False) -> list[LayerPlan]:
     """The actions the search tries for ``layer`` (see the module notes for their order): the
     last is RECOMPUTE, the one before it the plain OFFLOAD of everything when the layer saves
     anything. ``keep_inputs`` (a host budget binds): RECOMPUTE keeping its inputs on the GPU
-    too, before those two, where the layer saves anything (else keeping it holds nothing)."""
+    too, before those two, where the layer saves anything (else keeping it holds nothing).
+    ``keep_attention``: the recomputes keep attention's outputs."""
+    recompute = LayerPlan(Action.RECOMPUTE, keep_attention=keep_attention)
     out = [_KEEP]
     if layer.selective is not None:
         out.append(_KEEP_SELECTIVE)
         out += _offload_candidates(layer.selective.slot_bytes, slot_keys(layer.selective), selective=True)
     out += _offload_candidates(layer.slot_bytes, slot_keys(layer), selective=False)
     if keep_inputs and out[-1].action is Action.OFFLOAD and layer.input_bytes > 0:
-        out.insert(len(out) - 1, _RECOMPUTE_KEPT)
-    out.append(_RECOMPUTE)
+        out.insert(len(out) - 1, LayerPlan(Action.RECOMPUTE, keep_inputs=True, keep_attention=keep_attention))
+    out.append(recompute)
     return out
 
 
@@ -394,11 +394,11 @@ def _improve(ev: _Evaluator, key: Key, max_evals: int) -> None:
 
 # --------------------------------------------------------------------------------------- public
 
-def _space(profile: StepProfile, host_budget: Optional[int] = None) -> list[list[LayerPlan]]:
+def _space(profile: StepProfile, host_budget: Optional[int] = None, keep_attention: bool = False) -> list[list[LayerPlan]]:
     # Kept inputs only where the host room binds: elsewhere they would only widen the search
-    # (and slow it) for plans that a host copy beats.
+    # (and slow it) for plans that a host copy beats. ``keep_attention``: every recompute keeps it.
     binds = host_budget is not None and host_budget < most_copied_bytes(profile)
-    return [layer_candidates(l, binds) for l in profile.layers]
+    return [layer_candidates(l, binds, keep_attention) for l in profile.layers]
 
 
 def _kept_inputs(c: list[LayerPlan]) -> int:
@@ -506,8 +506,10 @@ def _enumerate(ev: _Evaluator, i: int, prefix: Key) -> None:
 
 
 def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK_MODEL_ERROR,
-              host_budget: Optional[int] = None, pause: Optional[Callable[[], None]] = None) -> Plan:
-    """The fastest predicted plan whose predicted peak is at most ``budget_bytes``.
+              host_budget: Optional[int] = None, pause: Optional[Callable[[], None]] = None,
+              keep_attention: bool = False) -> Plan:
+    """The fastest predicted plan whose predicted peak is at most ``budget_bytes`` (with
+    ``keep_attention``, among plans whose recomputed layers all keep attention's outputs).
 
     When no plan fits but the budget is within ``model_error`` (a fraction) of the lowest peak
     reachable, the model cannot tell them apart: the lowest plan (:func:`lowest_peak`, no
@@ -518,7 +520,7 @@ def best_plan(profile: StepProfile, budget_bytes: int, model_error: float = PEAK
     budget = _check_budget(budget_bytes)
     if not 0 <= model_error < 1:
         raise ValueError(f"model_error must be a fraction in [0, 1), got {model_error!r}")
-    cands = _space(profile, host_budget)
+    cands = _space(profile, host_budget, keep_attention)
     floor, floor_key = _floor(profile, cands, host_budget)
     if floor > budget:
         if floor - budget <= model_error * floor:

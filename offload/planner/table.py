@@ -22,6 +22,8 @@ def _action_text(lp: ChoiceLike) -> str:
         text = f"offload >= {format_bytes(lp.min_offload_bytes)}"
     if lp.keep_inputs:
         text = f"{text}, inputs kept"
+    if lp.keep_attention:
+        text = f"{text}, attention kept"
     if lp.tile_tokens:
         return f"{text}, MLP tiled /{lp.tile_tokens}"
     return f"{text} selective" if lp.selective else text

@@ -110,8 +110,17 @@ class SlotTally:
 
 
 # (start, end) marks of one attention call's forward, or of its backward (end None until the
-# gradient of its inputs is ready).
+# gradient of its inputs is ready). A forward span has a third item: the bytes its kernel output.
 Span = list[Any]
+
+
+def attention_output_bytes(out: Any) -> int:
+    """Bytes a fused attention kernel outputs for an SDPA result ``out`` of ``(..., L, Ev)``:
+    ``out`` and the float32 logsumexp its backward needs, one per query row and head (what a
+    recompute keeping attention holds; the kernels' few scalars aside)."""
+    if not isinstance(out, torch.Tensor) or out.dim() < 2 or out.shape[-1] == 0:
+        return 0
+    return out.nbytes + out.numel() // out.shape[-1] * 4
 
 
 class AttentionTimer:
@@ -160,7 +169,7 @@ class _TimedAttention:
         forward, backward = spans
         start = timer.mark()  # type: ignore[union-attr]
         out = self.original(*args, **kwargs)
-        forward.append([start, timer.mark()])  # type: ignore[union-attr]
+        forward.append([start, timer.mark(), attention_output_bytes(out)])  # type: ignore[union-attr]
         inputs = [a for a in list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")]
                   if isinstance(a, torch.Tensor) and a.requires_grad]
         if isinstance(out, torch.Tensor) and out.requires_grad and inputs:
@@ -189,4 +198,4 @@ class _Stamp:
 
 def spans_ms(spans: list[Span], ms: Callable[[Any, Any], float]) -> float:
     """Total milliseconds of the complete spans."""
-    return sum(ms(a, b) for a, b in spans if a is not None and b is not None)
+    return sum(ms(s[0], s[1]) for s in spans if s[0] is not None and s[1] is not None)

@@ -171,6 +171,9 @@ class LayerProfile:
     # the part that grows with batch x length squared, the rest with tokens.
     attention_forward_ms: float = 0.0
     attention_backward_ms: float = 0.0
+    # The bytes those kernels output (attention's output and logsumexp): what a recompute that
+    # keeps attention holds from the layer's forward to its backward.
+    attention_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.selective is not None and not isinstance(self.selective, SelectiveProfile):
@@ -189,7 +192,7 @@ class LayerProfile:
         _check_int("LayerProfile", "input_bytes", self.input_bytes)
         _check_ms("LayerProfile", "forward_ms", self.forward_ms)
         _check_ms("LayerProfile", "backward_ms", self.backward_ms)
-        for name in ("forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cached_bytes"):
+        for name in ("forward_peak_bytes", "backward_peak_bytes", "grad_bytes", "cached_bytes", "attention_bytes"):
             _check_int("LayerProfile", name, getattr(self, name))
         if not isinstance(self.signature, str):
             raise ValueError(f"LayerProfile.signature must be a str, got {self.signature!r}")
@@ -328,12 +331,14 @@ class LayerPlan:
     # RECOMPUTE only: the checkpoint's inputs stay on the GPU (copied nothing), as gradient
     # checkpointing keeps them, for a step whose host room cannot take every layer's inputs.
     keep_inputs: bool = False
+    # RECOMPUTE only: the checkpoint keeps the fused attention kernels' outputs on the GPU
+    # (offload.forwards.selective.ATTENTION_OPS), so the recompute skips attention.
+    keep_attention: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.selective, bool):
-            raise ValueError(f"LayerPlan.selective must be a bool, got {self.selective!r}")
-        if not isinstance(self.keep_inputs, bool):
-            raise ValueError(f"LayerPlan.keep_inputs must be a bool, got {self.keep_inputs!r}")
+        for name in ("selective", "keep_inputs", "keep_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LayerPlan.{name} must be a bool, got {getattr(self, name)!r}")
         _check_int("LayerPlan", "tile_tokens", self.tile_tokens)
         if self.tile_tokens and self.selective:
             raise ValueError("LayerPlan: a layer's candidates run tiled or selectively, not both")
@@ -352,10 +357,14 @@ class LayerPlan:
         if self.selective and self.action is Action.RECOMPUTE:
             # Inside a whole-layer checkpoint the candidates run plainly (offload.forwards.selective).
             raise ValueError("LayerPlan.selective applies to KEEP and OFFLOAD; a recomputed layer recomputes everything")
-        if self.keep_inputs and self.action is not Action.RECOMPUTE:
-            raise ValueError(
-                f"LayerPlan.keep_inputs applies to RECOMPUTE only (a checkpoint's inputs), got it with "
-                f"{self.action.value}: use Action.RECOMPUTE, or leave keep_inputs False")
+        for name in ("keep_inputs", "keep_attention"):
+            if getattr(self, name) and self.action is not Action.RECOMPUTE:
+                raise ValueError(
+                    f"LayerPlan.{name} applies to RECOMPUTE only (what a checkpoint keeps), got it with "
+                    f"{self.action.value}: use Action.RECOMPUTE, or leave {name} False")
+        if self.keep_attention and self.tile_tokens:
+            # A tiled MLP is an autograd function that recomputes itself: not under the policy.
+            raise ValueError("LayerPlan: a recompute keeping attention runs untiled (tile_tokens=0)")
 
     @property
     def offloads(self) -> bool:
@@ -461,7 +470,8 @@ class Plan:
         keep = [lp for lp in self.layers if lp.action is Action.KEEP]
         off = [lp for lp in self.layers if lp.action is Action.OFFLOAD]
         rec = sum(lp.action is Action.RECOMPUTE for lp in self.layers)
-        kept_inputs = sum(lp.keep_inputs for lp in self.layers)
+        kept = [f"{n} {what} kept" for n, what in ((sum(lp.keep_inputs for lp in self.layers), "inputs"),
+                                                  (sum(lp.keep_attention for lp in self.layers), "attention")) if n]
         parts = []
         for name, group in (("keep", keep), ("offload", off)):
             if not group:
@@ -475,7 +485,7 @@ class Plan:
                 notes.append(f"{selective} selective")
             parts.append(f"{name} {len(group)}" + (f" ({', '.join(notes)})" if notes else ""))
         if rec:
-            parts.append(f"recompute {rec}" + (f" ({kept_inputs} inputs kept)" if kept_inputs else ""))
+            parts.append(f"recompute {rec}" + (f" ({', '.join(kept)})" if kept else ""))
         tiled = sum(lp.tile_tokens > 0 for lp in self.layers)
         if tiled:
             parts.append(f"{tiled} MLPs tiled")
@@ -488,8 +498,8 @@ class Plan:
         was made from, which following it needs (the runtime's budget accounting, the table)."""
         p = self.prediction
         return {
-            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective, lp.tile_tokens, lp.keep_inputs]
-                       for lp in self.layers],
+            "layers": [[lp.action.value, lp.min_offload_bytes, lp.selective, lp.tile_tokens, lp.keep_inputs,
+                        lp.keep_attention] for lp in self.layers],
             "budget_bytes": self.budget_bytes,
             "head_tokens": self.head_tokens,
             "head_note": self.head_note,
@@ -505,10 +515,9 @@ class Plan:
         loads, but cannot be followed: make it again with ``offload.plan``."""
         profile = data.get("profile")
         return cls(
-            # Plans saved before selective (tiled, kept-input) actions existed list two (three,
-            # four) fields per layer.
-            layers=tuple(LayerPlan(Action(a), int(m), bool(more[0]) if more else False,
-                                   int(more[1]) if len(more) > 1 else 0, bool(more[2]) if len(more) > 2 else False)
+            # Plans saved before selective (tiled, kept-input, kept-attention) actions existed
+            # list two (three, four, five) fields per layer.
+            layers=tuple(LayerPlan(Action(a), int(m), *(kind(v) for kind, v in zip((bool, int, bool, bool), more)))
                          for a, m, *more in data["layers"]),
             budget_bytes=data["budget_bytes"],
             prediction=Prediction(**data["prediction"]),

@@ -67,6 +67,10 @@ class Schedule:
         """Whether ``layer`` runs its candidates under selective recompute (planned schedules only)."""
         return False
 
+    def keeps_attention(self, layer: int) -> bool:
+        """Whether ``layer``'s recompute keeps attention's outputs (planned schedules only)."""
+        return False
+
     def joins_next(self, group: Group, layer: int) -> bool:
         """Whether the group of ``layer``, which just ended, stays open for the next layer's
         tensors instead of being closed and copied on its own (small layers sharing one copy).

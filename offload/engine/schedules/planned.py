@@ -151,6 +151,10 @@ class PlannedSchedule(Schedule):
         """Whether ``layer`` runs its candidates under selective recompute in this plan."""
         return layer < len(self.actions) and self.plan.layers[layer].selective
 
+    def keeps_attention(self, layer: int) -> bool:
+        """Whether ``layer``'s recompute keeps attention's outputs in this plan."""
+        return layer < len(self.actions) and self.plan.layers[layer].keep_attention
+
     # -- accounting ------------------------------------------------------------------------------
     def _holding(self, step: "StepState") -> Holding:
         # Made when the step starts; made here for a step that began under another schedule
