@@ -229,3 +229,28 @@ def slow_pinning(arena: Any, seconds: float) -> None:
         return pin(nbytes)
 
     arena.allocate = slow_pin
+
+
+def attention_kernels_in_backward(layers: torch.nn.ModuleList, x: torch.Tensor, wrapper: Any) -> int:
+    """How many fused attention kernels (``ATTENTION_OPS``) really run in the backward of one
+    step of ``layers`` on ``x`` with ``wrapper`` around the forward: a recompute that keeps
+    attention answers its kernel from the selective checkpoint's cache, by that checkpoint's own
+    dispatch mode (pushed after the counting one, so it answers first)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from offload.forwards.selective import ATTENTION_OPS
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.calls += func in ATTENTION_OPS
+            return func(*args, **(kwargs or {}))
+
+    xin = x.detach().requires_grad_(True)
+    with wrapper:
+        out = run_layers(layers, xin)
+    counter = Count()
+    with counter:
+        (out.float() ** 2).mean().backward()
+    return counter.calls

@@ -10,17 +10,15 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-from offload.forwards.selective import ATTENTION_OPS
 from offload.planner import Action, LayerPlan, LinkProfile, Plan, plan_for
 from offload.planner import make as make_mod
 from offload.planner.layer_costs import backward_cost_ms, held_bytes, offloaded_bytes, resident_bytes
 from offload.planner.make import best_recomputing
 from offload.planner.search import best_plan
 
-from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, train_step
+from _util import assert_bitwise, attention_kernels_in_backward, make_gpt_layers, oa_step, plain_reference, train_step
 
 pytestmark = pytest.mark.usefixtures("deterministic")
 
@@ -30,19 +28,6 @@ B, T, H, HEADS = 2, 32, 64, 4
 
 def _profile(layers: torch.nn.ModuleList, x: torch.Tensor) -> Any:
     return offload.planner.profile_step(layers, lambda: train_step(layers, x), device="cpu", min_offload_bytes=0)
-
-
-class AttentionCalls(TorchDispatchMode):
-    """Counts the fused attention kernels that really run (a cached one never reaches here: the
-    selective checkpoint's mode, pushed later, answers it first)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls += func in ATTENTION_OPS
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_probe_counts_what_attention_outputs() -> None:
@@ -95,15 +80,7 @@ def test_recomputed_layers_keeping_attention_are_bitwise_and_skip_the_kernel(kee
     for _ in range(2):
         assert_bitwise(expected, oa_step(layers, x, oa))
     # The backward alone: the two recomputed layers run attention again unless they keep it.
-    xin = x.detach().requires_grad_(True)
-    with oa:
-        out = xin
-        for layer in layers:
-            out = layer(out)
-    counter = AttentionCalls()
-    with counter:
-        (out.float() ** 2).mean().backward()
-    assert counter.calls == (0 if keep else 2)
+    assert attention_kernels_in_backward(layers, x, oa) == (0 if keep else 2)
     oa.close()
 
 

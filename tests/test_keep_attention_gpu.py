@@ -13,13 +13,11 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import offload
-from offload.forwards.selective import ATTENTION_OPS
 from offload.planner import Action, LayerPlan, plan_for
 
-from _util import assert_bitwise, make_gpt_layers, oa_step, sleepy, train_step
+from _util import assert_bitwise, attention_kernels_in_backward, make_gpt_layers, oa_step, sleepy, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -27,19 +25,6 @@ HIDDEN, HEADS, SEQ, BATCH = 256, 4, 1024, 2
 CYCLES = 20_000_000  # ~10 ms: longer than any copy here
 R, RA = LayerPlan(Action.RECOMPUTE), LayerPlan(Action.RECOMPUTE, keep_attention=True)
 O, K = LayerPlan(Action.OFFLOAD), LayerPlan(Action.KEEP)
-
-
-class AttentionCalls(TorchDispatchMode):
-    """Counts the fused attention kernels that really run (a kept one is answered from the
-    selective checkpoint's cache by its own mode, pushed after this one)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        self.calls += func in ATTENTION_OPS
-        return func(*args, **(kwargs or {}))
 
 
 def _setup() -> tuple[torch.nn.ModuleList, torch.Tensor, list[torch.Tensor], Any]:
@@ -61,15 +46,7 @@ def test_kept_attention_is_bitwise_under_delayed_copies_and_skips_the_kernel(del
         sleepy(oa, CYCLES)
     for _ in range(3):
         assert_bitwise(expected, oa_step(layers, x, oa))
-    xin = x.detach().requires_grad_(True)
-    with oa:
-        out = xin
-        for layer in layers:
-            out = layer(out)
-    counter = AttentionCalls()
-    with counter:
-        (out.float() ** 2).mean().backward()
-    assert counter.calls == 1  # layer 3's plain recompute; layers 0 and 2 keep theirs
+    assert attention_kernels_in_backward(layers, x, oa) == 1  # layer 3's plain recompute; layers 0 and 2 keep theirs
     oa.close()
 
 
