@@ -92,12 +92,14 @@ using PFN_cuCtxPushCurrent = CUresult (*)(CUcontext);
 using PFN_cuCtxPopCurrent = CUresult (*)(CUcontext*);
 using PFN_cuDeviceGet = CUresult (*)(int*, int);  // CUdevice is an int
 using PFN_cuDeviceGetPCIBusId = CUresult (*)(char*, int, int);
+using PFN_cuThreadExchangeStreamCaptureMode = CUresult (*)(int*);  // CUstreamCaptureMode is an int
 
 constexpr CUresult CUDA_ERROR_NOT_READY = 600;
 constexpr unsigned int CU_EVENT_DEFAULT = 0;
 constexpr unsigned int CU_EVENT_DISABLE_TIMING = 2;
 constexpr unsigned int CU_MEMHOSTALLOC_PORTABLE = 1;
 constexpr unsigned int CU_MEMHOSTREGISTER_PORTABLE = 1;
+constexpr int CU_STREAM_CAPTURE_MODE_RELAXED = 2;
 using PFN_cuMemcpyBatchAsync_v12080 = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs,
                                                    size_t* sizes, size_t count,
                                                    CUmemcpyAttributes* attrs, size_t* attrsIdxs,
@@ -131,6 +133,8 @@ struct Driver {
   // Optional (NUMA placement asks them once; torch's device properties usually answer first).
   PFN_cuDeviceGet device_get = nullptr;
   PFN_cuDeviceGetPCIBusId device_pci_bus_id = nullptr;
+  // Optional (CUDA >= 10.1): host memory calls run in the relaxed capture mode when it is bound.
+  PFN_cuThreadExchangeStreamCaptureMode exchange_capture_mode = nullptr;
 };
 
 std::string version_str(int v) {
@@ -218,6 +222,8 @@ Driver load_driver() {
   if (resolve("cuDeviceGet", abi, &p)) d.device_get = reinterpret_cast<PFN_cuDeviceGet>(p);
   if (resolve("cuDeviceGetPCIBusId", abi, &p))
     d.device_pci_bus_id = reinterpret_cast<PFN_cuDeviceGetPCIBusId>(p);
+  if (resolve("cuThreadExchangeStreamCaptureMode", abi, &p))
+    d.exchange_capture_mode = reinterpret_cast<PFN_cuThreadExchangeStreamCaptureMode>(p);
 
   if (d.driver_version < kBatchAbi) {
     d.reason = "driver CUDA " + version_str(d.driver_version) +
@@ -539,13 +545,30 @@ CUresult with_context(const Driver& d, uintptr_t ctx, Fn fn) {
   return out;
 }
 
+// Runs a host memory call (pin, unpin, pinned alloc or free) with `ctx` current, in the relaxed
+// stream-capture mode. Such calls are not stream work and no captured graph depends on them, but
+// torch captures in the driver's global mode, where one made by *any* thread fails and
+// invalidates the capture in progress: measured on an H200, a thread pinning and dropping 256 MiB
+// blocks broke 229 of 1009 captures on another thread, and a block whose unpinning failed so
+// stayed registered, failing later registrations at its address (CUDA_ERROR_HOST_MEMORY_ALREADY_
+// REGISTERED, surfacing as "resource already mapped"). The arena never pins or unpins on the
+// capturing thread itself; this covers a pinner worker and whichever thread drops a block.
+template <typename Fn>
+CUresult host_memory_call(const Driver& d, uintptr_t ctx, Fn fn) {
+  int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
+  const bool exchanged = d.exchange_capture_mode && d.exchange_capture_mode(&mode) == CUDA_SUCCESS;
+  CUresult r = with_context(d, ctx, fn);
+  if (exchanged) d.exchange_capture_mode(&mode);  // the thread's own mode back
+  return r;
+}
+
 }  // namespace
 
 void* host_alloc(size_t nbytes, uintptr_t ctx) {
   Driver& d = driver();
   if (!d.loaded) throw std::runtime_error("offload host_alloc: the CUDA driver is unavailable (" + d.reason + ")");
   void* p = nullptr;
-  CUresult r = with_context(d, ctx, [&] { return d.mem_host_alloc(&p, nbytes, CU_MEMHOSTALLOC_PORTABLE); });
+  CUresult r = host_memory_call(d, ctx, [&] { return d.mem_host_alloc(&p, nbytes, CU_MEMHOSTALLOC_PORTABLE); });
   if (r != CUDA_SUCCESS) fail(d, "cuMemHostAlloc", r, " of " + std::to_string(nbytes) + " bytes");
   return p;
 }
@@ -554,20 +577,20 @@ void host_free(void* p, uintptr_t ctx) noexcept {
   Driver& d = driver();
   if (!d.loaded) return;
   // At interpreter exit the context may be gone already; the process is ending, nothing leaks.
-  with_context(d, ctx, [&] { return d.mem_free_host(p); });
+  host_memory_call(d, ctx, [&] { return d.mem_free_host(p); });
 }
 
 void host_register(void* p, size_t nbytes, uintptr_t ctx) {
   Driver& d = driver();
   if (!d.loaded) throw std::runtime_error("offload host_register: the CUDA driver is unavailable (" + d.reason + ")");
-  CUresult r = with_context(d, ctx, [&] { return d.mem_host_register(p, nbytes, CU_MEMHOSTREGISTER_PORTABLE); });
+  CUresult r = host_memory_call(d, ctx, [&] { return d.mem_host_register(p, nbytes, CU_MEMHOSTREGISTER_PORTABLE); });
   if (r != CUDA_SUCCESS) fail(d, "cuMemHostRegister", r, " of " + std::to_string(nbytes) + " bytes");
 }
 
 void host_unregister(void* p, uintptr_t ctx) noexcept {
   Driver& d = driver();
   if (!d.loaded) return;
-  with_context(d, ctx, [&] { return d.mem_host_unregister(p); });
+  host_memory_call(d, ctx, [&] { return d.mem_host_unregister(p); });
 }
 
 std::string pci_bus_id(int ordinal) {
