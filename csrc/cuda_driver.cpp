@@ -549,10 +549,9 @@ CUresult with_context(const Driver& d, uintptr_t ctx, Fn fn) {
 // stream-capture mode. Such calls are not stream work and no captured graph depends on them, but
 // torch captures in the driver's global mode, where one made by *any* thread fails and
 // invalidates the capture in progress: measured on an H200, a thread pinning and dropping 256 MiB
-// blocks broke 229 of 1009 captures on another thread, and a block whose unpinning failed so
-// stayed registered, failing later registrations at its address (CUDA_ERROR_HOST_MEMORY_ALREADY_
-// REGISTERED, surfacing as "resource already mapped"). The arena never pins or unpins on the
-// capturing thread itself; this covers a pinner worker and whichever thread drops a block.
+// blocks broke 229 of 1009 captures on another thread, and the process's later CUDA calls then
+// failed with "resource already mapped". The arena never pins or unpins on the capturing thread
+// itself; this covers a pinner worker and whichever thread drops a block.
 template <typename Fn>
 CUresult host_memory_call(const Driver& d, uintptr_t ctx, Fn fn) {
   int mode = CU_STREAM_CAPTURE_MODE_RELAXED;
