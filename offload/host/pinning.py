@@ -124,8 +124,10 @@ def relax_capture_mode() -> bool:
     H200, a worker pinning 256 MiB blocks in a loop broke 229 of 1009 captures on the main
     thread and failed 223 of its own registrations (``cudaErrorStreamCaptureInvalidated``,
     ``cudaErrorAlreadyMapped``); in relaxed mode none of either in 434. Pinning is not stream
-    work and no captured graph depends on it, so the pinner's workers run relaxed. Returns
-    whether the driver took the mode (False without a CUDA driver)."""
+    work and no captured graph depends on it, so the pinner's workers run relaxed: this is for
+    torch's pinned allocator (the fallback); the extension relaxes each of its own host memory
+    calls, on whatever thread (``csrc/cuda_driver.cpp``, ``host_memory_call``). Returns whether
+    the driver took the mode (False without a CUDA driver)."""
     try:
         exchange = ctypes.CDLL("libcuda.so.1").cuThreadExchangeStreamCaptureMode
     except (OSError, AttributeError):
