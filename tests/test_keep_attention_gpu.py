@@ -71,6 +71,10 @@ def test_the_outputs_held_are_the_bytes_the_cost_model_holds() -> None:
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
         (out.float() ** 2).mean().backward()
+        del out, xin
+        torch.cuda.synchronize()
+        # The kept outputs die with the backward: nothing of the step outlives it.
+        assert torch.cuda.memory_allocated() <= before, (kept_at, torch.cuda.memory_allocated() - before)
         oa.close()
         return held
 
