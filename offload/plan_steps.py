@@ -273,7 +273,7 @@ class PlannedSteps(AheadSteps):
         behind, failed_at = ahead.values() if ahead is not None else (0, 0)
         bucket, ran_out, behind, failed_at = agree_planned_step(shape.bucket(), self._ran_out, behind, failed_at,
                                                                 self.device, self._group)
-        self._ran_out = False
+        self._ran_out, switched = False, False
         if ran_out:
             # Every rank plans again at this step (the one that ran out at its lowered budget,
             # from an emptied cache), so that any BudgetError is raised by all.
@@ -284,6 +284,7 @@ class PlannedSteps(AheadSteps):
             made = ahead.switch(bucket, behind, failed_at)
             if made is not None:
                 self._adopt(bucket, made)
+                switched = True
             if bucket in ahead.failed:
                 self._raise_failed_ahead(ahead, bucket, shape)
         together = bucket not in self._agreed
@@ -312,6 +313,8 @@ class PlannedSteps(AheadSteps):
                 failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; see its error")
         if failed is not None:
             raise failed
+        if standing is None and (together or switched):  # a bucket's own plan comes in force on every rank
+            plan = self._agreed_layers(bucket, plan)  # type: ignore[arg-type]
         self._agreed.add(bucket)
         self._start_ahead(ahead, bucket, standing, ahead_now, read)
         if standing is None and bucket not in self._plans:

@@ -16,6 +16,12 @@ taken by all ranks of the plan group together, at a point every rank reaches in 
 - **Whether the model form probes its first batch at a short length**: decided on the largest
   batch and length of any rank (and not at all if any rank's call has no labels), at the model's
   entry of each probe step; each rank then cuts its own batch, never longer than it is.
+- **Which layers recompute, and which keep attention while they do** (:func:`agree_layers`), when a
+  bucket's own plan is put in force (made at a step new to the group, or switched to from its
+  stand-in at an agreed step): under context parallelism a recompute runs the ring again, with its
+  collectives, and one keeping attention's outputs does not. Each rank's plan then recomputes
+  every layer any rank recomputes and keeps attention only where every rank does
+  (:func:`follow_layers`: never more memory than its own plan).
 - **The plan of each planned step**: the largest batch and length of any rank
   (:func:`agree_step`), with any rank's "ran out of memory since the last planned step" (every
   rank then plans again, the one that ran out at a lowered budget), at the first layer's entry
@@ -24,8 +30,9 @@ taken by all ranks of the plan group together, at a point every rank reaches in 
   the same all-reduce, which stand-in every rank can follow): then every rank raises ``BudgetError``.
 
 The plans themselves may differ between ranks (each is made from its own rank's measured
-figures): a plan issues no collective (a layer recomputed in backward under FSDP2 runs without an
-all-gather of its own). :func:`agree_shape` makes every rank plan for the largest batch and the
+figures) in everything that issues no collective: what each layer keeps, offloads or copies (a
+layer recomputed in backward under FSDP2 runs without an all-gather of its own, but under context
+parallelism its ring does, hence the agreed layers above). :func:`agree_shape` makes every rank plan for the largest batch and the
 largest length any rank saw: a plan made for a larger shape holds for a smaller one (the bytes a
 layer saves only shrink with the batch and the length, so its peak does too), so the agreed
 shape is conservative on memory for every rank.
@@ -53,20 +60,26 @@ backward of a step that failed on any of them).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 
+from .actions import Action
+from .model import simulate
 from .shapes import StepShape
+from .types import LayerPlan, Plan
 
-__all__ = ["Group", "agree_flag", "agree_max", "agree_planned_step", "agree_shape", "agree_step", "ranks_agree_enabled"]
+__all__ = ["Group", "agree_flag", "agree_layers", "agree_max", "agree_planned_step", "agree_shape", "agree_step",
+           "follow_layers", "ranks_agree_enabled"]
 
 # The ranks that agree: a process group, None for the default one, False for none (no collective).
 Group = Union[None, Literal[False], "dist.ProcessGroup"]
 
 # Where the ranks agree (the module notes), each with its number in the reduced tensor.
-POINTS = ("probe step", "short probe", "planned step", "plan fits", "values")
+POINTS = ("probe step", "short probe", "planned step", "plan fits", "values", "plan layers")
+_MOST_LAYERS = 1 << 30  # agree_layers checks the ranks' layer counts as (n, _MOST_LAYERS - n)
 _WIDTH = 6  # values per call, at most: every call reduces as many (its point's two, then these)
 
 
@@ -167,3 +180,44 @@ def agree_flag(flag: bool, device: torch.device, group: Group = None) -> bool:
     at the same point, so none waits for it in a later collective. ``flag`` itself, with no
     collective, where :func:`ranks_agree_enabled` is false."""
     return bool(agree_max([int(bool(flag))], device, group, "plan fits")[0])
+
+
+def agree_layers(recomputed: Sequence[bool], keeping: Sequence[bool], device: torch.device,
+                 group: Group = None) -> tuple[list[bool], list[bool]]:
+    """Per layer, whether any rank of ``group`` recomputes it, and whether every rank recomputes it
+    keeping attention's outputs (``keeping``: this rank's ``LayerPlan.keep_attention``). Two
+    all-reduces: the point and the layer count (as :func:`agree_max`, so that ranks at different
+    points raise rather than pair tensors of other sizes), then two values per layer. The
+    arguments themselves, with no collective, where :func:`ranks_agree_enabled` is false."""
+    recomputed, keeping = [bool(v) for v in recomputed], [bool(v) for v in keeping]
+    if not ranks_agree_enabled(group):
+        return recomputed, keeping
+    n = len(recomputed)
+    most, fewest = agree_max([n, _MOST_LAYERS - n], device, group, "plan layers")
+    if most != n or _MOST_LAYERS - fewest != n:
+        raise RuntimeError(f"offload: the ranks of the plan group plan models of different depths (this rank {n} "
+                           "layers): every rank must pass the same layers")
+    flags = [*map(int, recomputed), *(int(not k) for k in keeping)]
+    t = torch.tensor(flags, dtype=torch.int64, device=_reduce_device(torch.device(device), group))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    got = t.tolist()
+    return [bool(v) for v in got[:n]], [not v for v in got[n:]]
+
+
+def follow_layers(plan: Plan, recomputed: Sequence[bool], keeping: Sequence[bool]) -> Plan:
+    """``plan`` recomputing every layer in ``recomputed`` and keeping attention only where
+    ``keeping`` says, with its prediction simulated again (``plan`` itself when nothing changes).
+    Never more memory than ``plan``, on the GPU or the host: a layer it keeps is recomputed with
+    its inputs kept, one it offloads with its inputs offloaded, and attention's outputs are only
+    ever dropped."""
+    layers = []
+    for lp, recompute, keep in zip(plan.layers, recomputed, keeping):
+        if recompute and lp.action is not Action.RECOMPUTE:
+            lp = LayerPlan(Action.RECOMPUTE, keep_inputs=lp.action is Action.KEEP, tile_tokens=lp.tile_tokens)
+        if lp.keep_attention and not keep:
+            lp = LayerPlan(Action.RECOMPUTE, keep_inputs=lp.keep_inputs)
+        layers.append(lp)
+    if tuple(layers) == plan.layers:
+        return plan
+    prediction = simulate(plan.profile, layers, plan.budget_bytes) if plan.profile is not None else plan.prediction
+    return dataclasses.replace(plan, layers=tuple(layers), prediction=prediction)

@@ -18,7 +18,8 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 
 from ..engine.schedules.planned import PlannedSchedule
-from .agree import agree_max
+from .actions import Action
+from .agree import agree_layers, agree_max, follow_layers
 from .ahead import Made, PlansAhead, StandIn, StandIns, make_ahead, some_kept, stand_ins
 from .budget import DEVICE
 from .make import LOWEST
@@ -198,6 +199,18 @@ class AheadSteps:
         budget, reason = read
         return functools.partial(make_ahead, self.profile, bucket, budget, self._cap, self.head,
                                  self.engine.arena.plan_host_bytes(), reason)
+
+    def _agreed_layers(self, bucket: StepShape, plan: Plan) -> Plan:
+        # A bucket's own plan put in force, at a step all ranks reach together: every rank
+        # recomputes the same layers and keeps attention in the same ones (offload.planner.agree:
+        # under context parallelism a recompute runs the ring's collectives again).
+        recomputed, keeping = agree_layers([lp.action is Action.RECOMPUTE for lp in plan.layers],
+                                           [lp.keep_attention for lp in plan.layers],
+                                           self.engine.transport.device, self._group)  # type: ignore[attr-defined]
+        agreed = follow_layers(plan, recomputed, keeping)
+        if agreed is not plan:
+            self._plans[bucket] = agreed
+        return agreed
 
     def _adopt(self, bucket: StepShape, made: Made) -> None:
         # Every rank has the bucket's own plan made and pinned: it is put in force from this step.

@@ -203,6 +203,34 @@ def _first_case(rank: int) -> dict[str, Any]:
     return out
 
 
+def _divergent_case(rank: int) -> dict[str, Any]:
+    # Each rank's own plan altered on purpose: rank 0 recomputes layer 0 keeping attention, rank 1
+    # recomputes it plainly and layer 1 keeping attention; both recompute layer 2 keeping it. Under
+    # context parallelism a recompute runs the ring's collectives again (one keeping attention does
+    # not), so the ranks must follow one set: layers 0-2 recomputed, attention kept in layer 2 only.
+    import dataclasses
+
+    from offload.planner.types import LayerPlan
+
+    real = ahead.choose
+    recompute, keeping = LayerPlan(Action.RECOMPUTE), LayerPlan(Action.RECOMPUTE, keep_attention=True)
+    mine = {0: [keeping, None, keeping], 1: [recompute, keeping, keeping]}[rank]
+
+    def diverging(profile: Any, *args: Any, **kwargs: Any) -> Any:
+        plan = real(profile, *args, **kwargs)
+        layers = [lp if own is None else own for own, lp in zip(mine + [None], plan.layers)]
+        return dataclasses.replace(plan, layers=tuple(layers))
+
+    ahead.choose = diverging
+    layers = _layers()
+    oa = _context(layers)
+    out: dict[str, Any] = {"bitwise": []}
+    _to_first_plan(layers, oa, rank, out["bitwise"])
+    out["bitwise"].append(_step(layers, oa, rank, 5, FIRST))
+    out["layers"] = [[lp.action.value, lp.keep_attention] for lp in oa.plan.layers]
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -211,7 +239,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results: dict[str, Any] = {}
     real, real_stand_ins = ahead.choose, ahead_steps.stand_ins
     for name, case in (("switch", _switch_case), ("failure", _failure_case), ("stand_in", _stand_in_case),
-                       ("first", _first_case)):
+                       ("first", _first_case), ("divergent", _divergent_case)):
         try:
             results[name] = case(rank)
         except Exception as exc:  # noqa: BLE001  (recorded: the test says which rank failed how)
@@ -277,3 +305,14 @@ def test_ranks_switch_from_the_first_plans_stand_in_at_the_same_step(results: li
     assert switch >= 2 and cases[0]["ready_here"][0], (cases[0]["ready_here"], kinds[0])  # rank 0 waited for 1
     assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
     assert cases[0]["log"] == cases[1]["log"], [c["log"] for c in cases]
+
+
+def test_ranks_recompute_the_same_layers_whatever_their_own_plans_say(results: list[dict[str, Any]]) -> None:
+    cases = [r["divergent"] for r in results]
+    assert all("error" not in c for c in cases), cases
+    # What each layer recomputes and keeps is the group's; the rest stays each rank's own.
+    recomputes = [[(action == Action.RECOMPUTE.value, kept) for action, kept in c["layers"]] for c in cases]
+    assert recomputes[0] == recomputes[1], f"the ranks follow plans recomputing other layers: {cases}"
+    assert [kept for _, kept in cases[0]["layers"][:3]] == [False, False, True], cases[0]["layers"]
+    assert all(action == Action.RECOMPUTE.value for action, _ in cases[0]["layers"][:3]), cases[0]["layers"]
+    assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
