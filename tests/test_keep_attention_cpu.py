@@ -87,11 +87,14 @@ def test_recomputed_layers_keeping_attention_are_bitwise_and_skip_the_kernel(kee
 def _attention_heavy(profile: Any, share: float, scale_bytes: float = 1.0) -> Any:
     # The measured profile with attention taking ``share`` of each layer's forward (CPU timings
     # make the real share whatever the host gives), and its outputs ``scale_bytes`` as large.
-    # A slow link, so that the budget is met by recomputing rather than by copies.
-    layers = tuple(dataclasses.replace(layer, attention_forward_ms=share * layer.forward_ms,
+    # Fixed times (the host's would make the search's choices vary from run to run), and a slow
+    # link, so that the budget is met by recomputing rather than by copies.
+    layers = tuple(dataclasses.replace(layer, forward_ms=1.0, backward_ms=2.0, attention_forward_ms=share,
+                                       attention_backward_ms=0.0,
                                        attention_bytes=int(layer.attention_bytes * scale_bytes))
                    for layer in profile.layers)
-    return dataclasses.replace(profile, layers=layers, link=LinkProfile(0.1, 0.1, 0.1))
+    return dataclasses.replace(profile, layers=layers, link=LinkProfile(0.1, 0.1, 0.1), pre_ms=0.1, head_ms=0.5,
+                               post_ms=0.1)
 
 
 def test_the_search_keeps_attention_where_it_is_faster_and_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,3 +135,20 @@ def test_the_variant_is_searched_without_the_models_tolerance(monkeypatch: pytes
                         or real(p, b, e, **k))
     best_recomputing(profile, budget, 0.04, None, None)
     assert errors == [(False, 0.04), (True, 0.0)]
+
+
+def test_attention_run_as_torchs_context_parallel_ring_is_not_offered_to_keep(monkeypatch: pytest.MonkeyPatch) -> None:
+    # SDPA patched by torch.distributed (context parallelism's monkey-patching mode): the probe
+    # times it as attention but records no bytes, so no plan keeps it (not run on GPUs yet).
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def ring_like(*args: Any, **kwargs: Any) -> Any:
+        return real(*args, **kwargs)
+
+    ring_like.__module__ = "torch.distributed.tensor.experimental._context_parallel._attention"
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", ring_like)
+    profile = _profile(make_gpt_layers(3, H, HEADS), torch.randn(B, T, H))
+    assert all(layer.attention_forward_ms > 0 and layer.attention_bytes == 0 for layer in profile.layers)
+    heavy = _attention_heavy(profile, 0.8)
+    budget = offload.planner.lowest_peak(heavy, tolerance=0.0).prediction.peak_bytes + (1 << 20)
+    assert not any(lp.keep_attention for lp in best_recomputing(heavy, budget, 0.04, None, None).layers)

@@ -16,7 +16,7 @@ tokens (``docs/design.md`` says what that costs).
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -114,6 +114,15 @@ class SlotTally:
 Span = list[Any]
 
 
+def runs_a_ring(original: Callable[..., Any], args: Sequence[Any]) -> bool:
+    """Whether an SDPA call runs torch's context-parallel ring: SDPA patched by
+    ``torch.distributed`` (its monkey-patching mode) or called on DTensors. Its recompute is not
+    offered to keep attention: that path is not yet run on GPUs (the ring's collectives in a
+    selective checkpoint), so the probe records no attention bytes for it."""
+    return getattr(original, "__module__", "").startswith("torch.distributed") or \
+        any(type(a).__name__ == "DTensor" for a in args[:3])
+
+
 def attention_output_bytes(out: Any) -> int:
     """Bytes a fused attention kernel outputs for an SDPA result ``out`` of ``(..., L, Ev)``:
     ``out`` and the float32 logsumexp its backward needs, one per query row and head (what a
@@ -169,7 +178,8 @@ class _TimedAttention:
         forward, backward = spans
         start = timer.mark()  # type: ignore[union-attr]
         out = self.original(*args, **kwargs)
-        forward.append([start, timer.mark(), attention_output_bytes(out)])  # type: ignore[union-attr]
+        nbytes = 0 if runs_a_ring(self.original, args) else attention_output_bytes(out)
+        forward.append([start, timer.mark(), nbytes])  # type: ignore[union-attr]
         inputs = [a for a in list(args[:3]) + [kwargs.get(k) for k in ("query", "key", "value")]
                   if isinstance(a, torch.Tensor) and a.requires_grad]
         if isinstance(out, torch.Tensor) and out.requires_grad and inputs:
