@@ -281,16 +281,15 @@ class PlannedSteps(AheadSteps):
             if ahead is not None:
                 ahead.clear()
         elif ahead is not None:
-            made = ahead.switch(bucket, behind, failed_at)
+            made, switched = ahead.switch(bucket, behind, failed_at)
             if made is not None:
                 self._adopt(bucket, made)
-                switched = True
             if bucket in ahead.failed:
                 self._raise_failed_ahead(ahead, bucket, shape)
         together = bucket not in self._agreed
         standing = ahead.stand_in_of(bucket) if ahead is not None and bucket not in self._plans else None
         plan = self._plans.get(bucket) or (standing.plan if standing is not None else None)
-        if not together and bucket == self._shape and plan is self.plan and plan is not None:
+        if not (together or switched) and bucket == self._shape and plan is self.plan and plan is not None:
             self._scale(shape, standing.top if standing is not None else bucket)
             self._note(bucket, False, standing, started)
             return
@@ -313,8 +312,8 @@ class PlannedSteps(AheadSteps):
                 failed = BudgetError(f"offload: another rank found no plan for a step of {bucket}; see its error")
         if failed is not None:
             raise failed
-        if standing is None and (together or switched):  # a bucket's own plan comes in force on every rank
-            plan = self._agreed_layers(bucket, plan)  # type: ignore[arg-type]
+        if together or switched:  # the same step on every rank: the group's recomputes (planner.agree)
+            plan, standing = self._agreed_layers(bucket, plan, standing)  # type: ignore[arg-type]
         self._agreed.add(bucket)
         self._start_ahead(ahead, bucket, standing, ahead_now, read)
         if standing is None and bucket not in self._plans:

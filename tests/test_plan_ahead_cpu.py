@@ -306,7 +306,9 @@ def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:
     def step(bucket: StepShape) -> list[Any]:
         figures = [plans.values() for plans in ranks]
         behind, failed = (max(f[i] for f in figures) for i in range(2))
-        return [plans.switch(bucket, behind, failed) for plans in ranks]
+        switches = [plans.switch(bucket, behind, failed) for plans in ranks]
+        assert switches[0][1] == switches[1][1]  # the group's switch step: the same on both
+        return [made for made, _ in switches]
 
     assert step(buckets[1]) == [None, None]  # rank 1 has bucket 64 in flight
     assert step(buckets[0]) == [made, made]
@@ -358,4 +360,4 @@ def test_a_plan_made_during_a_cuda_graph_capture_is_taken_up_after_it(monkeypatc
     assert plans.values() == (1, 0) and asked == []  # behind by one bucket, nothing asked
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert plans.values() == (0, 0) and asked == [made.plan]
-    assert plans.switch(bucket, 0, 0) is made
+    assert plans.switch(bucket, 0, 0) == (made, True)

@@ -250,6 +250,7 @@ class _Entry:
     pin_asked: bool = False
     ready: bool = False  # made (or failed) and its blocks pinned, on this rank: latched
     adopted: bool = False  # its own plan is in force (made ahead, or on the main thread)
+    switched: bool = False  # the group's step of its switch has come (on every rank alike)
     step: Optional[int] = None  # the step it was started at
     stand_in: Optional[StandIn] = field(default=None, repr=False)
 
@@ -333,14 +334,19 @@ class PlansAhead:
             ready = min(ready, index)
         return self.started[:ready]
 
-    def switch(self, bucket: StepShape, behind: int, failed: int) -> Optional[Made]:
+    def switch(self, bucket: StepShape, behind: int, failed: int) -> tuple[Optional[Made], bool]:
         """After the planned step's all-reduce: ``bucket``'s own plan, made ahead, when every rank
-        has it ready and it was not put in force yet (its stand-in is then dropped)."""
+        has it ready and it was not put in force yet (its stand-in is then dropped); and whether
+        this is the group's step of that switch, the same on every rank (a rank that planned the
+        bucket on its own thread, where another followed a stand-in, switches to nothing then)."""
         for entry in self.agree(behind, failed):
-            if entry.bucket == bucket and not entry.adopted and entry.made is not None:
+            if entry.bucket == bucket and not entry.switched:
+                entry.switched = True
+                if entry.adopted or entry.made is None:
+                    return None, True
                 entry.stand_in, entry.adopted = None, True
-                return entry.made
-        return None
+                return entry.made, True
+        return None, False
 
     def clear(self) -> None:
         """Forget every bucket (the budget changed, or a rank ran out of memory: every rank plans

@@ -200,17 +200,23 @@ class AheadSteps:
         return functools.partial(make_ahead, self.profile, bucket, budget, self._cap, self.head,
                                  self.engine.arena.plan_host_bytes(), reason)
 
-    def _agreed_layers(self, bucket: StepShape, plan: Plan) -> Plan:
-        # A bucket's own plan put in force, at a step all ranks reach together: every rank
-        # recomputes the same layers and keeps attention in the same ones (offload.planner.agree:
-        # under context parallelism a recompute runs the ring's collectives again).
+    def _agreed_layers(self, bucket: StepShape, plan: Plan,
+                       standing: Optional[StandIn]) -> tuple[Plan, Optional[StandIn]]:
+        # A plan put in force at a step all ranks reach together (a bucket new to the group, or
+        # its own plan switched to): every rank recomputes the same layers and keeps attention in
+        # the same ones (offload.planner.agree: under context parallelism a recompute runs the
+        # ring's collectives again). The agreed plan is what later steps of the bucket follow:
+        # the stand-in's, or the bucket's own.
         recomputed, keeping = agree_layers([lp.action is Action.RECOMPUTE for lp in plan.layers],
                                            [lp.keep_attention for lp in plan.layers],
                                            self.engine.transport.device, self._group)  # type: ignore[attr-defined]
         agreed = follow_layers(plan, recomputed, keeping)
-        if agreed is not plan:
-            self._plans[bucket] = agreed
-        return agreed
+        if agreed is plan:
+            return plan, standing
+        if standing is not None:
+            return agreed, dataclasses.replace(standing, plan=agreed)
+        self._plans[bucket] = agreed
+        return agreed, None
 
     def _adopt(self, bucket: StepShape, made: Made) -> None:
         # Every rank has the bucket's own plan made and pinned: it is put in force from this step.
