@@ -152,3 +152,18 @@ def test_attention_run_as_torchs_context_parallel_ring_is_not_offered_to_keep(mo
     heavy = _attention_heavy(profile, 0.8)
     budget = offload.planner.lowest_peak(heavy, tolerance=0.0).prediction.peak_bytes + (1 << 20)
     assert not any(lp.keep_attention for lp in best_recomputing(heavy, budget, 0.04, None, None).layers)
+
+
+def test_compiled_layers_keeping_attention_are_bitwise() -> None:
+    # Each layer compiled (aot_eager): the recompute's policy goes through the checkpoint as a plain
+    # context function, which the compiled region accepts.
+    layers, x = make_gpt_layers(4, H, HEADS), torch.randn(B, T, H)
+    profile = _profile(layers, x)
+    compiled = torch.nn.ModuleList(torch.compile(layer, backend="aot_eager") for layer in layers)
+    expected = plain_reference(compiled, x)
+    oa = offload.OffloadActivations(compiled, plan=plan_for(profile, [RA, RA, LayerPlan(Action.OFFLOAD), LayerPlan(Action.KEEP)]),
+                                    device="cpu", min_offload_bytes=0)
+    for _ in range(2):
+        assert_bitwise(expected, oa_step(compiled, x, oa))
+    assert oa.stats["offloaded_bytes"] > 0
+    oa.close()
