@@ -215,7 +215,7 @@ def follow_layers(plan: Plan, recomputed: Sequence[bool], keeping: Sequence[bool
         if recompute and lp.action is not Action.RECOMPUTE:
             lp = LayerPlan(Action.RECOMPUTE, keep_inputs=lp.action is Action.KEEP, tile_tokens=lp.tile_tokens)
         if lp.keep_attention and not keep:
-            lp = LayerPlan(Action.RECOMPUTE, keep_inputs=lp.keep_inputs)
+            lp = dataclasses.replace(lp, keep_attention=False)
         layers.append(lp)
     if tuple(layers) == plan.layers:
         return plan

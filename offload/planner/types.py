@@ -172,7 +172,8 @@ class LayerProfile:
     attention_forward_ms: float = 0.0
     attention_backward_ms: float = 0.0
     # The bytes those kernels output (attention's output and logsumexp): what a recompute that
-    # keeps attention holds from the layer's forward to its backward.
+    # keeps attention holds from the layer's forward to its backward. 0 where attention runs as
+    # torch's context-parallel ring (planner.tally.runs_a_ring): plans then never keep it.
     attention_bytes: int = 0
 
     def __post_init__(self) -> None:
