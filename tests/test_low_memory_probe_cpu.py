@@ -20,7 +20,9 @@ import offload
 from offload.planner import Action, BudgetError, LayerPlan, plan_for, profile_step
 from offload.planner.model import held_bytes, offloaded_bytes
 from offload.planner.scaling import predict_plain
+from offload.planner.calibration import RecomputeReading, recompute_factors
 from offload.planner.sequence import ProbeSequence
+from offload.planner.shapes import StepShape
 from offload.planner.make import probe_policy
 from offload.planner.types import LinkProfile
 from offload.forwards.selective import SelectiveForward, selective_candidates
@@ -212,6 +214,7 @@ def test_auto_sizes_at_low_memory_then_probes_plainly_where_it_fits(model) -> No
     # plain profile's recompute factors come from it (issue 50 s1).
     layers, x = model
     sized = []
+    at = ()  # the reading's forward ms, saved bytes and shape: none (taken as read)
 
     def calibrated_sizing(seq: ProbeSequence) -> ProbeSequence:
         # The host has no allocator to read peaks from (recompute_peak is None on the CPU): the
@@ -221,7 +224,7 @@ def test_auto_sizes_at_low_memory_then_probes_plainly_where_it_fits(model) -> No
         def patched() -> object:
             probe = next_step()
             if probe is not None and probe.mode == "recompute":
-                probe.recompute_peak = lambda: (probe.recompute_index, 3 << 20, 9.0)
+                probe.recompute_peak = lambda: RecomputeReading(probe.recompute_index, 3 << 20, 9.0, *at)
                 sized.append(probe)
             return probe
 
@@ -236,6 +239,22 @@ def test_auto_sizes_at_low_memory_then_probes_plainly_where_it_fits(model) -> No
     additive = ref.saved_bytes + ref.cached_bytes + ref.backward_peak_bytes
     assert profile.recompute_factor == min(1.5, max(0.5, (3 << 20) / additive)) != 1.0
     assert profile.recompute_time_factor == min(1.5, max(0.3, (9.0 - ref.backward_ms) / ref.forward_ms))
+    # The sizing step ran another batch shape (a stream's first batch): its reading is brought to
+    # the measured step's shape by the layer's own ratios in the two steps (issue 50).
+    sized.clear()
+    # The reading's own forward ms and saved bytes are chosen so that, brought to the measured
+    # shape, both factors are about 1.0 (this host's timings vary between runs); raw they are not.
+    saved = ref.saved_bytes + ref.cached_bytes
+    at = (9.0 * ref.forward_ms / (ref.backward_ms + ref.forward_ms), (3 << 20) * saved // additive,
+          StepShape(profile.shape[0], 2 * profile.shape[1]))
+    assert min(1.5, max(0.3, (9.0 - ref.backward_ms) / ref.forward_ms)) != pytest.approx(1.0)
+    scaled, _ = run(calibrated_sizing(sequence(layers, limit=1 << 40)), layers, x)
+    (sizing,) = sized
+    ref = scaled.layers[sizing.recompute_index]
+    reading = RecomputeReading(sizing.recompute_index, 3 << 20, 9.0, *at)
+    assert (scaled.recompute_factor, scaled.recompute_time_factor) == recompute_factors(ref, reading, StepShape(*scaled.shape))
+    raw = recompute_factors(ref, reading._replace(shape=None), StepShape(*scaled.shape))
+    assert scaled.recompute_time_factor != raw[1] and scaled.recompute_factor != raw[0]
 
 
 def test_auto_calibrates_where_the_middle_layer_is_called_twice(model) -> None:

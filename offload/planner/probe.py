@@ -44,6 +44,7 @@ from ..engine.packing import keep_handle, unpack_kept
 from ..engine.policy import SelectionPolicy
 from ..forwards.recompute import checkpoint_input_sizes, checkpoint_inputs
 from ..forwards.selective import always_selective
+from .calibration import RecomputeReading, recompute_factors
 from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .scaling import predict_plain
@@ -395,15 +396,19 @@ class ProbeStep:
                 out[i] = self.records[i].new_grads
         return out
 
-    def recompute_peak(self) -> Optional[tuple[int, int, float]]:
-        """(layer, its backward peak in bytes and its backward ms, both with recompute) from a
-        calibration step or a low-memory one, or None."""
+    def recompute_peak(self) -> Optional[RecomputeReading]:
+        """Its calibration layer's backward with recompute (peak and time), from a calibration
+        step or a low-memory one, with the layer's forward and saved bytes in the same step and
+        the step's shape (what :func:`recompute_factors` scales by); None where none was measured."""
         i = self.recompute_index
         if i is None or i >= len(self.records) or not self.clock.cuda:
             return None
         r = self.records[i]
         end = r.bwd_end if r.bwd_end is not None else self.step_end
-        return i, r.backward_peak, self.clock.ms(r.bwd_start, end) if r.bwd_start is not None else 0.0
+        ms = self.clock.ms
+        return RecomputeReading(i, r.backward_peak, ms(r.bwd_start, end) if r.bwd_start is not None else 0.0,
+                                ms(r.fwd_start, r.fwd_end) if r.fwd_end is not None else 0.0,
+                                sum(r.tally.sizes) + r.cached, self.shape)
 
     def _measured_gradients(self, layers: list[LayerProfile]) -> Optional[tuple[int, list[int]]]:
         # What backward holds besides the activations when layer i's backward begins (the
@@ -443,7 +448,7 @@ class ProbeStep:
         self,
         link: LinkProfile,
         plain_step_ms: Optional[float] = None,
-        recompute_peak: Optional[tuple[int, int, float]] = None,
+        recompute_peak: Optional[RecomputeReading] = None,
     ) -> StepProfile:
         """The measured step as a :class:`StepProfile` (call after :meth:`end_step`)."""
         if not self.records:
@@ -504,14 +509,7 @@ class ProbeStep:
             layers = [replace(l, grad_bytes=g) for l, g in zip(layers, growth)]
         factor = time_factor = 1.0
         if recompute_peak is not None and recompute_peak[0] < len(layers) and self.mode == PLAIN_PROBE:
-            # Bounded: one calibration layer speaks for all, and a noisy reading must not make
-            # recompute look free or ruinous.
-            ref = layers[recompute_peak[0]]
-            additive = ref.saved_bytes + ref.cached_bytes + ref.backward_peak_bytes
-            if additive > 0:
-                factor = min(1.5, max(0.5, recompute_peak[1] / additive))
-            if ref.forward_ms > 0 and recompute_peak[2] > 0:
-                time_factor = min(1.5, max(0.3, (recompute_peak[2] - ref.backward_ms) / ref.forward_ms))
+            factor, time_factor = recompute_factors(layers[recompute_peak[0]], recompute_peak, self.shape)
         saved = sum(self._held_until_backward(l) for l in layers)
         if self.clock.cuda:
             base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak

@@ -48,6 +48,7 @@ import torch
 
 from ..engine.policy import SelectionPolicy
 from ..engine.stats import format_bytes
+from .calibration import RecomputeReading
 from .probe import ProbeStep
 from .scaling import predict_plain
 from .search import PEAK_MODEL_ERROR, BudgetError
@@ -166,7 +167,7 @@ class ProbeSequence:
         self.candidates = list(candidates)
         self.link = link
         self.device_limit = device_limit
-        self.recompute_peak: Optional[tuple[int, int, float]] = None
+        self.recompute_peak: Optional[RecomputeReading] = None
         self.reason = ""  # why the probe kind was chosen, for the plan's report
         # The low-memory sizing step's figures (no link measured), once it ran: enough to
         # pin a plan's host blocks ahead of the measured step's plan.
