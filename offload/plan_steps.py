@@ -352,6 +352,7 @@ class PlannedSteps(AheadSteps):
         # The ranks agree on how the step went (the worst outcome of any), and all move on by it.
         probe, failed = self.probe, self._failed
         self.probe, self._probing, self._failed = None, False, None
+        self._saw(probe.shape if probe is not None and failed is None else None)
         sequence = self._sequence
         assert sequence is not None
         self.profile = self.costs.timed("probe", lambda: self._end_probe_step(sequence, probe, failed))

@@ -288,7 +288,7 @@ def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:
     pending: list[concurrent.futures.Future] = []
 
     def rank(outcomes: list[Any]) -> PlansAhead:
-        plans = PlansAhead(lambda plan: None, lambda: True)
+        plans = PlansAhead(lambda plan: None, lambda plan: True)
         for bucket, outcome in zip(buckets, outcomes):
             future: concurrent.futures.Future = concurrent.futures.Future()
             if isinstance(outcome, BaseException):
@@ -348,7 +348,7 @@ def test_a_plan_made_during_a_cuda_graph_capture_is_taken_up_after_it(monkeypatc
     from offload.planner.ahead import Made, PlansAhead, StandIn
 
     asked: list[Any] = []
-    plans = PlansAhead(asked.append, lambda: True)
+    plans = PlansAhead(asked.append, lambda plan: True)
     future: concurrent.futures.Future = concurrent.futures.Future()
     made = Made(object(), 0, None, 0.0)  # type: ignore[arg-type]
     future.set_result(made)
@@ -361,3 +361,25 @@ def test_a_plan_made_during_a_cuda_graph_capture_is_taken_up_after_it(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert plans.values() == (0, 0) and asked == [made.plan]
     assert plans.switch(bucket, 0, 0) == (made, True)
+
+
+def test_a_plan_is_ready_once_its_own_blocks_are_pinned() -> None:
+    # Readiness is asked per plan: the first plan does not wait behind the blocks of the buckets
+    # queued after it (the probe steps' lengths), nor they behind it.
+    import concurrent.futures
+
+    from offload.planner.ahead import Made, PlansAhead, StandIn
+
+    plans_made = [Made(object(), 0, None, 0.0) for _ in range(2)]  # type: ignore[arg-type]
+    pinned = {id(plans_made[1].plan)}
+    plans = PlansAhead(lambda plan: None, lambda plan: id(plan) in pinned)
+    for made, length in zip(plans_made, (32, 64)):
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        future.set_result(made)
+        bucket = StepShape(2, length)
+        plans.started.append(ahead._Entry(bucket, future, stand_in=StandIn(None, "test", bucket)))  # type: ignore[arg-type]
+    plans.poll()
+    assert [e.ready for e in plans.started] == [False, True]
+    pinned.add(id(plans_made[0].plan))
+    plans.poll()
+    assert [e.ready for e in plans.started] == [True, True]

@@ -162,6 +162,11 @@ def test_arena_pins_only_what_no_idle_block_serves_and_holds_blocks_across_shape
     arena.preallocate([1 * mib, 4 * mib])
     assert arena.unserved([1 * mib, 3 * mib, 8 * mib]) == [8 * mib]
     assert arena.unserved([1 * mib, 1 * mib]) == [1 * mib]  # each block serves one region
+    # Only idle blocks, not those being pinned (a plan made ahead is ready once its blocks are idle).
+    assert arena.unserved([8 * mib], pending=False) == [8 * mib]
+    arena.preallocate([8 * mib], background=True)
+    arena.settle(wait=True)
+    assert arena.unserved([8 * mib], pending=False) == []
     region = arena.acquire(1 * mib, step=1)
     arena.release(region, None)
     arena._last_acquiring_step = 2

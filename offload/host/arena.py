@@ -335,11 +335,12 @@ class HostArena:
             self._settle_finished()
 
     # -- regions ---------------------------------------------------------------------------------
-    def unserved(self, sizes: Iterable[int]) -> list[int]:
-        """Of these region sizes, those no idle or pinning block would serve (each block once)."""
+    def unserved(self, sizes: Iterable[int], *, pending: bool = True) -> list[int]:
+        """Of these region sizes, those no idle block (or, ``pending``, block being pinned) would
+        serve, each block once."""
         with self._lock:
             self._settle_finished()
-            return self._serve(sizes)[1]
+            return self._serve(sizes)[1] if pending else self._free.serve(sizes, ())[1]
 
     def _serve(self, sizes: Iterable[int]) -> tuple[frozenset, list[int]]:
         # Called with the lock held: IdleBlocks.serve, blocks being pinned included.

@@ -22,6 +22,9 @@ taken by all ranks of the plan group together, at a point every rank reaches in 
   collectives, and one keeping attention's outputs does not. Each rank's plan then recomputes
   every layer any rank recomputes and keeps attention only where every rank does
   (:func:`follow_layers`: never more memory than its own plan).
+- **Which lengths the probe steps saw** (plans ahead): each rank's probe step shapes, the largest
+  batch and length of any rank for each, at the first plan's step, so every rank queues the same
+  buckets ahead in the same order (:class:`~offload.planner.ahead_steps.AheadSteps`).
 - **The plan of each planned step**: the largest batch and length of any rank
   (:func:`agree_step`), with any rank's "ran out of memory since the last planned step" (every
   rank then plans again, the one that ran out at a lowered budget), at the first layer's entry
@@ -78,7 +81,7 @@ __all__ = ["Group", "agree_flag", "agree_layers", "agree_max", "agree_planned_st
 Group = Union[None, Literal[False], "dist.ProcessGroup"]
 
 # Where the ranks agree (the module notes), each with its number in the reduced tensor.
-POINTS = ("probe step", "short probe", "planned step", "plan fits", "values", "plan layers")
+POINTS = ("probe step", "short probe", "planned step", "plan fits", "values", "plan layers", "probe shapes")
 _MOST_LAYERS = 1 << 30  # agree_layers checks the ranks' layer counts as (n, _MOST_LAYERS - n)
 _WIDTH = 6  # values per call, at most: every call reduces as many (its point's two, then these)
 

@@ -259,10 +259,10 @@ class PlansAhead:
     """The buckets planned ahead of one context (see the module notes), and their stand-ins.
 
     ``pin(plan)``: ask for a made plan's host blocks (the arena pins in the background);
-    ``pinned()``: whether the blocks asked for are all pinned (nothing left pending).
+    ``pinned(plan)``: whether the plan's blocks are pinned.
     """
 
-    def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[], bool]) -> None:
+    def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[Plan], bool]) -> None:
         self._pin, self._pinned = pin, pinned
         # One worker: buckets are made in the order started, so readiness grows as a prefix.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-plan-ahead")
@@ -312,7 +312,7 @@ class PlansAhead:
                     entry.error = exc
                 else:
                     self._pin(entry.made.plan)
-            entry.ready = entry.error is not None or self._pinned()
+            entry.ready = entry.error is not None or self._pinned(entry.made.plan)  # type: ignore[union-attr]
 
     def values(self) -> tuple[int, int]:
         """This rank's ``(behind, failed)`` for :func:`~offload.planner.agree.agree_planned_step`."""

@@ -33,6 +33,8 @@ __all__ = ["AheadSteps", "check_plan_ahead"]
 # The budget a bucket's plans are made for, in bytes (None: the plain step's peak), and how it
 # was worked out (the plan's ``budget_reason``; empty: as given).
 BudgetRead = tuple[Optional[int], str]
+# How many of the measured probe steps' shapes are planned ahead (the auto probe measures at most two).
+SEEN_SHAPES = 2
 
 
 def check_plan_ahead(api: str, value: Any) -> Union[None, bool, tuple[int, ...]]:
@@ -71,9 +73,18 @@ class AheadSteps:
         arena = self.engine.arena
         self._ahead = PlansAhead(
             lambda made: arena.pin_for_plan(PlannedSchedule(made, made.profile).region_bytes(), hold_idle=True),
-            lambda: arena.settle() or arena.counters.bytes_pending == 0) if plan_ahead is not False else None
+            # A plan is ready once idle blocks serve its regions, or nothing is being pinned (what
+            # did not fit the host's room is copied nowhere: the plan was made for that room).
+            # Not only once every plan's blocks are pinned: the first plan's would wait behind
+            # the blocks of the buckets queued after it.
+            lambda plan: arena.settle() or arena.counters.bytes_pending == 0 or
+            not arena.unserved(PlannedSchedule(plan, plan.profile).region_bytes(), pending=False)
+        ) if plan_ahead is not False else None
         # Lengths whose buckets are planned ahead as soon as a first plan is in force.
         self._known = plan_ahead if isinstance(plan_ahead, tuple) else ()
+        # The shapes the measured probe steps ran (the stream's first batches): their buckets are
+        # planned ahead too, as soon as a first plan is in force.
+        self._seen: list[StepShape] = []
         # The last planned step's bucket, whether it was new, its plan ("own" or "stand-in") and
         # the seconds its plan took on this thread (benchmarks/varlen.py records them).
         self.last_plan: dict[str, Any] = {}
@@ -174,11 +185,31 @@ class AheadSteps:
             return
         ahead.start(bucket, self._step_index, standing,
                     self._maker(bucket, read) if standing is not None and read is not None else None)
-        if len(self._agreed) == 1 and self._known:
-            read = read or self._budget_read()
-            for top in dict.fromkeys(StepShape(bucket.batch, n).bucket() for n in self._known):
-                if top not in self._agreed and top not in ahead.on_main and all(e.bucket != top for e in ahead.started):
-                    ahead.start(top, None, None, self._maker(top, read))
+        if len(self._agreed) != 1:
+            return
+        known = [StepShape(bucket.batch, n).bucket() for n in self._known] + self._seen_buckets()
+        for top in dict.fromkeys(known):
+            if top not in self._agreed and top not in ahead.on_main and all(e.bucket != top for e in ahead.started):
+                read = read or self._budget_read()
+                ahead.start(top, None, None, self._maker(top, read))
+
+    def _saw(self, shape: Optional[StepShape]) -> None:
+        """A measured probe step ran at ``shape`` (None: it read none)."""
+        if shape is not None:
+            self._seen.append(shape)
+
+    def _seen_buckets(self) -> list[StepShape]:
+        # The buckets of the probe steps' shapes, largest first: a stream's first batches are
+        # lengths it will see again, and planning them behind the first plan takes their
+        # stand-in steps (and the pinning beside them) off their first steps. A longer bucket's
+        # blocks serve a shorter one's regions, not the other way round: the largest first.
+        # The ranks agree on them (each place the largest of any rank's), in one all-reduce at
+        # the first plan's step, which every rank reaches together.
+        values = [n for shape in self._seen[:SEEN_SHAPES] for n in (shape.batch, shape.length)]
+        agreed = agree_max(values + [0] * (2 * SEEN_SHAPES - len(values)), self.engine.transport.device,
+                           self._group, "probe shapes")  # type: ignore[attr-defined]
+        seen = {StepShape(batch, length).bucket() for batch, length in zip(agreed[::2], agreed[1::2]) if batch}
+        return sorted(seen, key=lambda shape: -shape.tokens)
 
     def _plans_ahead(self) -> Optional[PlansAhead]:
         # The plans made ahead in force now ("lowest" reads the device to tile: planned on this thread).

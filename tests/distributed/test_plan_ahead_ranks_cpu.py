@@ -183,7 +183,7 @@ def _first_case(rank: int) -> dict[str, Any]:
     planned = oa._planned
     asked: list[float] = []
 
-    def pinned() -> bool:
+    def pinned(plan: Any) -> bool:
         asked.append(asked[0] if asked else time.monotonic())
         return rank == 0 or time.monotonic() > asked[0] + DELAY_S
 
@@ -231,6 +231,29 @@ def _divergent_case(rank: int) -> dict[str, Any]:
     return out
 
 
+def _seen_case(rank: int) -> dict[str, Any]:
+    # The probe steps saw other lengths on each rank (each reads its own batches), on purpose:
+    # rank 0 measured at 24 then 16, rank 1 at 16 then 32. Both queue the same buckets behind the
+    # first plan, in the same order (the largest of any rank's at each place: 24 and 32, largest
+    # first), and a bucket whose plan is ready runs it from its first step on both.
+    layers = _layers()
+    oa = _context(layers)
+    planned = oa._planned
+    out: dict[str, Any] = {"bitwise": []}
+    for step, length in enumerate((FIRST, (24, FIRST)[rank], (FIRST, 32)[rank], FIRST)):
+        out["bitwise"].append(_step(layers, oa, rank, step, length))
+    out["started"] = [[e.bucket.batch, e.bucket.length] for e in planned._ahead.started]
+    for entry in planned._ahead.started:
+        entry.future.exception(timeout=30)
+    planned._ahead.poll()
+    dist.barrier()  # made and ready on both
+    out["kinds"] = []
+    for step, length in ((4, FIRST), (5, 32), (6, 24)):
+        out["bitwise"].append(_step(layers, oa, rank, step, length))
+        out["kinds"].append([planned.last_plan["plan"], planned.last_plan["new"]])
+    return out
+
+
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo")
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -239,7 +262,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     results: dict[str, Any] = {}
     real, real_stand_ins = ahead.choose, ahead_steps.stand_ins
     for name, case in (("switch", _switch_case), ("failure", _failure_case), ("stand_in", _stand_in_case),
-                       ("first", _first_case), ("divergent", _divergent_case)):
+                       ("first", _first_case), ("divergent", _divergent_case), ("seen", _seen_case)):
         try:
             results[name] = case(rank)
         except Exception as exc:  # noqa: BLE001  (recorded: the test says which rank failed how)
@@ -315,4 +338,13 @@ def test_ranks_recompute_the_same_layers_whatever_their_own_plans_say(results: l
     assert recomputes[0] == recomputes[1], f"the ranks follow plans recomputing other layers: {cases}"
     assert [kept for _, kept in cases[0]["layers"][:3]] == [False, False, True], cases[0]["layers"]
     assert all(action == Action.RECOMPUTE.value for action, _ in cases[0]["layers"][:3]), cases[0]["layers"]
+    assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
+
+
+def test_ranks_plan_the_lengths_their_probe_steps_saw_ahead_alike(results: list[dict[str, Any]]) -> None:
+    cases = [r["seen"] for r in results]
+    assert all("error" not in c for c in cases), cases
+    assert cases[0]["started"] == cases[1]["started"] == [[2, FIRST], [2, 32], [2, 25]], cases
+    # Each bucket's own plan from its first step: no stand-in, no search on the step's thread.
+    assert [c["kinds"] for c in cases] == [[["own", False], ["own", True], ["own", True]]] * 2, cases
     assert all(all(c["bitwise"]) for c in cases), [c["bitwise"] for c in cases]
