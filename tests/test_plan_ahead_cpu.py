@@ -383,3 +383,43 @@ def test_a_plan_is_ready_once_its_own_blocks_are_pinned() -> None:
     pinned.add(id(plans_made[0].plan))
     plans.poll()
     assert [e.ready for e in plans.started] == [True, True]
+
+
+def test_the_background_searches_wait_out_each_backward(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Autograd's thread calls Python in a backward (recomputes, unpack hooks), and each call waits
+    # for a search's slice to end: the searches are held from the forward's end until the backward
+    # reaches the first layer, and every step stays bitwise.
+    layers = make_gpt_layers(4)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=_budget(layers), device="cpu", min_offload_bytes=0,
+                                    plan_ahead=True)
+    _probe(layers, oa, _Calls(monkeypatch))
+    gate = oa._planned._ahead.gate
+    seen: list[bool] = []
+    for p in layers.parameters():
+        p.grad = None
+    x = _x(5, 32).requires_grad_(True)
+    with oa:
+        out = x
+        for layer in layers:
+            out = layer(out)
+        out.register_hook(lambda grad: seen.append(gate.is_set()))  # the last layer's backward begins
+    seen.append(gate.is_set())  # the forward has ended
+    (out.float() ** 2).mean().backward()
+    seen.append(gate.is_set())  # the backward reached layer 0 (and ended)
+    assert seen == [False, False, True], seen  # held through the backward, open once it reached layer 0
+    got = [p.grad.clone() for p in layers.parameters()] + [x.grad.clone()]
+    assert_bitwise(plain_reference(layers, _x(5, 32)), got)
+
+
+def test_a_held_search_waits_for_its_gate_and_no_longer_than_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    gate = threading.Event()
+    pause = ahead.Yielding(work_s=0.0, gate=gate)
+    threading.Timer(0.05, gate.set).start()
+    pause()  # closed: waits until the timer opens it
+    assert gate.is_set() and 0.0 < pause.waited_s < 1.0 and pause.yields == 1
+    # A gate never opened (a loop that ended after a forward) holds one search for the bound in all.
+    monkeypatch.setattr(ahead, "GATE_WAIT_MAX_S", 0.05)
+    closed = ahead.Yielding(work_s=0.0, gate=threading.Event())
+    for _ in range(5):
+        closed()
+    assert 0.05 <= closed.waited_s < 0.5 and closed.yields == 5
