@@ -179,7 +179,6 @@ class PlannedSteps(AheadSteps):
             self._check_out_of_memory()
             self._check_host_room()
             if self._ahead is not None:
-                self._ahead.resume()  # (the searches, if a backward ended unseen)
                 self._ahead.poll()  # a plan made since: its blocks pinned from now on
             if self.plan is None:
                 if profile_shape(self.profile) is None:
@@ -447,9 +446,8 @@ class PlannedSteps(AheadSteps):
         if self._ahead is not None:
             # A plan made in the background during this step's forward (the first plan's: 0.4 s
             # of search beside the 8B shape's 0.7 s forward) has its blocks asked at its end,
-            # pinned beside the backward rather than from the next step on (issue 50 s1, T14);
-            # the background searches wait out the backward (offload.planner.ahead).
-            schedule.after_forward, schedule.backward_ending = self._ahead.hold, self._ahead.resume
+            # pinned beside the backward rather than from the next step on (issue 50 s1, T14).
+            schedule.after_forward = self._ahead.poll
         engine = self.engine
         engine.schedule = schedule
         engine.model_layers = len(plan.layers)

@@ -43,19 +43,11 @@ after each millisecond of its own work (:class:`Yielding`): the step's thread ta
 interpreter and keeps it until it waits on the GPU or its switch interval ends, so the search
 takes about a sixth of a busy host and all of an idle one. The same plan comes out; it takes
 longer to come, which a stand-in covers.
-
-**And it waits out each step's backward** (:meth:`PlansAhead.hold`, from the forward's end to
-the first layer's backward; at most :data:`GATE_WAIT_MAX_S` for one search in all). Sharing the interpreter costs a backward more than its share: every Python
-call autograd's thread makes there (a recompute's forward, a checkpoint's unpack hooks) waits
-for the search's slice to end, and a stand-in that recomputes 10 of LLAMA-1B's 16 layers at 4096
-tokens took 765 ms beside 0.35 s of search, against 483 ms beside none (H200). The forward's
-thread and the time between steps are where a search runs.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
@@ -74,11 +66,6 @@ from .types import LayerPlan, Plan, StepProfile
 __all__ = ["Made", "NO_STAND_INS", "PlansAhead", "StandIn", "StandIns", "Yielding", "make_ahead", "some_kept",
            "stand_ins"]
 
-# The longest one background search waits for backwards to end, in all: a loop that ends after a
-# forward (no backward, no next step) never opens the gate, and the interpreter's exit joins the
-# search's thread.
-GATE_WAIT_MAX_S = 5.0
-
 KEPT_STAND_IN = "every layer kept"
 SOME_KEPT_STAND_IN = "the last {kept} kept, the others recomputed, inputs kept"
 LOWEST_STAND_IN = "every layer recomputed"
@@ -88,26 +75,18 @@ LOWEST_KEPT_STAND_IN = "every layer recomputed, inputs kept"
 class Yielding:
     """A search's ``pause`` on a background thread (see the module notes): after each
     ``work_s`` of the search's own time, sleep ``sleep_s`` so the step's thread takes the
-    interpreter; and while ``gate`` is closed (a step's backward runs), wait for it to open.
-    :attr:`yields` counts the times it gave way."""
+    interpreter. :attr:`yields` counts the times it gave way."""
 
-    def __init__(self, work_s: float = 1e-3, sleep_s: float = 1e-4, gate: Optional[threading.Event] = None) -> None:
-        self.work_s, self.sleep_s, self.gate = work_s, sleep_s, gate
+    def __init__(self, work_s: float = 1e-3, sleep_s: float = 1e-4) -> None:
+        self.work_s, self.sleep_s = work_s, sleep_s
         self.yields = 0
-        self.waited_s = 0.0  # for the gate, in all
         self._since = time.perf_counter()
 
     def __call__(self) -> None:
-        now = time.perf_counter()
-        if now - self._since < self.work_s:
-            return
-        if self.gate is not None and not self.gate.is_set() and self.waited_s < GATE_WAIT_MAX_S:
-            self.gate.wait(GATE_WAIT_MAX_S - self.waited_s)
-            self.waited_s += time.perf_counter() - now
-        else:
+        if time.perf_counter() - self._since >= self.work_s:
             time.sleep(self.sleep_s)  # releases the interpreter; taking it back waits for the step's thread
-        self.yields += 1
-        self._since = time.perf_counter()
+            self.yields += 1
+            self._since = time.perf_counter()
 
 
 @dataclass(frozen=True)
@@ -246,15 +225,15 @@ class Made:
 
 def make_ahead(profile: StepProfile, bucket: StepShape, budget: Optional[int], cap: Optional[int],
                head: Optional[HeadInfo], host_bytes: int, reason: str,
-               pause: Optional[Callable[[], None]] = None, gate: Optional[threading.Event] = None) -> Made:
+               pause: Optional[Callable[[], None]] = None) -> Made:
     """``bucket``'s own plan, as :func:`~offload.planner.make.choose` makes it, for a background
     thread: ``budget`` in bytes (a "device" budget read on the main thread, ``reason`` its
     description) or None, ``cap`` the ceiling after an out-of-memory step; ``pause`` between
-    simulations (default a :class:`Yielding` held by ``gate``). Touches no CUDA."""
+    simulations (default a :class:`Yielding`). Touches no CUDA."""
     started = time.perf_counter()
     limited: list[tuple[int, int]] = []
     plan = choose(profile_at(profile, bucket), budget, None, cap_bytes=cap, head=head, host_budget=host_bytes,
-                  host_limited=lambda wanted, planned: limited.append((wanted, planned)), pause=pause or Yielding(gate=gate))
+                  host_limited=lambda wanted, planned: limited.append((wanted, planned)), pause=pause or Yielding())
     if reason:
         plan = replace(plan, budget_reason=plan.budget_reason.replace("memory_budget_bytes", reason, 1))
     return Made(plan, host_bytes, limited[0] if limited else None, time.perf_counter() - started)
@@ -285,9 +264,6 @@ class PlansAhead:
 
     def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[Plan], bool]) -> None:
         self._pin, self._pinned = pin, pinned
-        # Open but while a step's backward runs: the searches wait then (the module notes).
-        self.gate = threading.Event()
-        self.gate.set()
         # One worker: buckets are made in the order started, so readiness grows as a prefix.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-plan-ahead")
         self.started: list[_Entry] = []  # the same buckets, in the same order, on every rank
@@ -338,17 +314,6 @@ class PlansAhead:
                     self._pin(entry.made.plan)
             entry.ready = entry.error is not None or self._pinned(entry.made.plan)  # type: ignore[union-attr]
 
-    def hold(self) -> None:
-        """A step's forward ended: ask for the blocks of plans made since (:meth:`poll`), then hold
-        the searches while its backward runs, until :meth:`resume` (its last layer's backward,
-        or the next step's entry)."""
-        self.poll()
-        self.gate.clear()
-
-    def resume(self) -> None:
-        """A step begins (or the context is done with): the searches run again."""
-        self.gate.set()
-
     def values(self) -> tuple[int, int]:
         """This rank's ``(behind, failed)`` for :func:`~offload.planner.agree.agree_planned_step`."""
         self.poll()
@@ -386,7 +351,6 @@ class PlansAhead:
     def clear(self) -> None:
         """Forget every bucket (the budget changed, or a rank ran out of memory: every rank plans
         again); a making in flight finishes unused."""
-        self.resume()
         for entry in self.started:
             if entry.future is not None:
                 entry.future.cancel()

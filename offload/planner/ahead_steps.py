@@ -229,8 +229,7 @@ class AheadSteps:
     def _maker(self, bucket: StepShape, read: BudgetRead) -> Callable[[], Made]:
         budget, reason = read
         return functools.partial(make_ahead, self.profile, bucket, budget, self._cap, self.head,
-                                 self.engine.arena.plan_host_bytes(), reason,
-                                 gate=self._ahead.gate)  # type: ignore[union-attr]
+                                 self.engine.arena.plan_host_bytes(), reason)
 
     def _agreed_layers(self, bucket: StepShape, plan: Plan,
                        standing: Optional[StandIn]) -> tuple[Plan, Optional[StandIn]]:

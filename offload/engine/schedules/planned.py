@@ -109,11 +109,8 @@ class PlannedSchedule(Schedule):
         # measured peak, offload.engine.step_peak); None: not measured.
         self.peak: Optional[StepPeak] = None
         # Called at the forward's end (the planner's: a plan made in the background since the
-        # step's entry has its host blocks asked then, not a step later, and the background
-        # searches wait out the backward), and when the backward reaches the first layer (they
-        # go on: what is left of the step hardly calls Python).
+        # step's entry has its host blocks asked then, not a step later).
         self.after_forward: Optional[Callable[[], None]] = None
-        self.backward_ending: Optional[Callable[[], None]] = None
 
     # -- what the engine asks --------------------------------------------------------------------
     def offloads(self, layer: int) -> bool:
@@ -283,8 +280,6 @@ class PlannedSchedule(Schedule):
         while over the budget, prefetch below it while the budget allows (the module's rules)."""
         if self.peak is not None:
             self.peak.read_after_backward()
-        if layer == 0 and self.backward_ending is not None:
-            self.backward_ending()
         holding = self._holding(step)
         held = holding.held
         for done in range(layer + 1, len(held)):
