@@ -16,11 +16,12 @@ the plain peak) and depths timed; the CPU test of the search's quality
     python benchmarks/plan_search.py --layers 32 --repeat 5
     python benchmarks/plan_search.py --contention      # a background search beside a busy step
 
-``--contention``: what a search on a background thread (a new bucket's own plan, made while a
-stand-in step runs) costs a host-bound step on the main thread, with and without
-:class:`offload.planner.ahead.Yielding`: a step stand-in (pure Python work of about 150 ms
-alone, a short step's host time) is timed alone, beside a 32-layer search, and beside the same
-search giving way; the search's own wall time is reported too (``plan_search_contention.json``).
+``--contention``: what searches in the background (a new bucket's own plan, made while a stand-in
+step runs) cost a host-bound step on the main thread: two step stand-ins of about 150 ms alone,
+pure Python and torch ops (a training step's threads give the interpreter away in every op), each
+timed alone and beside 32-layer searches on a thread, on a thread giving way
+(:class:`offload.planner.ahead.Yielding`), and in their own process
+(:mod:`offload.planner.search_process`) (``plan_search_contention.json``).
 
 Prints one row per case (seconds per search, the plan's predicted step) and writes
 ``benchmarks/results/plan_search.json`` (``--out``). Target: <= 0.2 s for 32 layers.
@@ -135,8 +136,8 @@ def run(case: dict[str, Any], repeat: int) -> dict[str, Any]:
             "budget_bytes": case["budget"], "plan": plan.describe()}
 
 
-def _busy_step(units: int) -> float:
-    """A host-bound step's stand-in: ``units`` slices of pure Python work; its wall seconds."""
+def _python_step(units: int) -> float:
+    """A host-bound step's stand-in in pure Python: ``units`` slices of work; its wall seconds."""
     start = time.perf_counter()
     for _ in range(units):
         total = 0
@@ -145,33 +146,53 @@ def _busy_step(units: int) -> float:
     return time.perf_counter() - start
 
 
+def _ops_step(units: int) -> float:
+    """A step's stand-in that dispatches torch ops, as a training step's threads do (each op gives
+    the interpreter away while it runs): ``units`` x 50 small CPU ops; its wall seconds."""
+    import torch
+
+    x = torch.zeros(64, 64)
+    start = time.perf_counter()
+    for _ in range(units * 50):
+        x = torch.add(x, 1.0)
+    return time.perf_counter() - start
+
+
 def contention(repeat: int) -> dict[str, Any]:
-    """The step stand-in's time alone, beside a background search, and beside one that gives way
-    (medians of ``repeat``), and the search's wall time in each."""
+    """Each step stand-in's time alone and beside background searches (medians of ``repeat``):
+    on a thread, on a thread giving way (:class:`offload.planner.ahead.Yielding`), and in the
+    searches' own process (:class:`offload.planner.search_process.SearchProcess`)."""
     import threading
 
+    import torch
+
     from offload.planner.ahead import Yielding
+    from offload.planner.search_process import SearchProcess
 
+    torch.set_num_threads(1)
     case = cases((32,))[2]  # 32 layers, budget 0.50
-    units = max(1, int(0.15 / max(_busy_step(20) / 20, 1e-6)))  # about 150 ms of work alone
-    out: dict[str, Any] = {"case": case["name"], "alone_s": statistics.median(_busy_step(units) for _ in range(repeat))}
-    for name, pause in (("beside_search", None), ("beside_yielding_search", "yield")):
-        steps, searches = [], []
-        for _ in range(repeat):
-            done: dict[str, float] = {}
+    child = SearchProcess()
+    child.make(time.time)  # started (its imports are not timed)
+    searches = {"thread": lambda: best_plan(case["profile"], case["budget"]),
+                "yielding_thread": lambda: best_plan(case["profile"], case["budget"], pause=Yielding()),
+                "process": lambda: child.make(best_plan, case["profile"], case["budget"])}
+    out: dict[str, Any] = {"case": case["name"]}
+    for kind, step in (("python", _python_step), ("ops", _ops_step)):
+        units = max(1, int(0.15 / max(step(20) / 20, 1e-6)))  # about 150 ms alone
+        out[f"{kind}_alone_s"] = statistics.median(step(units) for _ in range(repeat))
+        for where, search in searches.items():
+            done = threading.Event()
 
-            def search() -> None:
-                start = time.perf_counter()
-                best_plan(case["profile"], case["budget"], pause=Yielding() if pause else None)
-                done["s"] = time.perf_counter() - start
+            def background() -> None:
+                while not done.is_set():
+                    search()
 
-            worker = threading.Thread(target=search)
+            worker = threading.Thread(target=background)
             worker.start()
-            steps.append(_busy_step(units))
+            out[f"{kind}_beside_{where}_s"] = statistics.median(step(units) for _ in range(repeat))
+            done.set()
             worker.join()
-            searches.append(done["s"])
-        out[name + "_s"] = statistics.median(steps)
-        out[name.replace("beside_", "") + "_wall_s"] = statistics.median(searches)
+    child.close()
     return out
 
 
@@ -184,9 +205,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.contention:
         row = contention(args.repeat)
-        print(f"step alone {row['alone_s']:.3f} s; beside a search {row['beside_search_s']:.3f} s (search "
-              f"{row['search_wall_s']:.3f} s); beside a search giving way {row['beside_yielding_search_s']:.3f} s "
-              f"(search {row['yielding_search_wall_s']:.3f} s)", flush=True)
+        for kind in ("python", "ops"):
+            alone = row[f"{kind}_alone_s"]
+            print(f"{kind} step alone {alone:.3f} s; beside searches on a thread "
+                  + ", giving way ".join(f"{row[f'{kind}_beside_{w}_s']:.3f} s" for w in ("thread", "yielding_thread"))
+                  + f"; beside searches in their own process {row[f'{kind}_beside_process_s']:.3f} s", flush=True)
         out = Path(args.out).with_name("plan_search_contention.json")
         out.write_text(json.dumps({"host": platform.processor() or platform.machine(),
                                    "python": platform.python_version(), **row}, indent=1))

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
@@ -59,6 +60,7 @@ from .make import choose
 from .model import simulate
 from .scaling import profile_at
 from .search import plan_for
+from .search_process import SearchProcess, SearchProcessError
 from .shapes import StepShape
 from .tiling import HeadInfo
 from .types import LayerPlan, Plan, StepProfile
@@ -262,14 +264,32 @@ class PlansAhead:
     ``pinned(plan)``: whether the plan's blocks are pinned.
     """
 
-    def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[Plan], bool]) -> None:
+    def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[Plan], bool], *, process: bool = False) -> None:
         self._pin, self._pinned = pin, pinned
+        # The searches' own process (offload.planner.search_process), started now: its imports
+        # run beside the probe steps. None: searched on the worker thread, giving way.
+        self.process: Optional[SearchProcess] = SearchProcess() if process else None
         # One worker: buckets are made in the order started, so readiness grows as a prefix.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="offload-plan-ahead")
         self.started: list[_Entry] = []  # the same buckets, in the same order, on every rank
         self.failed: dict[StepShape, Optional[BaseException]] = {}  # agreed failed: raised at its next step
         self.on_main: set[StepShape] = set()  # buckets planned on the main thread from now on (a making failed)
         self.log: list[str] = []  # what the report says: which steps ran a stand-in, when the plan came
+
+    def make(self, *args: object) -> Made:
+        """:func:`make_ahead` of these arguments, for the worker thread: in the searches' process
+        where there is one, else here, giving way to the step's thread. A process that failed is
+        said once (a warning and the plans' log), and every later plan is made here."""
+        process = self.process
+        if process is not None:
+            try:
+                return process.make(make_ahead, *args)
+            except SearchProcessError as exc:
+                self.process = None
+                said = f"{exc}: plans made ahead are searched on a thread of this process from here (slower steps beside it)"
+                self.log.append(said)
+                warnings.warn(said, RuntimeWarning, stacklevel=2)
+        return make_ahead(*args)  # type: ignore[arg-type]
 
     def stand_in_of(self, bucket: StepShape) -> Optional[StandIn]:
         """The stand-in ``bucket``'s steps follow until its own plan is in force."""

@@ -20,11 +20,12 @@ import torch
 from ..engine.schedules.planned import PlannedSchedule
 from .actions import Action
 from .agree import agree_layers, agree_max, follow_layers
-from .ahead import Made, PlansAhead, StandIn, StandIns, make_ahead, some_kept, stand_ins
+from .ahead import Made, PlansAhead, StandIn, StandIns, some_kept, stand_ins
 from .budget import DEVICE
 from .make import LOWEST
 from .scaling import profile_shape
 from .search import BudgetError
+from .search_process import process_wanted
 from .shapes import StepShape
 from .types import Plan, StepProfile
 
@@ -71,14 +72,15 @@ class AheadSteps:
 
     def _init_ahead(self, plan_ahead: Union[bool, tuple[int, ...]]) -> None:
         arena = self.engine.arena
-        self._ahead = PlansAhead(
+        self._ahead = PlansAhead(  # (on CUDA the searches run in a process of their own: search_process)
             lambda made: arena.pin_for_plan(PlannedSchedule(made, made.profile).region_bytes(), hold_idle=True),
             # A plan is ready once idle blocks serve its regions, or nothing is being pinned (what
             # did not fit the host's room is copied nowhere: the plan was made for that room).
             # Not only once every plan's blocks are pinned: the first plan's would wait behind
             # the blocks of the buckets queued after it.
             lambda plan: arena.settle() or arena.counters.bytes_pending == 0 or
-            not arena.unserved(PlannedSchedule(plan, plan.profile).region_bytes(), pending=False)
+            not arena.unserved(PlannedSchedule(plan, plan.profile).region_bytes(), pending=False),
+            process=process_wanted(self.engine.transport.device.type == "cuda"),
         ) if plan_ahead is not False else None
         # Lengths whose buckets are planned ahead as soon as a first plan is in force.
         self._known = plan_ahead if isinstance(plan_ahead, tuple) else ()
@@ -228,8 +230,8 @@ class AheadSteps:
 
     def _maker(self, bucket: StepShape, read: BudgetRead) -> Callable[[], Made]:
         budget, reason = read
-        return functools.partial(make_ahead, self.profile, bucket, budget, self._cap, self.head,
-                                 self.engine.arena.plan_host_bytes(), reason)
+        return functools.partial(self._ahead.make, self.profile, bucket, budget, self._cap,  # type: ignore[union-attr]
+                                 self.head, self.engine.arena.plan_host_bytes(), reason)
 
     def _agreed_layers(self, bucket: StepShape, plan: Plan,
                        standing: Optional[StandIn]) -> tuple[Plan, Optional[StandIn]]:

@@ -1,0 +1,114 @@
+"""Plans made ahead searched in a process of their own (issue 50 s2): a background thread's search
+slows a training step's op dispatch many times over (each torch op gives the interpreter away, and
+the search keeps it for its slice), a search in another process does not. The child makes the
+plans the thread would, bitwise steps follow them, the search's own errors come back as they were
+raised, and a child that died leaves the thread to make the plans."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+import offload
+from offload.planner import ahead
+from offload.planner.ahead import PlansAhead, make_ahead
+from offload.planner.search import BudgetError
+from offload.planner.search_process import SearchProcess, SearchProcessError, process_wanted
+from offload.planner.shapes import StepShape
+
+from _util import assert_bitwise, make_gpt_layers, oa_step, plain_reference, train_step
+
+
+def _raise_budget_error(message: str) -> None:
+    raise BudgetError(message)
+
+
+@pytest.fixture(scope="module")
+def process() -> SearchProcess:
+    child = SearchProcess()
+    yield child
+    child.close()
+
+
+def _profile() -> tuple[offload.planner.StepProfile, int]:
+    layers = make_gpt_layers(4)
+    profile = offload.planner.profile_step(layers, lambda: train_step(layers, torch.randn(2, 32, 64)), device="cpu",
+                                           min_offload_bytes=0)
+    return profile, offload.planner.lowest_peak(profile).prediction.peak_bytes * 3 // 2
+
+
+def test_the_search_runs_in_the_child_and_makes_the_threads_plan(process: SearchProcess) -> None:
+    assert process.make(os.getpid) == process.pid != os.getpid()
+    profile, budget = _profile()
+    args = (profile, StepShape(2, 32), budget, None, None, 1 << 40, "")
+    there, here = process.make(make_ahead, *args), make_ahead(*args)
+    assert there.plan == here.plan and there.host_bytes == here.host_bytes
+
+
+def test_an_error_of_the_search_is_raised_as_it_was(process: SearchProcess) -> None:
+    with pytest.raises(BudgetError, match="no plan fits, in the child"):
+        process.make(_raise_budget_error, "no plan fits, in the child")
+    assert process.make(os.getpid) == process.pid  # and the child goes on
+
+
+def test_a_child_that_died_leaves_the_plans_to_the_thread() -> None:
+    plans = PlansAhead(lambda plan: None, lambda plan: True, process=True)
+    child = plans.process
+    assert child is not None and child.make(os.getpid) == child.pid
+    os.kill(child.pid, 9)
+    with pytest.raises(SearchProcessError, match="stopped"):
+        child.make(os.getpid)
+    plans.process = child  # (as if it had died during a making)
+    profile, budget = _profile()
+    args = (profile, StepShape(2, 32), budget, None, None, 1 << 40, "")
+    with pytest.warns(RuntimeWarning, match="searched on a thread of this process from here"):
+        made = plans.make(*args)
+    assert made.plan == make_ahead(*args).plan and plans.process is None
+    assert "searched on a thread" in plans.log[-1]
+
+
+def test_the_process_is_used_on_cuda_unless_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OFFLOAD_PLAN_PROCESS", raising=False)
+    assert process_wanted(True) and not process_wanted(False)
+    monkeypatch.setenv("OFFLOAD_PLAN_PROCESS", "0")
+    assert not process_wanted(True)
+    monkeypatch.setenv("OFFLOAD_PLAN_PROCESS", "1")
+    assert process_wanted(False)
+    monkeypatch.setenv("OFFLOAD_PLAN_PROCESS", "yes")
+    with pytest.raises(ValueError, match="OFFLOAD_PLAN_PROCESS must be 0 or 1"):
+        process_wanted(True)
+
+
+@pytest.mark.usefixtures("deterministic")
+def test_a_stream_planned_in_the_child_is_bitwise_and_follows_the_threads_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each plan the child made is the plan the thread makes of the same arguments (this run's
+    # profile), and every step is bitwise the plain run's.
+    monkeypatch.setenv("OFFLOAD_PLAN_PROCESS", "1")
+    made: list[tuple] = []
+    real = PlansAhead.make
+
+    def recorded(self: PlansAhead, *args: object) -> object:
+        assert self.process is not None  # (no fallback: the child made it)
+        result = real(self, *args)
+        made.append((args, result))
+        return result
+
+    monkeypatch.setattr(PlansAhead, "make", recorded)
+    layers = make_gpt_layers(4)
+    _, budget = _profile()
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget, device="cpu", min_offload_bytes=0,
+                                    plan_ahead=True)
+    kinds = []
+    for step, length in enumerate([16, 16, 16, 16, 32, 32, 24, 32, 24, 24]):
+        x = torch.randn(2, length, 64, generator=torch.Generator().manual_seed(step))
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+        for entry in oa._planned._ahead.started:
+            if entry.future is not None:
+                entry.future.exception(timeout=60)  # made before the next step
+        kinds.append(oa._planned.last_plan.get("plan"))
+    assert "own" in kinds[5:] and len(made) >= 3
+    for args, result in made:
+        assert result.plan == make_ahead(*args).plan
