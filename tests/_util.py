@@ -254,3 +254,17 @@ def attention_kernels_in_backward(layers: torch.nn.ModuleList, x: torch.Tensor, 
     with counter:
         (out.float() ** 2).mean().backward()
     return counter.calls
+
+
+def wait_ready(oa: Any, timeout_s: float = 60.0) -> None:
+    """Until the latest bucket a context plans ahead is made and its blocks pinned (what a step's
+    entry polls). On CUDA the plans come from a child process whose start takes a second or two,
+    which a test's millisecond steps outrun."""
+    import time
+
+    ahead = oa._planned._ahead
+    deadline = time.monotonic() + timeout_s
+    while not ahead.started[-1].ready:
+        assert time.monotonic() < deadline, "the plan made ahead was not ready in time"
+        ahead.poll()
+        time.sleep(0.01)

@@ -23,7 +23,7 @@ import offload
 from offload.planner import PEAK_MODEL_ERROR
 from offload.planner.shapes import StepShape
 
-from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, slow_pinning, train_step
+from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, slow_pinning, train_step, wait_ready
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -37,16 +37,6 @@ def gpt(n: int = 6) -> nn.ModuleList:
 def batch(length: int, seed: int) -> torch.Tensor:
     g = torch.Generator(device="cuda").manual_seed(seed)
     return torch.randn(2, length, HIDDEN, device="cuda", dtype=torch.bfloat16, generator=g)
-
-
-def wait_ready(oa, timeout_s: float = 60.0) -> None:
-    """Until the latest bucket planned ahead is made and its blocks pinned (what a step's entry polls)."""
-    ahead = oa._planned._ahead
-    deadline = time.monotonic() + timeout_s
-    while not ahead.started[-1].ready:
-        assert time.monotonic() < deadline, "the plan made ahead was not ready in time"
-        ahead.poll()
-        time.sleep(0.01)
 
 
 def test_a_stream_of_three_lengths_with_plans_ahead_bit_for_bit_within_budget(monkeypatch) -> None:
