@@ -47,7 +47,7 @@ def fake_slow_pinner(oa: Any) -> tuple[threading.Event, list[Any]]:
     planned._pin = lambda sizes: (asked.append(list(sizes)), real_pin(sizes))
     if planned._ahead is not None:
         planned._ahead._pin = lambda plan: asked.append(PlannedSchedule(plan, plan.profile).region_bytes())
-        planned._ahead._pinned = gate.is_set
+        planned._ahead._pinned = lambda plan: gate.is_set()
     return gate, asked
 
 

@@ -102,7 +102,13 @@ import torch, offload
 from offload.models import GPTBlock
 layers = torch.nn.ModuleList(GPTBlock(256, 4).cuda() for _ in range(3))
 oa = offload.OffloadActivations(layers, memory_budget_bytes="device")
-for _ in range(4):
+for step in range(5):
+    if step == 4:  # the own plan (its budget's reason), made in the searches' process, which these steps outrun
+        import time
+        ahead, deadline = oa._planned._ahead, time.monotonic() + 60
+        while not ahead.started[-1].ready and time.monotonic() < deadline:
+            ahead.poll()
+            time.sleep(0.01)
     x = torch.randn(2, 256, 256, device="cuda", requires_grad=True)
     with oa:
         y = x
