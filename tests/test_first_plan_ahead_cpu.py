@@ -46,8 +46,12 @@ def fake_slow_pinner(oa: Any) -> tuple[threading.Event, list[Any]]:
     real_pin = planned._pin
     planned._pin = lambda sizes: (asked.append(list(sizes)), real_pin(sizes))
     if planned._ahead is not None:
-        planned._ahead._pin = lambda plan: asked.append(PlannedSchedule(plan, plan.profile).region_bytes())
-        planned._ahead._pinned = lambda plan: gate.is_set()
+        def pin(plan: Any) -> list[int]:
+            asked.append(PlannedSchedule(plan, plan.profile).region_bytes())
+            return asked[-1]
+
+        planned._ahead._pin = pin
+        planned._ahead._pinned = lambda sizes: gate.is_set()
     return gate, asked
 
 

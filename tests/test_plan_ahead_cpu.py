@@ -288,7 +288,7 @@ def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:
     pending: list[concurrent.futures.Future] = []
 
     def rank(outcomes: list[Any]) -> PlansAhead:
-        plans = PlansAhead(lambda plan: None, lambda plan: True)
+        plans = PlansAhead(lambda plan: [], lambda sizes: True)
         for bucket, outcome in zip(buckets, outcomes):
             future: concurrent.futures.Future = concurrent.futures.Future()
             if isinstance(outcome, BaseException):
@@ -348,7 +348,7 @@ def test_a_plan_made_during_a_cuda_graph_capture_is_taken_up_after_it(monkeypatc
     from offload.planner.ahead import Made, PlansAhead, StandIn
 
     asked: list[Any] = []
-    plans = PlansAhead(asked.append, lambda plan: True)
+    plans = PlansAhead(lambda plan: asked.append(plan) or [], lambda sizes: True)
     future: concurrent.futures.Future = concurrent.futures.Future()
     made = Made(object(), 0, None, 0.0)  # type: ignore[arg-type]
     future.set_result(made)
@@ -372,7 +372,8 @@ def test_a_plan_is_ready_once_its_own_blocks_are_pinned() -> None:
 
     plans_made = [Made(object(), 0, None, 0.0) for _ in range(2)]  # type: ignore[arg-type]
     pinned = {id(plans_made[1].plan)}
-    plans = PlansAhead(lambda plan: None, lambda plan: id(plan) in pinned)
+    # (each plan's one "region" stands for the plan: pinned once its plan is in ``pinned``)
+    plans = PlansAhead(lambda plan: [id(plan)], lambda sizes: sizes[0] in pinned)
     for made, length in zip(plans_made, (32, 64)):
         future: concurrent.futures.Future = concurrent.futures.Future()
         future.set_result(made)

@@ -55,7 +55,7 @@ def test_an_error_of_the_search_is_raised_as_it_was(process: SearchProcess) -> N
 
 
 def test_a_child_that_died_leaves_the_plans_to_the_thread() -> None:
-    plans = PlansAhead(lambda plan: None, lambda plan: True, process=True)
+    plans = PlansAhead(lambda plan: [], lambda sizes: True, process=True)
     child = plans.process
     assert child is not None and child.make(os.getpid) == child.pid
     os.kill(child.pid, 9)

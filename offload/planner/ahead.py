@@ -34,15 +34,13 @@ its blocks' pinning came beside it):
 - a making that failed (``BudgetError``, or any error) is raised at the bucket's next step on every
   rank, before any layer runs; the bucket's steps after that are planned on the main thread.
 
-**The search gives way to the step.** Python runs one thread at a time: a thread that asks for
-the interpreter waits up to the switch interval (5 ms) for the other to give it up, so a
-background search and the step's thread, both busy, split the host about evenly, and a short,
-host-bound step (150 ms at 2048 tokens on LLAMA-1B) came out 2.6x its steady time while 0.2 s of
-search ran beside it (H200, ``varlen.json``). The background search therefore sleeps for a moment
-after each millisecond of its own work (:class:`Yielding`): the step's thread takes the
-interpreter and keeps it until it waits on the GPU or its switch interval ends, so the search
-takes about a sixth of a busy host and all of an idle one. The same plan comes out; it takes
-longer to come, which a stand-in covers.
+**Where the search runs.** On CUDA, in a process of its own (:mod:`offload.planner.search_process`):
+a search on a thread of the training process takes the interpreter each time a step's thread
+dispatches a torch op (every op gives it away while it runs), and the step waits for each. A
+search on the worker thread (the fallback, and the CPU default) gives way after each millisecond
+of its own work (:class:`Yielding`), which keeps a pure-Python step at its speed but not one that
+dispatches ops (``benchmarks/results/plan_search_contention.json``). The same plan comes out
+either way.
 """
 
 from __future__ import annotations
@@ -250,6 +248,7 @@ class _Entry:
     made: Optional[Made] = None
     error: Optional[BaseException] = None
     pin_asked: bool = False
+    regions: list[int] = field(default_factory=list)  # the host region sizes its plan asked for
     ready: bool = False  # made (or failed) and its blocks pinned, on this rank: latched
     adopted: bool = False  # its own plan is in force (made ahead, or on the main thread)
     switched: bool = False  # the group's step of its switch has come (on every rank alike)
@@ -260,11 +259,12 @@ class _Entry:
 class PlansAhead:
     """The buckets planned ahead of one context (see the module notes), and their stand-ins.
 
-    ``pin(plan)``: ask for a made plan's host blocks (the arena pins in the background);
-    ``pinned(plan)``: whether the plan's blocks are pinned.
+    ``pin(plan)``: ask for a made plan's host blocks (the arena pins in the background), and
+    return the region sizes it asked for; ``pinned(sizes)``: whether blocks serving those are pinned.
     """
 
-    def __init__(self, pin: Callable[[Plan], None], pinned: Callable[[Plan], bool], *, process: bool = False) -> None:
+    def __init__(self, pin: Callable[[Plan], list[int]], pinned: Callable[[list[int]], bool], *,
+                 process: bool = False) -> None:
         self._pin, self._pinned = pin, pinned
         # The searches' own process (offload.planner.search_process), started now: its imports
         # run beside the probe steps. None: searched on the worker thread, giving way.
@@ -331,8 +331,8 @@ class PlansAhead:
                 except BaseException as exc:  # noqa: BLE001  (raised on the main thread, at the bucket's next step)
                     entry.error = exc
                 else:
-                    self._pin(entry.made.plan)
-            entry.ready = entry.error is not None or self._pinned(entry.made.plan)  # type: ignore[union-attr]
+                    entry.regions = self._pin(entry.made.plan)
+            entry.ready = entry.error is not None or self._pinned(entry.regions)
 
     def values(self) -> tuple[int, int]:
         """This rank's ``(behind, failed)`` for :func:`~offload.planner.agree.agree_planned_step`."""

@@ -72,14 +72,17 @@ class AheadSteps:
 
     def _init_ahead(self, plan_ahead: Union[bool, tuple[int, ...]]) -> None:
         arena = self.engine.arena
-        self._ahead = PlansAhead(  # (on CUDA the searches run in a process of their own: search_process)
-            lambda made: arena.pin_for_plan(PlannedSchedule(made, made.profile).region_bytes(), hold_idle=True),
-            # A plan is ready once idle blocks serve its regions, or nothing is being pinned (what
-            # did not fit the host's room is copied nowhere: the plan was made for that room).
-            # Not only once every plan's blocks are pinned: the first plan's would wait behind
-            # the blocks of the buckets queued after it.
-            lambda plan: arena.settle() or arena.counters.bytes_pending == 0 or
-            not arena.unserved(PlannedSchedule(plan, plan.profile).region_bytes(), pending=False),
+        def pin(plan: Plan) -> list[int]:
+            sizes = PlannedSchedule(plan, plan.profile).region_bytes()
+            arena.pin_for_plan(sizes, hold_idle=True)
+            return sizes
+
+        # A plan is ready once idle blocks serve its regions, or nothing is being pinned (what did
+        # not fit the host's room is copied nowhere: the plan was made for that room); not only
+        # once every plan's blocks are: the first plan's would wait behind the blocks of the
+        # buckets queued after it. On CUDA the searches run in a process of their own.
+        self._ahead = PlansAhead(
+            pin, lambda sizes: arena.settle() or arena.counters.bytes_pending == 0 or not arena.unserved(sizes, pending=False),
             process=process_wanted(self.engine.transport.device.type == "cuda"),
         ) if plan_ahead is not False else None
         # Lengths whose buckets are planned ahead as soon as a first plan is in force.

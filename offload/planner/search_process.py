@@ -2,11 +2,12 @@
 
 Why a process: a search on a background thread shares the interpreter with the training step,
 and a step's threads release the interpreter in every torch op they dispatch. A search waiting
-for it takes it at each such release and keeps it for its slice, so each op waits: on this
-project's CPU host, 6,000 small torch ops took 31 ms alone, 225 ms beside a search that gives way
-every millisecond (:class:`~offload.planner.ahead.Yielding`) and 28 s beside one that does not;
-on the H200, the first planned step of ``benchmarks/varlen.py`` took 483 ms beside one 0.06 s
-search and 765-925 ms beside three (0.35-0.45 s of search). A search in another process takes
+for it takes it at each such release and keeps it for its slice, so each op waits
+(``benchmarks/plan_search.py --contention``: on this project's CPU host a step of small torch ops
+took 0.134 s alone, 1.96 s beside searches giving way every millisecond, :class:`~offload.planner.ahead.Yielding`,
+176 s beside searches that do not, and 0.137 s beside searches in their own process; on the H200,
+the first planned step of ``benchmarks/varlen.py`` took 483 ms beside one 0.06 s search and
+765-925 ms beside three). A search in another process takes
 none of the step's interpreter, and the host has cores to spare.
 
 :class:`SearchProcess` starts ``python -c "...serve()"`` once (it imports offload, and so torch,

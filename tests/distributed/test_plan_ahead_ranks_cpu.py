@@ -183,7 +183,7 @@ def _first_case(rank: int) -> dict[str, Any]:
     planned = oa._planned
     asked: list[float] = []
 
-    def pinned(plan: Any) -> bool:
+    def pinned(sizes: Any) -> bool:
         asked.append(asked[0] if asked else time.monotonic())
         return rank == 0 or time.monotonic() > asked[0] + DELAY_S
 
