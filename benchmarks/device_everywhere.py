@@ -72,7 +72,7 @@ from common import (  # noqa: E402
     Env, apply_defaults, exit_status, fmt, free_memory, gib, make_parser, print_table, setup, verdict, write_json,
 )
 from step_profile import Profiling  # noqa: E402
-from step_records import PlanWatch, clear_grads, make_train_step, measure_step, plan_fields  # noqa: E402
+from step_records import PlanWatch, clear_grads, first_steps_table, make_train_step, measure_step, plan_fields  # noqa: E402
 from workers import (  # noqa: E402
     add_worker_options, check_cuda_or_exit, parent_env, parent_meta, spawn_all, strip_parent_options, worker_env,
     worker_info, write_worker_result,
@@ -205,17 +205,6 @@ def run_case(env: Env, case: str, contender: str, args: Any) -> dict[str, Any]:
             print(first_steps_table(result["first_steps"]), flush=True)
         ctx.close()
     return result
-
-
-def first_steps_table(rows: list[dict[str, Any]]) -> str:
-    """The context's first steps (seconds per phase), as the report shows them."""
-    phases = [k for k in rows[0] if k.endswith("_s") and k not in ("wall_s", "device_s", "other_s")]
-    head = ["step", "kind", "wall_s", "device_s", *phases, "other_s"]
-    lines = ["  first steps (s): " + "  ".join(h.removesuffix("_s") for h in head)]
-    for r in rows:
-        lines.append("  " + "  ".join(r["kind"] if h == "kind" else fmt(r.get(h), ".3f" if h != "step" else "")
-                                     for h in head))
-    return "\n".join(lines)
 
 
 def summarize(records: list[dict[str, Any]]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-from common import Env, failure
+from common import Env, failure, fmt
 
 # The failures a step of a stream may end with and the stream goes on after: running out of
 # memory (what the benchmarks measure) and the planner's refusal of a shape (``BudgetError``).
@@ -216,3 +216,14 @@ def summarize_steps(records: list[dict[str, Any]]) -> dict[str, Any]:
         "failed": sum(1 for r in records if "error" in r),
         "max_peak_bytes": max(peaks) if peaks else None,
     }
+
+
+def first_steps_table(rows: list[dict[str, Any]]) -> str:
+    """The context's first steps (seconds per phase), as the report shows them."""
+    phases = [k for k in rows[0] if k.endswith("_s") and k not in ("wall_s", "device_s", "other_s")]
+    head = ["step", "kind", "wall_s", "device_s", *phases, "other_s"]
+    lines = ["  first steps (s): " + "  ".join(h.removesuffix("_s") for h in head)]
+    for r in rows:
+        lines.append("  " + "  ".join(r["kind"] if h == "kind" else fmt(r.get(h), ".3f" if h != "step" else "")
+                                     for h in head))
+    return "\n".join(lines)

@@ -172,6 +172,12 @@ PinnedHostBuffer::PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t co
     madvise(base, mapped_, MADV_HUGEPAGE);
   }
   mapping_ = base;
+  // Not inherited by a fork (a DataLoader's workers, the plan search's process): a private
+  // mapping is shared copy-on-write with the child, and the kernel copies pages pinned for DMA
+  // into the child at the fork itself (each worker would take a copy of every pinned block) or,
+  // where it does not, a later write here would move the page away from the one the device
+  // copies into. No child reads our blocks. Advice only: on failure the fork shares them as before.
+  madvise(base, mapped_, MADV_DONTFORK);
   if (numa_node >= 0) {
     // Before the first touch: that is when each page gets its node, for good once pinned.
     numa_error_ = prefer_node(base, mapped_, numa_node);

@@ -105,6 +105,11 @@ def test_the_first_plan_is_made_behind_a_stand_in_and_followed_once_pinned_bit_f
     assert f"step 4: batch 2 x length {LENGTH} (new) follows a stand-in, the last " in log, log
     assert "its own plan is made in the background" in log and "step 6: batch 2 x length" in log, log
     assert "follows its own plan from here (made in the background in" in log, log
+    # When it came: the search, then the wait from being asked to made, then to pinned.
+    import re
+    search, made_after, pinned = map(float, re.search(r"in ([\d.]+) s of search, ([\d.]+) s after it was asked; "
+                                                      r"its blocks pinned (-?[\d.]+) s later", log).groups())
+    assert made_after >= search > 0 and pinned >= 0, log
     rows = oa.first_steps
     assert [r["kind"] for r in rows][-4:] == ["stand-in", "stand-in", "planned", "planned"], rows
     assert all(r["search_s"] == 0 for r in rows), rows

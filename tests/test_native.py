@@ -513,3 +513,30 @@ def test_cuda_driver_error_names_the_cuda_error(force_loop):
     assert proc.returncode == 0, out
     assert "RAISED:" in out, out
     assert "CUDA_ERROR_" in out and "cuMemcpy" in out, out
+
+
+@needs_ext
+def test_host_blocks_are_not_inherited_by_a_fork(native_on):
+    """A forked child (a DataLoader's worker, the plan search's process) does not get the arena's
+    mapped blocks: a DMA-pinned private page is copied into the child at the fork on recent
+    kernels, or left copy-on-write under the device's copies on older ones (MADV_DONTFORK)."""
+    ext = native.extension()
+    buffer = ext.PinnedBuffer(4 << 20, "mapped")  # the mmap path the registered blocks take, unpinned
+    block = torch.frombuffer(buffer, dtype=torch.uint8)
+    block.fill_(7)
+    start = block.data_ptr()
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            with open("/proc/self/maps") as maps:
+                spans = [tuple(int(x, 16) for x in line.split()[0].split("-")) for line in maps]
+            os.write(write_end, b"mapped" if any(lo <= start < hi for lo, hi in spans) else b"absent")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    seen = os.read(read_end, 16)
+    os.close(read_end)
+    os.waitpid(pid, 0)
+    assert seen == b"absent"
+    assert int(block[-1]) == 7  # and still ours

@@ -7,6 +7,10 @@ raised, and a child that died leaves the thread to make the plans."""
 from __future__ import annotations
 
 import os
+import select
+import sys
+import time
+import types
 import warnings
 
 import pytest
@@ -16,6 +20,7 @@ import offload
 from offload.planner import ahead
 from offload.planner.ahead import PlansAhead, make_ahead
 from offload.planner.search import BudgetError
+from offload.planner import search_process
 from offload.planner.search_process import SearchProcess, SearchProcessError, process_wanted
 from offload.planner.shapes import StepShape
 
@@ -52,6 +57,71 @@ def test_an_error_of_the_search_is_raised_as_it_was(process: SearchProcess) -> N
     with pytest.raises(BudgetError, match="no plan fits, in the child"):
         process.make(_raise_budget_error, "no plan fits, in the child")
     assert process.make(os.getpid) == process.pid  # and the child goes on
+
+
+def test_the_child_is_forked_with_the_parents_modules() -> None:
+    # A module made at run time exists only in this interpreter: a child started afresh could
+    # not unpickle its function (and would take a second or two importing torch first).
+    module = types.ModuleType("offload_test_made_here")
+    exec("import os\ndef pid_and_parent():\n    return os.getpid(), os.getppid()\n", module.__dict__)
+    sys.modules[module.__name__] = module
+    try:
+        child = SearchProcess()
+        try:
+            assert child.make(module.pid_and_parent) == (child.pid, os.getpid())
+        finally:
+            child.close()
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_the_child_holds_none_of_the_parents_other_files() -> None:
+    # Else a pipe of the parent (another child's, a DataLoader's) would never see its end.
+    read_end, write_end = os.pipe()
+    child = SearchProcess()
+    try:
+        assert child.make(os.getpid) == child.pid  # (it has closed them by now)
+        os.close(write_end)
+        assert select.select([read_end], [], [], 5.0)[0] and os.read(read_end, 1) == b""
+    finally:
+        os.close(read_end)
+        child.close()
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc")
+def test_a_child_whose_parent_was_killed_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The parent is killed outright while another process still holds its pipe to the child
+    # (a DataLoader worker forked before): the pipe never closes, and the child sees its parent gone.
+    monkeypatch.setattr(search_process, "_PARENT_CHECK_S", 0.05)
+    report_read, report_write = os.pipe()
+    middle = os.fork()
+    if middle == 0:  # the parent to be killed
+        try:
+            child = SearchProcess()
+            if os.fork() == 0:  # the holder: the pipes' ends, open, for a while
+                time.sleep(30)
+                os._exit(0)
+            os.write(report_write, f"{child.pid}\n".encode())
+            time.sleep(30)
+        finally:
+            os._exit(1)
+    os.close(report_write)
+    pid = int(os.read(report_read, 64).decode())
+    os.close(report_read)
+    os.kill(middle, 9)
+    os.waitpid(middle, 0)
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid)
 
 
 def test_a_child_that_died_leaves_the_plans_to_the_thread() -> None:

@@ -220,7 +220,11 @@ class Made:
     plan: Plan
     host_bytes: int
     limited: Optional[tuple[int, int]]
-    seconds: float
+    seconds: float  # the search's own
+    # Seconds from being asked to made (the queue before it and the search), and to its blocks
+    # pinned: set where it is taken up (PlansAhead.poll), for the plans' log.
+    made_after: float = field(default=0.0, compare=False)
+    ready_after: float = field(default=0.0, compare=False)
 
 
 def make_ahead(profile: StepProfile, bucket: StepShape, budget: Optional[int], cap: Optional[int],
@@ -254,6 +258,8 @@ class _Entry:
     switched: bool = False  # the group's step of its switch has come (on every rank alike)
     step: Optional[int] = None  # the step it was started at
     stand_in: Optional[StandIn] = field(default=None, repr=False)
+    asked: float = field(default_factory=time.perf_counter)  # when it was started (perf_counter)
+    made_at: Optional[float] = None  # when its making ended (the worker's done callback)
 
 
 class PlansAhead:
@@ -307,8 +313,10 @@ class PlansAhead:
             entry.stand_in, entry.adopted = stand_in, entry.adopted or stand_in is None
         else:
             future = self._pool.submit(make) if make is not None else None
-            self.started.append(_Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None,
-                                       adopted=future is None))
+            entry = _Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None, adopted=future is None)
+            self.started.append(entry)
+            if future is not None:
+                future.add_done_callback(lambda _, entry=entry: setattr(entry, "made_at", time.perf_counter()))
         if stand_in is not None:
             self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is made "
                             "in the background")
@@ -333,6 +341,10 @@ class PlansAhead:
                 else:
                     entry.regions = self._pin(entry.made.plan)
             entry.ready = entry.error is not None or self._pinned(entry.regions)
+            if entry.ready and entry.made is not None:
+                made_at = entry.made_at if entry.made_at is not None else time.perf_counter()
+                entry.made = replace(entry.made, made_after=made_at - entry.asked,
+                                     ready_after=time.perf_counter() - entry.asked)
 
     def values(self) -> tuple[int, int]:
         """This rank's ``(behind, failed)`` for :func:`~offload.planner.agree.agree_planned_step`."""

@@ -10,14 +10,18 @@ the first planned step of ``benchmarks/varlen.py`` took 483 ms beside one 0.06 s
 765-925 ms beside three). A search in another process takes
 none of the step's interpreter, and the host has cores to spare.
 
-:class:`SearchProcess` starts ``python -c "...serve()"`` once (it imports offload, and so torch,
-in a second or two, while the probe steps run), sends each making's arguments down a pipe, and
-reads the made plan back: the planner's objects are plain dataclasses, pickled both ways. The
-child sees no GPU (``CUDA_VISIBLE_DEVICES`` empty: the search never touches CUDA, and a slip
-would fail there, not take a context on the device) and runs one thread. An error of the search
+:class:`SearchProcess` forks once, when the context is made, sends each making's arguments down
+a pipe, and reads the made plan back: the planner's objects are plain dataclasses, pickled both
+ways. Forked, not started afresh: a fresh interpreter imports torch and offload for a second or
+two, and on the H200 that pushed ``benchmarks/varlen.py``'s first plans made ahead several steps
+later; a fork has every module already. It is what a ``DataLoader`` does with its workers in a
+CUDA process, and is safe for the same reason: the child never touches CUDA (torch marks a forked
+child so that a slip raises rather than uses the parent's context), and the arena's host blocks
+are not inherited at all (``MADV_DONTFORK``, ``csrc/host_memory.cpp``). An error of the search
 itself (``BudgetError``) comes back and is raised as the making's error; a child that could not
 start or died makes :meth:`SearchProcess.make` raise :class:`SearchProcessError`, and the caller
-makes that plan, and every later one, on its own thread as before.
+makes that plan, and every later one, on its own thread as before (so too where ``os.fork`` is
+missing).
 
 Used on CUDA by default; ``OFFLOAD_PLAN_PROCESS=0`` (or ``1``) says otherwise.
 """
@@ -26,19 +30,21 @@ from __future__ import annotations
 
 import os
 import pickle
+import select
+import signal
 import struct
-import subprocess
 import sys
 import threading
+import warnings
 import weakref
 from typing import IO, Any, Callable, Optional
 
 __all__ = ["SearchProcess", "SearchProcessError", "process_wanted", "serve"]
 
 _LENGTH = struct.Struct("<Q")
-# The child's command: the parent's import path first, so that the same offload is imported.
-_CHILD = "import sys, os; sys.path[:0] = os.environ['OFFLOAD_PLAN_PATH'].split(os.pathsep); " \
-         "from offload.planner.search_process import serve; serve()"
+# How often an idle child checks that its parent is still there (a parent killed outright
+# leaves the pipe open wherever another child of it holds a copy of its end).
+_PARENT_CHECK_S = 5.0
 
 
 class SearchProcessError(RuntimeError):
@@ -73,74 +79,126 @@ def _receive(stream: IO[bytes]) -> Any:
     return pickle.loads(data)
 
 
-def _stop(process: subprocess.Popen) -> None:
-    # (A finalizer: holds the process, never the SearchProcess.)
+def _stop(pid: int, pipes: tuple[IO[bytes], IO[bytes]]) -> None:
+    # (A finalizer: holds the pid and pipes, never the SearchProcess.) The child keeps no state
+    # worth a clean exit, and waiting for it to read the pipe's end could take as long as a
+    # search: it is killed, then reaped.
+    for pipe in pipes:
+        try:
+            pipe.close()
+        except OSError:
+            pass
     try:
-        if process.stdin is not None:
-            process.stdin.close()
-        process.wait(timeout=2)
-    except Exception:  # noqa: BLE001 - a child that will not end is killed
-        process.kill()
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
 
 
 class SearchProcess:
-    """A child process that runs ``make_ahead`` calls one at a time (see the module notes).
+    """A forked child that runs ``make_ahead`` calls one at a time (see the module notes).
 
-    Started at construction (its imports take a second or two, beside the probe steps). Called
-    from one thread at a time (the plans-ahead worker); :meth:`make` blocks that thread, which
-    holds no interpreter lock while it waits on the pipe."""
+    Forked at construction. Called from one thread at a time (the plans-ahead worker);
+    :meth:`make` blocks that thread, which holds no interpreter lock while it waits on the pipe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.pid: Optional[int] = None
-        env = dict(os.environ, OFFLOAD_PLAN_PATH=os.pathsep.join(p for p in sys.path if p),
-                   CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", OFFLOAD_PLAN_PROCESS="0")
-        try:
-            if not sys.executable:
-                raise OSError("sys.executable is empty")
-            self._process: Optional[subprocess.Popen] = subprocess.Popen(
-                [sys.executable, "-c", _CHILD], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL, env=env, close_fds=True)
-        except OSError as exc:
-            self._process, self.reason = None, f"could not start: {exc}"
+        self._end: Callable[[], Any] = lambda: None  # stops and reaps the child (set once forked)
+        self._pipes: Optional[tuple[IO[bytes], IO[bytes]]] = None  # (to the child, from the child)
+        if not hasattr(os, "fork"):
+            self.reason = "could not start: this platform has no os.fork"
             return
-        self.pid, self.reason = self._process.pid, ""
-        weakref.finalize(self, _stop, self._process)
+        to_child, from_parent = os.pipe()[::-1]  # (write end, read end)
+        from_child, to_parent = os.pipe()
+        for stream in (sys.stdout, sys.stderr):  # else the child would print what is buffered again
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        try:
+            with warnings.catch_warnings():  # (3.12+: "this process is multi-threaded"; see the module notes)
+                warnings.simplefilter("ignore", DeprecationWarning)
+                pid = os.fork()
+        except OSError as exc:
+            for fd in (to_child, from_parent, from_child, to_parent):
+                os.close(fd)
+            self.reason = f"could not start: {exc}"
+            return
+        if pid == 0:
+            _child_main(from_parent, to_parent, parent=os.getppid())
+        os.close(from_parent)
+        os.close(to_parent)
+        self.pid, self.reason = pid, ""
+        self._pipes = (os.fdopen(to_child, "wb"), os.fdopen(from_child, "rb"))
+        # The one place the child is stopped and reaped: a finalizer runs once, so a pid that
+        # was reaped (and may be another process's now) is never signalled.
+        self._end = weakref.finalize(self, _stop, pid, self._pipes)
 
     def make(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``function(*args, **kwargs)`` in the child (a module-level function: it is pickled by
         name), its result here; the child's exception raised here as it was raised there.
         Raises :class:`SearchProcessError` when the child is not there to answer."""
         with self._lock:
-            process = self._process
-            if process is None:
+            pipes = self._pipes
+            if pipes is None:
                 raise SearchProcessError(f"offload: the plan search process {self.reason}")
             try:
-                _send(process.stdin, (function, args, kwargs))  # type: ignore[arg-type]
-                ok, value = _receive(process.stdout)  # type: ignore[arg-type]
+                _send(pipes[0], (function, args, kwargs))
+                ok, value = _receive(pipes[1])
             except (OSError, EOFError, pickle.PickleError) as exc:
-                self._process, self.reason = None, f"stopped: {exc!r} (exit code {process.poll()})"
-                _stop(process)
+                self._pipes, self.reason = None, f"stopped: {exc!r}"
+                self._end()
                 raise SearchProcessError(f"offload: the plan search process {self.reason}") from exc
         if not ok:
             raise value
         return value
 
     def close(self) -> None:
-        """Stop the child (it ends at the interpreter's exit, or when this is collected, anyway)."""
+        """Stop the child (it ends with the interpreter, or when this is collected, anyway)."""
         with self._lock:
-            process, self._process, self.reason = self._process, None, "was closed"
-        if process is not None:
-            _stop(process)
+            self._pipes, self.reason = None, "was closed"
+        self._end()
 
 
-def serve() -> None:
+def _child_main(read_fd: int, write_fd: int, parent: int) -> None:
+    # The forked child: serve, then leave without running the parent's exit handlers (they
+    # would flush its buffers, join its threads' pools, tear down its CUDA and process groups).
+    code = 0
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle
+        # The fds the parent had open (its device, sockets, other children's pipes) are not ours:
+        # holding another child's pipe end open would keep that child from seeing its end.
+        keep = {0, 1, 2, read_fd, write_fd}
+        for fd in _open_fds():
+            if fd not in keep:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        with os.fdopen(read_fd, "rb") as source, os.fdopen(write_fd, "wb") as out:
+            serve(source, out, parent)
+    except BaseException:  # noqa: BLE001 - the parent sees the pipe close
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc/self/fd")]
+    except OSError:  # no /proc: the usual range
+        return list(range(3, 256))
+
+
+def serve(source: IO[bytes], out: IO[bytes], parent: Optional[int] = None) -> None:
     """The child's loop: read a call, run it, send back ``(True, result)`` or ``(False, error)``;
-    end when the parent closes the pipe. What the code prints goes to stderr, not the pipe."""
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)
-    source = sys.stdin.buffer
+    end when the parent closes the pipe, or (``parent``, a pid) when it is gone."""
     while True:
+        if parent is not None:
+            while not select.select([source], [], [], _PARENT_CHECK_S)[0]:
+                if os.getppid() != parent:
+                    return
         try:
             function, args, kwargs = _receive(source)
         except EOFError:
