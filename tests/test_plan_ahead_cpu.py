@@ -77,10 +77,11 @@ def _made(oa: Any) -> None:
     entry.future.exception(timeout=30)
 
 
-def _probe(layers: torch.nn.ModuleList, oa: Any, calls: _Calls) -> None:
+def _probe(layers: torch.nn.ModuleList, oa: Any, calls: _Calls, switch: bool = True) -> None:
     # The probe steps, then the first planned step: with plans ahead it follows a stand-in while
     # its own plan is made in the background (no search on this thread: on the H200 that search
-    # took its step 0.17-0.40 s), and the next step switches to it; without, it is made at once.
+    # took its step 0.17-0.40 s), and (``switch``) the next step switches to it; without, it is
+    # made at once.
     for step in range(4):
         x = _x(step, PROBE_LENGTH)
         assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
@@ -89,7 +90,10 @@ def _probe(layers: torch.nn.ModuleList, oa: Any, calls: _Calls) -> None:
         assert planned.last_plan == {**planned.last_plan, "plan": "own", "new": True} and len(calls.main) == 1
         return
     assert planned.last_plan == {**planned.last_plan, "plan": "stand-in", "new": True}
-    assert calls.main == [] and len(calls.background) >= 1
+    assert calls.main == []
+    if not switch:
+        return
+    assert len(calls.background) >= 1
     planned._ahead.started[0].future.exception(timeout=30)
     x = _x(4, PROBE_LENGTH)
     assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
@@ -252,28 +256,32 @@ def test_plan_ahead_off_plans_a_new_bucket_on_its_first_step(monkeypatch: pytest
 
 def test_known_lengths_are_planned_ahead_of_their_first_step(monkeypatch: pytest.MonkeyPatch) -> None:
     # plan_ahead=[lengths]: their buckets are made in the background as soon as the first plan is
-    # in force; a bucket whose plan is ready runs it from its first step, one whose plan is not
-    # follows a stand-in meanwhile (its making is not started twice).
+    # in force, largest first and those longer than the first plan's bucket before it (their
+    # blocks serve its regions); a bucket whose plan is ready runs it from its first step, one
+    # whose plan is not follows a stand-in meanwhile (its making is not started twice), and so
+    # does the first plan's bucket until the plans before it are ready too.
     layers = make_gpt_layers(4)
     oa = offload.OffloadActivations(layers, memory_budget_bytes=_budget(layers), device="cpu", min_offload_bytes=0,
-                                    plan_ahead=[32, 24])
+                                    plan_ahead=[24, 32])
     calls = _Calls(monkeypatch)
-    _probe(layers, oa, calls)
+    _probe(layers, oa, calls, switch=False)  # (the longer buckets' makings wait at the gate)
     planned = oa._planned
-    assert [e.bucket.length for e in planned._ahead.started] == [PROBE_LENGTH, 32, 25]
+    assert [e.bucket.length for e in planned._ahead.started] == [32, 25, PROBE_LENGTH]
     calls.main.clear()
-    x = _x(4, 24)
-    assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
-    assert planned.last_plan["plan"] == "stand-in" and "the others recomputed" in planned.ahead_log()[-1]
+    for step, length in ((4, PROBE_LENGTH), (5, 24)):
+        x = _x(step, length)
+        assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
+        assert planned.last_plan["plan"] == "stand-in"
+    assert "the others recomputed" in planned.ahead_log()[-1]
     calls.gate.set()
     for entry in planned._ahead.started:
         entry.future.exception(timeout=30)
-    for step, length, kind in ((5, 32, "own"), (6, 24, "own")):
+    for step, length, kind in ((6, PROBE_LENGTH, "own"), (7, 32, "own"), (8, 24, "own")):
         x = _x(step, length)
         assert_bitwise(plain_reference(layers, x), oa_step(layers, x, oa))
         assert planned.last_plan["plan"] == kind and oa.plan.profile.shape == (2, StepShape(2, length).bucket().length)
     assert planned.last_plan["new"] is False
-    assert calls.main == [] and len(calls.background) == 3  # the first plan's, then the two known
+    assert calls.main == [] and len(calls.background) == 3  # the two known, then the first plan's
 
 
 def test_two_ranks_figures_give_the_same_switches_and_failures() -> None:

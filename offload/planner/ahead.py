@@ -312,11 +312,11 @@ class PlansAhead:
         if entry is not None:
             entry.stand_in, entry.adopted = stand_in, entry.adopted or stand_in is None
         else:
-            future = self._pool.submit(make) if make is not None else None
-            entry = _Entry(bucket, future, step=step, stand_in=stand_in, ready=future is None, adopted=future is None)
+            entry = _Entry(bucket, None, step=step, stand_in=stand_in, ready=make is None, adopted=make is None)
+            if make is not None:  # (asked before it is submitted: the timings count from there)
+                entry.future = self._pool.submit(make)
+                entry.future.add_done_callback(lambda _, entry=entry: setattr(entry, "made_at", time.perf_counter()))
             self.started.append(entry)
-            if future is not None:
-                future.add_done_callback(lambda _, entry=entry: setattr(entry, "made_at", time.perf_counter()))
         if stand_in is not None:
             self.log.append(f"step {step}: {bucket} (new) follows a stand-in, {stand_in.kind}; its own plan is made "
                             "in the background")
