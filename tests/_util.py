@@ -257,14 +257,14 @@ def attention_kernels_in_backward(layers: torch.nn.ModuleList, x: torch.Tensor, 
 
 
 def wait_ready(oa: Any, timeout_s: float = 60.0) -> None:
-    """Until the latest bucket a context plans ahead is made and its blocks pinned (what a step's
-    entry polls). On CUDA the plans come from a child process whose start takes a second or two,
+    """Until every bucket a context plans ahead is made and its blocks pinned (what a step's
+    entry polls; the ranks switch in queue order). The making and pinning run beside the steps,
     which a test's millisecond steps outrun."""
     import time
 
     ahead = oa._planned._ahead
     deadline = time.monotonic() + timeout_s
-    while not ahead.started[-1].ready:
+    while not all(entry.ready for entry in ahead.started):
         assert time.monotonic() < deadline, "the plan made ahead was not ready in time"
         ahead.poll()
         time.sleep(0.01)

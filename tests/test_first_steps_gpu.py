@@ -87,3 +87,13 @@ def test_recompute_plan_peak_is_still_predicted_within_ten_percent() -> None:
     layers, x = setup(seq=1024)
     measured, predicted, described = recompute_plan_peak(layers, x)
     assert abs(measured - predicted) <= 0.10 * predicted, (measured, predicted, described)
+
+
+def test_the_link_is_measured_on_one_pinned_block() -> None:
+    # The measured step's link figures, from a block pinned as the arena pins (its halves the
+    # two host ends): each way and both at once, in the range a PCIe or NVLink-C2C host link has.
+    from offload.planner.link import measure_link
+
+    clean_device()
+    link = measure_link(torch.device("cuda"))
+    assert 1.0 < link.d2h_gbps < 1000 and 1.0 < link.h2d_gbps < 1000 and 1.0 < link.duplex_gbps < 2000, link

@@ -7,13 +7,18 @@ from typing import Any, Callable
 
 import torch
 
+from ..host.pinning import allocate_host_block
 from .types import LinkProfile
 
 
-def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> LinkProfile:
+def measure_link(device: torch.device, nbytes: int = 32 << 20, repeats: int = 4) -> LinkProfile:
     """The host link's GB/s each way and both ways at once, on pinned memory (host memcpy on CPU).
 
-    Costs one pinned allocation of ``nbytes`` (tens of ms) and a few copies.
+    Costs one pinned block of ``2 * nbytes`` and a few copies, on the measured probe step's
+    critical path: pinned as the arena pins (huge pages registered: 64 MiB in ~10 ms, where two
+    64 MiB blocks from torch's pinned allocator took most of the 102 ms this measurement cost
+    T22's measured step on the H200), and 32 MiB copies, at ~0.6 ms each long enough that a
+    launch's microseconds do not show in the figure.
     """
     if device.type != "cuda":
         src = torch.empty(nbytes, dtype=torch.uint8)
@@ -24,8 +29,8 @@ def measure_link(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3)
             dst.copy_(src)
         gbps = nbytes * repeats / (time.perf_counter() - start) / 1e9
         return LinkProfile(d2h_gbps=gbps, h2d_gbps=gbps, duplex_gbps=gbps, slowdown_one_way=0.0, slowdown_duplex=0.0)
-    host_a = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host_b = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host, _ = allocate_host_block(2 * nbytes, pinned=True)
+    host_a, host_b = host[:nbytes], host[nbytes:]
     dev_a = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dev_b = torch.empty(nbytes, dtype=torch.uint8, device=device)
     d2h, h2d = torch.cuda.Stream(device), torch.cuda.Stream(device)
