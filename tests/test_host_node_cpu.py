@@ -25,6 +25,7 @@ import torch
 
 import offload
 from offload.host import room
+from offload.host.blocks import BLOCK_GRANULE
 from offload.host.arena import HostArena
 from offload.host.ledger import HostLedger, set_process_host_budget
 from offload.host.node import SimulatedNode, cgroup_limit, node_floor, node_source_from_env
@@ -173,7 +174,7 @@ def test_the_plans_bound_holds_the_blocks_of_every_plan_remembered(monkeypatch: 
 
 
 def test_blocks_shared_by_plans_are_held_once_and_kept_in_any_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A block serves regions of half its size up to all of it: a shorter bucket's plan takes
+    """A block serves regions of 44% of its size up to all of it: a shorter bucket's plan takes
     the longer one's blocks, so less than the plans' needs together is held, and putting the
     plans in force in any order drops and pins nothing."""
     monkeypatch.setattr(room, "PLAN_SLACK_MIN_BYTES", 0)
@@ -190,6 +191,26 @@ def test_blocks_shared_by_plans_are_held_once_and_kept_in_any_order(monkeypatch:
         _use(arena, plan, step=step)
         arena.end_step(step)
     assert arena.counters.pinned_allocations == pinned and arena.counters.trimmed_for_plan == 0
+
+
+def test_a_plan_half_as_long_runs_in_the_longer_ones_blocks_though_its_steps_ask_a_little_less(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buckets a doubling apart (T22's 4096 and 8192): the shorter plan's predicted regions are
+    half the longer one's blocks, and its steps ask a few percent less than predicted (a plan is
+    made for its bucket's top). Its regions are served when its plan is put in force, and its
+    steps take those blocks: none pinned on the step's thread (at a reuse slack of exactly 2,
+    every such request missed: the plan looked ready, and its first step pinned them itself)."""
+    monkeypatch.setattr(room, "PLAN_SLACK_MIN_BYTES", 0)
+    arena = _arena(HostLedger())
+    long = [128 * MIB + 4 * BLOCK_GRANULE] * 3
+    predicted = [n // 2 for n in long]
+    arena.pin_for_plan(long, hold_idle=True)
+    arena.settle(wait=True)
+    assert arena.unserved(predicted, pending=False) == []
+    pinned = arena.counters.pinned_allocations
+    arena.pin_for_plan(predicted, hold_idle=True)
+    _use(arena, [n - 3 * n // 100 for n in predicted], step=1)  # the step asks 3% less
+    assert arena.counters.pinned_allocations == pinned
 
 
 def test_a_budget_under_the_plans_bound_drops_the_least_recently_used_first(monkeypatch: pytest.MonkeyPatch) -> None:

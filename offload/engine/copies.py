@@ -164,7 +164,7 @@ class CopyMixin:
 
         The blocks take the sizes the latest step's groups asked for (repeated) when a step has
         run, else ``nbytes`` is cut into one equal block per offloaded layer (an arena block
-        serves groups of half to all of its size). ``background=True`` queues them on the
+        serves groups of 44% to all of its size, ``REUSE_SLACK``). ``background=True`` queues them on the
         arena's pinner thread and returns at once. Over the host budget: ``ValueError`` naming
         it, and nothing is pinned.
         """

@@ -14,11 +14,16 @@ __all__ = ["BLOCK_GRANULE", "REUSE_SLACK", "GUESS_HEADROOM", "with_headroom", "r
 
 BLOCK_GRANULE = 64 * 1024  # whole 64 KiB pages: regions of nearly equal size share blocks
 # A free block is reused for a request only if it is at most this much larger than the request,
-# so one huge idle block doesn't get tied up by a small group.
-REUSE_SLACK = 2.0
+# so one huge idle block doesn't get tied up by a small group. A little over 2: a bucket's plan
+# half as long as another's (4096 and 8192) predicts regions half the size of the other's blocks,
+# and predicted regions over-count what the step then asks by up to ~9% (the bucket's top, the
+# byte model): at exactly 2, T22's 4096 plan was ready on its predicted regions, then its first
+# step missed every 64 and 640 MiB request against 128 and 1280 MiB blocks and pinned 2.5 GB on
+# its own thread (+0.2-0.5 s). 2.25 serves requests down to 44% of a block.
+REUSE_SLACK = 2.25
 # A block pinned for a size only guessed (the growth forecast, a reserve cut into equal blocks)
 # gets this fraction of headroom: layers' groups differ a little (the first layer's input is a
-# leaf, for one), and a block serves requests of half to all of its size, never more.
+# leaf, for one), and a block serves requests of 1/REUSE_SLACK to all of its size, never more.
 GUESS_HEADROOM = 1 / 8
 
 
