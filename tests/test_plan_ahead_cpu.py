@@ -126,6 +126,9 @@ def test_a_new_bucket_runs_a_stand_in_then_its_own_plan_bit_for_bit(monkeypatch:
             # The stand-in's predicted peak at the bucket fits the budget (and so, at its own top).
             assert simulate(profile_at(planned.profile, top), plan.layers, budget).peak_bytes <= budget
             assert plan.prediction.peak_bytes <= budget
+        # A bucket new to the group holds the arena's background pinning for its step (its
+        # allocator growth and graph builds would wait behind registrations); the next lets it go.
+        assert planned.engine.arena.pinner.held == planned.last_plan["new"], (step, planned.last_plan)
         if step == 4:  # a new bucket: the last layers kept, the others recomputed, inputs kept (nothing to pin)
             recomputed = [lp for lp in plan.layers if lp.action == Action.RECOMPUTE]
             assert plan.prediction.d2h_bytes == 0 and recomputed and all(lp.keep_inputs for lp in recomputed), plan.describe()

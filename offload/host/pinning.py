@@ -74,6 +74,9 @@ HUGE_PAGE_MIN_BYTES = 8 << 20
 # copy whose host range spans two registrations (CUDA_ERROR_INVALID_VALUE, measured), and a
 # group's tensors are laid out across its whole block: blocks are registered whole.
 PINNER_WORKERS = 1
+# The longest a held block waits (BackgroundPinner.hold): a hold lasts one step, and a step
+# longer than this would otherwise put off the plans' blocks by a whole step.
+HOLD_MAX_S = 3.0
 
 # (block, bytes really locked) for a request of ``nbytes``.
 Allocator = Callable[[int], tuple[torch.Tensor, int]]
@@ -177,6 +180,9 @@ class BackgroundPinner:
         self._queued = itertools.count()
         self.busy_s = 0.0
         self._busy_lock = threading.Lock()  # PINNER_WORKERS threads add to busy_s
+        # Cleared while the arena holds its pinning (:meth:`hold`): a block not started waits.
+        self._go = threading.Event()
+        self._go.set()
 
     def _start_worker(self) -> None:
         # Once per worker thread, before its first block (it never raises: an initializer that
@@ -184,7 +190,21 @@ class BackgroundPinner:
         if self._device_index is not None and self._device_index >= 0:
             relax_capture_mode()
 
+    def hold(self, held: bool) -> None:
+        """Hold the blocks not started yet (True), or let them go (False). A block in progress
+        finishes; a held one starts at the latest :data:`HOLD_MAX_S` after it was due."""
+        if held:
+            self._go.clear()
+        else:
+            self._go.set()
+
+    @property
+    def held(self) -> bool:
+        """Whether the blocks not started yet are held."""
+        return not self._go.is_set()
+
     def _run(self, nbytes: int) -> tuple[torch.Tensor, int]:
+        self._go.wait(HOLD_MAX_S)
         if self._device_index is not None and self._device_index >= 0:
             # The driver pins in the calling thread's current context; the worker has none until
             # torch makes the device's primary context current here.
