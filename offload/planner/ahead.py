@@ -67,7 +67,7 @@ __all__ = ["Made", "NO_STAND_INS", "PlansAhead", "StandIn", "StandIns", "Yieldin
            "stand_ins"]
 
 KEPT_STAND_IN = "every layer kept"
-SOME_KEPT_STAND_IN = "the last {kept} kept, the others recomputed{attention}, inputs kept"
+SOME_KEPT_STAND_IN = "the last {kept} kept, the others recomputed, inputs kept"
 LOWEST_STAND_IN = "every layer recomputed"
 LOWEST_KEPT_STAND_IN = "every layer recomputed, inputs kept"
 
@@ -98,7 +98,6 @@ class StandIn:
     kind: str
     top: StepShape
     recomputed: int = 0  # the layers the "last layers kept" stand-in recomputes (the ranks agree on the most)
-    keep_attention: bool = False  # its recomputes keep attention's outputs
 
 
 class StandIns(NamedTuple):
@@ -171,53 +170,42 @@ def stand_ins(profile: StepProfile, bucket: StepShape, plans: Mapping[StepShape,
             break
     some = None
     if low is not None and low.kind == LOWEST_KEPT_STAND_IN:  # (beside "kept": a rank may not fit that one)
-        # The recomputes keeping attention's outputs too where the probe measured attention
-        # (they skip it, and hold its outputs: fewer layers kept), if predicted faster, as the
-        # own plans choose (T22's 4096 stand-in: 10 plain recomputes, +7% on the own plan).
-        variants = (False, True) if any(layer.attention_bytes for layer in at.layers) else (False,)
-        options = []
-        for attention in variants:
-            most = _most_kept(len(at.layers), lambda layers: fits(plan_for(at, layers, budget)), attention)
-            if most:
-                options.append(_some_kept(at, bucket, budget, most, attention))
-        some = min(options, key=lambda option: option.plan.prediction.step_ms, default=None)
+        most = _most_kept(len(at.layers), lambda layers: fits(plan_for(at, layers, budget)))
+        some = _some_kept(at, bucket, budget, most) if most else None
     return StandIns(kept, cover, some, low)
 
 
 def some_kept(profile: StepProfile, bucket: StepShape, budget_bytes: Optional[int], recomputed: int) -> StandIn:
     """The "last layers kept" stand-in at ``bucket`` recomputing ``recomputed`` layers (the most
     the ranks agreed on: fewer kept than this rank's own fits it too, a peak only grows with each
-    layer kept), its recomputes keeping nothing more than their inputs."""
+    layer kept)."""
     at = profile_at(profile, bucket)
     return _some_kept(at, bucket, at.plain_peak_bytes if budget_bytes is None else budget_bytes,
                       len(at.layers) - recomputed)
 
 
-def _some_kept(at: StepProfile, bucket: StepShape, budget: int, kept: int, keep_attention: bool = False) -> StandIn:
-    kind = SOME_KEPT_STAND_IN.format(kept="layer" if kept == 1 else f"{kept} layers",
-                                     attention=" keeping attention" if keep_attention else "")
-    plan = plan_for(at, _last_kept(len(at.layers), kept, keep_attention), budget)
+def _some_kept(at: StepProfile, bucket: StepShape, budget: int, kept: int) -> StandIn:
+    kind = SOME_KEPT_STAND_IN.format(kept="layer" if kept == 1 else f"{kept} layers")
+    plan = plan_for(at, _last_kept(len(at.layers), kept), budget)
     return StandIn(replace(plan, budget_reason=f"a stand-in while this bucket's own plan is made: {kind}"), kind, bucket,
-                   len(at.layers) - kept, keep_attention)
+                   len(at.layers) - kept)
 
 
-def _last_kept(layers: int, kept: int, keep_attention: bool = False) -> list[LayerPlan]:
-    """The last ``kept`` of ``layers`` kept, the others recomputed with their inputs kept (and
-    ``keep_attention``, attention's outputs: the recompute skips it): what gradient checkpointing
-    does with room to spare, nothing copied. The last ones because the backward frees them
-    first, before the recomputes' peaks of the layers before them."""
-    recompute = LayerPlan(Action.RECOMPUTE, keep_inputs=True, keep_attention=keep_attention)
-    return [recompute] * (layers - kept) + [LayerPlan(Action.KEEP)] * kept
+def _last_kept(layers: int, kept: int) -> list[LayerPlan]:
+    """The last ``kept`` of ``layers`` kept, the others recomputed with their inputs kept: what
+    gradient checkpointing does with room to spare, nothing copied. The last ones because the
+    backward frees them first, before the recomputes' peaks of the layers before them."""
+    return [LayerPlan(Action.RECOMPUTE, keep_inputs=True)] * (layers - kept) + [LayerPlan(Action.KEEP)] * kept
 
 
-def _most_kept(layers: int, fits: Callable[[list[LayerPlan]], bool], keep_attention: bool = False) -> int:
+def _most_kept(layers: int, fits: Callable[[list[LayerPlan]], bool]) -> int:
     """The most of the last layers :func:`_last_kept` can keep with ``fits`` (0 where keeping
     one does not fit): bisected, a peak grows with each layer kept (log2 of the layers'
     simulations: 5 for 32 layers)."""
     low, high = 0, layers - 1  # (every layer kept is the "kept" stand-in)
     while low < high:
         middle = (low + high + 1) // 2
-        if fits(_last_kept(layers, middle, keep_attention)):
+        if fits(_last_kept(layers, middle)):
             low = middle
         else:
             high = middle - 1
