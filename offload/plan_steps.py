@@ -288,7 +288,7 @@ class PlannedSteps(AheadSteps):
                 self._raise_failed_ahead(ahead, bucket, shape)
         together = bucket not in self._agreed
         if ahead is not None:  # a bucket new to the group: its blocks and others' pinned from the next step
-            self.engine.arena.hold_pinning(together)
+            self.engine.arena.pinner.hold(together)
         standing = ahead.stand_in_of(bucket) if ahead is not None and bucket not in self._plans else None
         plan = self._plans.get(bucket) or (standing.plan if standing is not None else None)
         if not (together or switched) and bucket == self._shape and plan is self.plan and plan is not None:

@@ -136,13 +136,13 @@ def test_a_held_pinner_starts_no_block_and_a_step_that_needs_one_lets_them_go() 
     # a block being pinned lets the pinner go rather than wait forever.
     alloc = FakePinned()
     arena = pinned_arena(alloc)
-    arena.hold_pinning(True)
+    arena.pinner.hold(True)
     arena.preallocate([4 * BLOCK_GRANULE, 6 * BLOCK_GRANULE], background=True)
     time.sleep(0.2)
     assert alloc.calls == [] and arena.counters.bytes_pending > 0 and arena.pinner.held
     region = arena.acquire(4 * BLOCK_GRANULE, step=1)  # waits for the queued block: lets them go
     assert region is not None and arena.counters.waited_for_pinning == 1 and not arena.pinner.held
-    arena.hold_pinning(True)
+    arena.pinner.hold(True)
     arena.preallocate([8 * BLOCK_GRANULE], background=True)
     arena.settle(wait=True)  # (waiting for every queued block lets them go too)
     assert arena.counters.bytes_pending == 0 and len(alloc.calls) == 3 and not arena.pinner.held

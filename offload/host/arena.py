@@ -274,7 +274,7 @@ class HostArena:
         # driver, so it is asked outside the lock that Group.__del__ also takes.)
         keep = keep_while_pinning is not None and keep_while_pinning(size)
         if not keep:
-            self.hold_pinning(False)
+            self.pinner.hold(False)  # (a held block would be waited for in vain)
         with self._lock:
             if keep:
                 self._promised.add(id(waited[1]))  # it joins the idle list when done
@@ -328,7 +328,7 @@ class HostArena:
         """Move the blocks the background pinner has finished to the idle list (``acquire``
         does this itself on a miss); ``wait=True`` first waits for every queued block."""
         if wait:
-            self.hold_pinning(False)  # (a held block would be waited for in vain)
+            self.pinner.hold(False)  # (a held block would be waited for in vain)
             with self._lock:
                 # Not the cancelled ones: a future the executor's shutdown cancelled in its
                 # queue is never notified, and concurrent.futures.wait would wait for it forever.
@@ -336,12 +336,6 @@ class HostArena:
             concurrent.futures.wait(pending)
         with self._lock:
             self._settle_finished()
-
-    def hold_pinning(self, held: bool) -> None:
-        """Hold the background blocks not started yet (True: a step new to the allocator and
-        cuDNN runs, whose ``cudaMalloc`` calls and graph builds would wait behind each
-        registration's hold of the driver's lock) or let them go; waiting for one lets them go."""
-        self.pinner.hold(held)
 
     # -- regions ---------------------------------------------------------------------------------
     def unserved(self, sizes: Iterable[int], *, pending: bool = True) -> list[int]:

@@ -191,8 +191,11 @@ class BackgroundPinner:
             relax_capture_mode()
 
     def hold(self, held: bool) -> None:
-        """Hold the blocks not started yet (True), or let them go (False). A block in progress
-        finishes; a held one starts at the latest :data:`HOLD_MAX_S` after it was due."""
+        """Hold the blocks not started yet (True: a step new to the allocator and to cuDNN runs,
+        whose ``cudaMalloc`` calls and graph builds would wait behind each registration's hold
+        of the driver's lock), or let them go (False; so does the arena before it waits for a
+        block). A block in progress finishes; a held one starts :data:`HOLD_MAX_S` after it was
+        due at the latest."""
         if held:
             self._go.clear()
         else:
