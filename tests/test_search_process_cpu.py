@@ -106,22 +106,26 @@ def test_a_child_whose_parent_was_killed_ends(monkeypatch: pytest.MonkeyPatch) -
     if middle == 0:  # the parent to be killed
         try:
             child = SearchProcess()
-            if os.fork() == 0:  # the holder: the pipes' ends, open, for a while
+            holder = os.fork()
+            if holder == 0:  # the holder: the pipes' ends, open, for a while
                 time.sleep(30)
                 os._exit(0)
-            os.write(report_write, f"{child.pid}\n".encode())
+            os.write(report_write, f"{child.pid} {holder}\n".encode())
             time.sleep(30)
         finally:
             os._exit(1)
     os.close(report_write)
-    pid = int(os.read(report_read, 64).decode())
+    pid, holder = map(int, os.read(report_read, 64).decode().split())
     os.close(report_read)
     os.kill(middle, 9)
     os.waitpid(middle, 0)
-    deadline = time.monotonic() + 10
-    while not _gone(pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _gone(pid)
+    try:
+        deadline = time.monotonic() + 10
+        while not _gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _gone(pid) and not _gone(holder)  # (the pipe stayed open: the child saw its parent gone)
+    finally:
+        os.kill(holder, 9)
 
 
 def test_a_child_that_died_leaves_the_plans_to_the_thread() -> None:
