@@ -53,6 +53,23 @@ def test_the_search_runs_in_the_child_and_makes_the_threads_plan(process: Search
     assert there.plan == here.plan and there.host_bytes == here.host_bytes
 
 
+def _warn_and_return(message: str) -> int:
+    warnings.warn(message, UserWarning)
+    return 7
+
+
+def test_a_warning_of_the_search_is_warned_here(process: SearchProcess) -> None:
+    # Under the parent's filters (an error filter makes it raise, as a search on a thread would),
+    # not printed by the child past them.
+    with pytest.warns(UserWarning, match="within the cost model's error, in the child"):
+        assert process.make(_warn_and_return, "within the cost model's error, in the child") == 7
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="as an error"):
+            process.make(_warn_and_return, "as an error")
+    assert process.make(os.getpid) == process.pid  # and the child goes on
+
+
 def test_an_error_of_the_search_is_raised_as_it_was(process: SearchProcess) -> None:
     with pytest.raises(BudgetError, match="no plan fits, in the child"):
         process.make(_raise_budget_error, "no plan fits, in the child")

@@ -137,7 +137,8 @@ class SearchProcess:
 
     def make(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``function(*args, **kwargs)`` in the child (a module-level function: it is pickled by
-        name), its result here; the child's exception raised here as it was raised there.
+        name), its result here; the child's warnings warned and its exception raised here as
+        they were there.
         Raises :class:`SearchProcessError` when the child is not there to answer."""
         with self._lock:
             pipes = self._pipes
@@ -145,11 +146,13 @@ class SearchProcess:
                 raise SearchProcessError(f"offload: the plan search process {self.reason}")
             try:
                 _send(pipes[0], (function, args, kwargs))
-                ok, value = _receive(pipes[1])
+                ok, value, said = _receive(pipes[1])
             except (OSError, EOFError, pickle.PickleError) as exc:
                 self._pipes, self.reason = None, f"stopped: {exc!r}"
                 self._end()
                 raise SearchProcessError(f"offload: the plan search process {self.reason}") from exc
+        for message, category in said:
+            warnings.warn(message, category, stacklevel=2)
         if not ok:
             raise value
         return value
@@ -192,7 +195,9 @@ def _open_fds() -> list[int]:
 
 
 def serve(source: IO[bytes], out: IO[bytes], parent: Optional[int] = None) -> None:
-    """The child's loop: read a call, run it, send back ``(True, result)`` or ``(False, error)``;
+    """The child's loop: read a call, run it, send back ``(True, result, warnings)`` or
+    ``(False, error, warnings)``, the warnings it raised as ``(message, category)`` pairs (the
+    parent warns them again, under its own filters: a warning printed here would bypass them);
     end when the parent closes the pipe, or (``parent``, a pid) when it is gone."""
     while True:
         if parent is not None:
@@ -203,11 +208,14 @@ def serve(source: IO[bytes], out: IO[bytes], parent: Optional[int] = None) -> No
             function, args, kwargs = _receive(source)
         except EOFError:
             return
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            try:
+                ok, value = True, function(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - sent back, raised in the parent
+                ok, value = False, exc
+        said = [(str(w.message), w.category) for w in caught]
         try:
-            reply: tuple[bool, Any] = (True, function(*args, **kwargs))
-        except Exception as exc:  # noqa: BLE001 - sent back, raised in the parent
-            reply = (False, exc)
-        try:
-            _send(out, reply)
+            _send(out, (ok, value, said))
         except (pickle.PickleError, TypeError, AttributeError) as exc:  # an error that does not pickle
-            _send(out, (False, RuntimeError(f"offload: the plan search failed: {reply[1]!r} ({exc!r})")))
+            _send(out, (False, RuntimeError(f"offload: the plan search failed: {value!r} ({exc!r})"), said))
