@@ -72,7 +72,7 @@ from common import (  # noqa: E402
     Env, apply_defaults, exit_status, fmt, free_memory, gib, make_parser, print_table, setup, verdict, write_json,
 )
 from step_profile import Profiling  # noqa: E402
-from step_records import PlanWatch, clear_grads, first_steps_table, make_train_step, measure_step, plan_fields  # noqa: E402
+from step_records import PlanWatch, clear_grads, first_steps_table, make_train_step, measure_step, plan_fields, with_probe_peaks  # noqa: E402
 from workers import (  # noqa: E402
     add_worker_options, check_cuda_or_exit, parent_env, parent_meta, spawn_all, strip_parent_options, worker_env,
     worker_info, write_worker_result,
@@ -194,15 +194,17 @@ def run_case(env: Env, case: str, contender: str, args: Any) -> dict[str, Any]:
         run_steps(env, lambda: train(ids), watch, "warmup", max(0, args.warmup - warmed), on_failure, records,
                   profile)
         run_steps(env, lambda: train(ids), watch, "timed", args.steps, on_failure, records, profile)
+    if ctx is not None:
+        result["first_steps"] = list(getattr(ctx, "first_steps", []))
+        with_probe_peaks(records, result["first_steps"])
+        if result["first_steps"]:
+            print(first_steps_table(result["first_steps"]), flush=True)
     result["steps"] = records
     result["summary"] = summarize(records)
     if ctx is not None and getattr(ctx, "plan", None) is not None:
         result.update(plan_fields(ctx.plan), plan_report=ctx.plan_report())
         print(result["plan_report"], flush=True)
     if ctx is not None:
-        result["first_steps"] = list(getattr(ctx, "first_steps", []))
-        if result["first_steps"]:
-            print(first_steps_table(result["first_steps"]), flush=True)
         ctx.close()
     return result
 

@@ -218,6 +218,18 @@ def summarize_steps(records: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def with_probe_peaks(records: list[dict[str, Any]], first_steps: list[dict[str, Any]]) -> None:
+    """Raise each probe step's ``peak_bytes`` to the peak its probe read (``peak_bytes`` of the
+    context's ``first_steps`` row; step ``k`` is ``records[k - 1]``: every record entered the
+    context once). The probe resets the device's peak counter layer by layer, so the reading
+    after the step covers only its last layers; the probe's own figure covers the whole step."""
+    for row in first_steps:
+        index, peak = row.get("step", 0) - 1, row.get("peak_bytes")
+        if peak is not None and 0 <= index < len(records) and records[index].get("peak_bytes") is not None:
+            records[index]["counter_peak_bytes"] = records[index]["peak_bytes"]
+            records[index]["peak_bytes"] = max(records[index]["peak_bytes"], peak)
+
+
 def first_steps_table(rows: list[dict[str, Any]]) -> str:
     """The context's first steps (seconds per phase), as the report shows them."""
     phases = [k for k in rows[0] if k.endswith("_s") and k not in ("wall_s", "device_s", "other_s")]

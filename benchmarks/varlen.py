@@ -68,7 +68,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import Env, apply_defaults, exit_status, fmt, free_memory, gib, make_parser, print_table, setup, verdict, write_json  # noqa: E402
 from step_records import (  # noqa: E402
     PlanWatch, clear_grads, deterministic_attention, first_steps_table, grad_digests, make_train_step, measure_step,
-    sample_grads, summarize_steps,
+    sample_grads, summarize_steps, with_probe_peaks,
 )
 from workers import (  # noqa: E402
     add_worker_options, check_cuda_or_exit, parent_env, parent_meta, spawn_all, strip_parent_options, worker_env,
@@ -170,14 +170,15 @@ def run_contender(env: Env, contender: str, args: Any, grads_file: Optional[Path
             kind = f"[{'new, ' if rec.get('new_bucket') else ''}{rec['plan_kind']}] " if "plan_kind" in rec else ""
             print(f"  step {i:>2}  T={length:<6} {shown}  {kind}{rec.get('plan', '')}{counters_text(rec)}", flush=True)
             del ids
+    if ctx is not None and getattr(ctx, "first_steps", None):
+        result["first_steps"] = list(ctx.first_steps)
+        with_probe_peaks(records, result["first_steps"])
+        print(first_steps_table(result["first_steps"]), flush=True)
     result["steps"] = records
     result["summary"] = summarize_steps(records)
     if ctx is not None and ctx.plan is not None:
         result["plan_report"] = ctx.plan_report()
         print(result["plan_report"], flush=True)
-    if ctx is not None and getattr(ctx, "first_steps", None):
-        result["first_steps"] = list(ctx.first_steps)
-        print(first_steps_table(result["first_steps"]), flush=True)
     if optimizer is not None:  # the check runs no optimizer step: its states would only take memory
         optimizer.state.clear()
     if check:

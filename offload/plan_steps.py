@@ -166,6 +166,7 @@ class PlannedSteps(AheadSteps):
                 layers, probe_policy(device, engine.policy.min_offload_bytes, engine.policy.selection),
                 device, probe=probe, candidates=candidates, link=link,
                 device_limit=(lambda: self._read_device().budget_bytes) if device.type == "cuda" else None,
+                budget_bytes=budget if isinstance(budget, int) else None,
             )
 
     # -- each step ---------------------------------------------------------------------------------
@@ -366,7 +367,8 @@ class PlannedSteps(AheadSteps):
             if probe is not None:
                 probe.end_step()
                 if probe.step_start is not None and probe.step_end is not None:  # (synchronised: a cheap read)
-                    self.costs.device(probe.clock.ms(probe.step_start, probe.step_end) / 1e3)
+                    self.costs.device(probe.clock.ms(probe.step_start, probe.step_end) / 1e3,
+                                      probe.meter.peak if probe.clock.cuda else None)
             own, exc = sequence.judge(probe), None
         else:
             own, exc = failed

@@ -511,6 +511,18 @@ def test_measure_step_records_out_of_memory_and_raises_other_errors() -> None:
         records.measure_step(env, lambda: 1 / 0)
 
 
+def test_probe_steps_report_the_peak_their_probe_read() -> None:
+    # The probe resets the device's peak counter layer by layer: the reading after a probe step
+    # covers its last layers only, so the step's record takes the probe's own (larger) figure.
+    records = bench_module("step_records")
+    steps = [{"peak_bytes": 10}, {"peak_bytes": 30}, {"peak_bytes": 50}, {"error": "out of memory", "peak_bytes": None}]
+    first = [{"step": 1, "peak_bytes": 40}, {"step": 2, "peak_bytes": 20}, {"step": 3, "peak_bytes": None},
+             {"step": 4, "peak_bytes": 99}]
+    records.with_probe_peaks(steps, first)
+    assert [s["peak_bytes"] for s in steps] == [40, 30, 50, None]
+    assert steps[0]["counter_peak_bytes"] == 10 and "counter_peak_bytes" not in steps[2]
+
+
 def test_ab_engine_direct_worker_reports_the_engine_parts_on_the_cpu() -> None:
     # The DIRECT- workloads run without a GPU: one worker (this tree), one JSON line of parts.
     done = subprocess.run(

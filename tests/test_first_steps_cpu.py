@@ -66,6 +66,40 @@ def test_auto_probe_sizes_then_measures_bit_for_bit(monkeypatch: pytest.MonkeyPa
     assert rows[2]["search_s"] > 0 and oa.plan.profile.probe == "plain"
 
 
+def test_a_byte_budget_below_the_plain_peak_keeps_the_probe_at_low_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The device has room for the plain step, the budget does not: the budget binds the probe
+    # steps too, so the sizing step is the measured one (no plain step over the budget), and
+    # every step still gives the plain gradients.
+    probe_with_device_limit(monkeypatch)
+    torch.manual_seed(0)
+    layers = make_mlp_layers(4, width=64)
+    x = torch.randn(8, 64)
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    sizing = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes="lowest")
+    for _ in range(3):
+        oa_step(layers, x, sizing)
+    plain_peak, lowest = sizing.plan.profile.plain_peak_bytes, sizing.plan.prediction.peak_bytes
+    sizing.close()
+    budget = (plain_peak + lowest) // 2
+    assert lowest <= budget < plain_peak
+    oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes=budget)
+    for _ in range(4):
+        assert_bitwise(expected, oa_step(layers, x, oa))
+    assert [r["kind"] for r in oa.first_steps][:2] == ["size", "planned"], oa.first_steps
+    profile = oa.plan.profile
+    assert profile.probe == "recompute" and "more than the memory budget's" in profile.probe_reason, profile.probe_reason
+    assert oa.plan.prediction.peak_bytes <= budget
+    oa.close()
+    # A budget the plain step fits keeps the measured plain step.
+    roomy = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes=4 * plain_peak)
+    for _ in range(3):
+        oa_step(layers, x, roomy)
+    assert [r["kind"] for r in roomy.first_steps][:2] == ["size", "measure"]
+    assert "fits the memory budget's" in roomy.plan.profile.probe_reason
+    roomy.close()
+
+
 def test_no_table_without_plans() -> None:
     oa = _run(2, num_offload_layers=2)  # a fixed schedule: nothing planned
     assert oa.first_steps == []

@@ -9,14 +9,17 @@ steps included, gives the plain gradients bit for bit; and ``first_steps`` accou
 
 from __future__ import annotations
 
+import copy
 import gc
+
+from typing import Optional
 
 import pytest
 import torch
 
 import offload
 from offload.planner.first_steps import PHASES
-from _util import assert_bitwise, make_gpt_layers, oa_step, recompute_plan_peak, train_step
+from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, recompute_plan_peak, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
 
@@ -57,6 +60,100 @@ def test_two_probe_steps_where_the_plain_step_fits_bit_for_bit() -> None:
     assert rows[2]["search_s"] == 0 and rows[1]["link_s"] > 0  # no search on the step's thread; the link measured
     assert rows[1]["allocator_s"] > 0  # grown before the measured step
     assert "first steps" in oa.report()
+    oa.close()
+
+
+def test_the_measured_plain_steps_peak_is_the_probes_own_reading() -> None:
+    # The probe resets the device's peak counter layer by layer, so a loop reading it after the
+    # step sees only the last layers' stretch; ``first_steps`` has the whole step's (what the
+    # benchmarks report for probe steps, step_records.with_probe_peaks).
+    clean_device()
+    layers, x = setup()
+    plain = peak_of(lambda: train_step(layers, x))[1]
+    oa = offload.OffloadActivations(layers, memory_budget_bytes="device")
+    counter = [peak_of(lambda: oa_step(layers, x, oa))[1] for _ in range(3)]
+    rows = oa.first_steps
+    assert [r["kind"] for r in rows[:2]] == ["size", "measure"], rows
+    assert rows[1]["peak_bytes"] >= 0.95 * plain > counter[1], (rows[1]["peak_bytes"], plain, counter)
+    assert rows[2]["peak_bytes"] is None  # planned steps: the plan report's measured peak
+    oa.close()
+
+
+def test_a_byte_budget_below_the_plain_peak_binds_the_probe_steps_too() -> None:
+    # The GPU has room for the plain step, the budget the user set does not: the sizing step is
+    # the measured one, no step (probe steps included, by their own reading) goes over the
+    # budget, and the allocator is not grown to the plain peak (it stayed reserved for the whole
+    # run: T22 held 82.8 GB reserved under a 24 GiB budget).
+    clean_device()
+    layers, x = setup()
+    expected = train_step(layers, x)
+    assert_bitwise(expected, train_step(layers, x))
+    base = torch.cuda.memory_allocated()
+    plain = peak_of(lambda: train_step(layers, x))[1]
+    budget = base + (plain - base) * 6 // 10
+    clean_device()
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
+    grown = []
+    seq = oa._planned._sequence
+    seq._grow_allocator = lambda: grown.append(1)  # (where the plain probe runs, it grows the pool first)
+    counter = []
+    for _ in range(5):
+        got, peak = peak_of(lambda: oa_step(layers, x, oa))
+        assert_bitwise(expected, got)
+        counter.append(peak)
+    rows = oa.first_steps
+    assert rows[0]["kind"] == "size" and "measure" not in [r["kind"] for r in rows], rows
+    assert "more than the memory budget's" in oa.plan.profile.probe_reason, oa.plan.profile.probe_reason
+    for i, peak in enumerate(counter):
+        own = rows[i]["peak_bytes"] if i < len(rows) and rows[i]["peak_bytes"] is not None else 0
+        assert max(peak, own) <= budget * 1.02, (i, peak, own, budget, oa.plan.describe())
+    assert not grown  # the allocator was not grown to the plain peak
+    oa.close()
+    made = offload.plan(layers, lambda: train_step(layers, x), memory_budget_bytes=budget)  # the same from plan()
+    assert made.profile.probe == "recompute" and made.prediction.peak_bytes <= budget, made.profile.probe_reason
+
+
+def test_plans_count_the_optimizer_state_that_the_measured_steps_end_made() -> None:
+    # The sizing step is the process's first and the measured one (the budget is below the plain
+    # peak); AdamW makes its state at that step's end, and every later step holds it. The plans
+    # count it in their base, so each planned step stays within the budget, with the gradients of
+    # the same loop without offload bit for bit.
+    clean_device()
+    layers, x = setup()
+    reference = copy.deepcopy(layers)
+
+    def loop(model: torch.nn.ModuleList, oa: object = None, check: Optional[list] = None) -> tuple[list, list]:
+        # ``check``: each step's expected gradients, compared at once (the loop keeps none of
+        # its own: they would grow every step's base).
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        grads, peaks = [], []
+        for step in range(5):
+            got, peak = peak_of(lambda: oa_step(model, x, oa) if oa is not None else train_step(model, x))
+            optimizer.step()
+            if check is not None:
+                assert_bitwise(check[step], got)
+            else:
+                grads.append(got)
+            del got
+            peaks.append(peak)
+        return grads, peaks
+
+    expected, _ = loop(reference)
+    loop(copy.deepcopy(layers), check=expected)  # the plain loop repeats itself
+    del reference
+    clean_device()
+    base = torch.cuda.memory_allocated()
+    plain = peak_of(lambda: train_step(layers, x))[1]
+    for p in layers.parameters():
+        p.grad = None
+    state = 2 * sum(p.nbytes for p in layers.parameters())  # AdamW's two moments
+    budget = base + state + (plain - base) * 6 // 10
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
+    _, peaks = loop(layers, oa, check=expected)
+    assert oa.first_steps[0]["kind"] == "size" and oa.plan.profile.probe == "recompute"
+    assert oa.plan.profile.base_bytes >= base + state, (oa.plan.profile.base_bytes, base, state)
+    for step, peak in enumerate(peaks[1:], 1):
+        assert peak <= budget * 1.02, (step, peak, budget, oa.plan.describe())
     oa.close()
 
 

@@ -275,6 +275,18 @@ def test_auto_stays_at_low_memory_where_the_plain_step_would_not_fit(model) -> N
     assert "more than the device" in profile.probe_reason and "the sizing step measured" in profile.probe_reason
 
 
+def test_the_memory_budget_binds_the_plain_probe_where_the_device_has_room(model) -> None:
+    layers, x = model
+    profile, kinds = run(sequence(layers, limit=1 << 40, budget_bytes=1), layers, x)
+    assert kinds == ["recompute"] and profile.probe == "recompute"
+    assert "more than the memory budget's" in profile.probe_reason
+    # The smaller of the two binds: a budget over the device's room leaves the device's.
+    profile, kinds = run(sequence(layers, limit=1, budget_bytes=1 << 40), layers, x)
+    assert kinds == ["recompute"] and "more than the device's" in profile.probe_reason
+    profile, kinds = run(sequence(layers, limit=1 << 40, budget_bytes=1 << 39), layers, x)
+    assert kinds == ["recompute", "plain"] and "fits the memory budget's" in profile.probe_reason
+
+
 class ColdFirstForward(SlowForward):
     """A block whose forward takes 30 ms on ``clock``, its first 300 ms (the process's warm-up)."""
 

@@ -62,15 +62,20 @@ class StepCosts:
     kind: str
     wall_s: Optional[float] = None   # entry to the next step's entry (None: not over yet)
     device_s: Optional[float] = None  # a probe step's span on the device (its events)
+    # A probe step's peak of allocated device memory, as its probe read it layer by layer. The
+    # probe resets the device's peak counter at each layer to tell the layers' peaks apart, so
+    # a loop reading the counter after the step sees only the last layer's stretch.
+    peak_bytes: Optional[int] = None
     background_pin_s: float = 0.0     # the background pinner's seconds while the step ran
     phases: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data: ``step``, ``kind``, ``wall_s``, ``device_s``, ``<phase>_s`` for each of
-        :data:`PHASES`, ``other_s`` (the wall less the phases; None while the step runs) and
-        ``background_pin_s``."""
+        """Plain data: ``step``, ``kind``, ``wall_s``, ``device_s``, ``peak_bytes``, ``<phase>_s``
+        for each of :data:`PHASES`, ``other_s`` (the wall less the phases; None while the step
+        runs) and ``background_pin_s``."""
         spent = sum(self.phases.values())
         return {"step": self.step, "kind": self.kind, "wall_s": self.wall_s, "device_s": self.device_s,
+                "peak_bytes": self.peak_bytes,
                 **{f"{name}_s": seconds for name, seconds in self.phases.items()},
                 "other_s": None if self.wall_s is None else self.wall_s - spent,
                 "background_pin_s": self.background_pin_s}
@@ -137,11 +142,12 @@ class FirstSteps:
             self.add(phase, spent - self._inside)
             self._inside = outer + spent
 
-    def device(self, seconds: float) -> None:
-        """The last step's span on the device, as its probe measured it (read when the step is
-        closed, at the next one's entry)."""
+    def device(self, seconds: float, peak_bytes: Optional[int] = None) -> None:
+        """The last step's span on the device and its peak of allocated memory, as its probe
+        measured them (read when the step is closed, at the next one's entry)."""
         if self._closed is not None:
             self._closed.device_s = seconds
+            self._closed.peak_bytes = peak_bytes
 
     def _close(self, now: float) -> None:
         step, self._open = self._open, None

@@ -251,17 +251,19 @@ def profile_step(
     warmup_steps: int = 2,
     probe: str = AUTO,
     selective: Candidates = None,
+    memory_budget_bytes: Optional[int] = None,
 ) -> StepProfile:
     """Run ``step_fn()`` (one whole training step) a few times and measure it per layer.
 
     ``probe``: ``"auto"`` (a low-memory step first, the plain probe only where the plain step is
-    predicted to fit the device), ``"plain"`` or ``"recompute"``; see
+    predicted to fit the device and ``memory_budget_bytes``), ``"plain"`` or ``"recompute"``; see
     :mod:`offload.planner.sequence`. ``warmup_steps``: steps before the measured one (a cold
     step allocates library workspaces and autotunes kernels, and would charge that time and
     memory to its first layers and its head). ``selective``: which submodules a plan may run
     under selective recompute (:func:`offload.forwards.selective.selective_candidates`; default each
     layer's ``mlp``). ``link``: the host link's speed; measured (one pinned buffer, a few
-    copies) if None.
+    copies) if None. ``memory_budget_bytes``: a budget in bytes the probe steps stay within too
+    (the plain probe runs only where its predicted peak fits it).
 
     Raises :class:`BudgetError` when even the low-memory probe runs out of device memory,
     RuntimeError when the step raises anything else, ValueError when it runs none of ``layers``.
@@ -278,6 +280,7 @@ def profile_step(
         candidates=selective_candidates(layers, selective),
         link=(lambda: link) if link is not None else (lambda: measure_link(dev)),
         device_limit=(lambda: read_device_budget(dev).budget_bytes) if dev.type == "cuda" else None,
+        budget_bytes=memory_budget_bytes,
     )
     return sequence.run(step_fn, "offload.plan")
 
@@ -300,7 +303,8 @@ def plan(
     ``layers``: the repeated layer modules in call order (e.g. ``model.model.layers``).
     ``step_fn()``: one whole training step, forward and backward. The probe runs it
     ``warmup_steps`` times and once more measured; with ``probe="auto"`` the first runs every
-    layer checkpointed, and the plain step runs only where it is predicted to fit, so planning
+    layer checkpointed, and the plain step runs only where it is predicted to fit (the device and
+    a budget in bytes), so planning
     fits wherever checkpointing does (:mod:`offload.planner.sequence`). ``selective``: the
     submodules a plan may run under selective recompute, layer by layer (default each layer's
     ``mlp``; False for none; see :func:`offload.forwards.selective.selective_candidates`).
@@ -320,7 +324,8 @@ def plan(
     dev = resolve_device(device)
     check_device_budget(budget, dev, "plan():")
     profile = profile_step(layers, step_fn, device=dev, min_offload_bytes=min_offload_bytes, link=link,
-                           warmup_steps=warmup_steps, probe=probe, selective=selective)
+                           warmup_steps=warmup_steps, probe=probe, selective=selective,
+                           memory_budget_bytes=budget if isinstance(budget, int) else None)
     return choose(profile, budget, dev)
 
 

@@ -7,7 +7,8 @@ A plan is made from one measured probe step (:mod:`offload.planner.probe`) after
     1. A low-memory step (every layer checkpointed) sizes the model: it counts what each layer
        saves, so the cost model can predict the plain step's peak without running it.
     2. If that prediction, plus the model's error (``PEAK_MODEL_ERROR``), fits what the device
-       can give (:mod:`offload.planner.budget`), the measured plain step follows, the most exact.
+       can give (:mod:`offload.planner.budget`) and the memory budget the user set in bytes (it
+       binds every step, the probe's too), the measured plain step follows, the most exact.
        The sizing step measured its middle layer's recompute (the recompute's memory and time
        factors), which a calibration step (plain, one layer recomputed) would; only where that
        layer is called more than once does a calibration step come first.
@@ -94,7 +95,7 @@ class StepOutcome:
     """One probe step's outcome on this rank, or the one the ranks agreed on.
 
     ``low_memory``: after the sizing step, the plain step's predicted peak is over this rank's
-    device. ``raised``: the step raised something other than out of memory (fatal to
+    device or the memory budget. ``raised``: the step raised something other than out of memory (fatal to
     :meth:`ProbeSequence.run`, the caller's own error in a ``with``). ``why`` and ``sizing`` stay
     on this rank (the reason for the report, the sizing step's figures)."""
 
@@ -162,11 +163,17 @@ class ProbeSequence:
         candidates: Sequence[torch.nn.Module] = (),
         link: Callable[[], LinkProfile],
         device_limit: Optional[Callable[[], int]],
+        budget_bytes: Optional[int] = None,
     ) -> None:
         self.layers, self.policy, self.device = list(layers), policy, device
         self.candidates = list(candidates)
         self.link = link
         self.device_limit = device_limit
+        # A memory budget in bytes: the plain probe runs only within it. A user who set 24 GiB
+        # on a larger GPU (another job shares it, or the model must also fit a smaller one)
+        # meant every step; the plain probe ran at twice that on the H200 (T22, LLAMA-1B at
+        # 6144), and the allocator kept all it had grown to reserved for the whole run.
+        self.budget_bytes = budget_bytes
         self.recompute_peak: Optional[RecomputeReading] = None
         self.reason = ""  # why the probe kind was chosen, for the plan's report
         # The low-memory sizing step's figures (no link measured), once it ran: enough to
@@ -248,10 +255,12 @@ class ProbeSequence:
         sizing = predict_plain(probe.profile(_NO_LINK))
         predicted = sizing.plain_peak_bytes
         need = int(predicted * (1 + PEAK_MODEL_ERROR))
-        limit = self.device_limit() if self.device_limit is not None else 0
+        limit, bound = (self.device_limit() if self.device_limit is not None else 0), "the device's"
+        if self.budget_bytes is not None and self.budget_bytes < limit:
+            limit, bound = self.budget_bytes, "the memory budget's"
         fits = need <= limit
         why = (f"the plain step's predicted peak {format_bytes(predicted)} (+{PEAK_MODEL_ERROR:.0%}) "
-               f"{'fits' if fits else 'is more than'} the device's {format_bytes(limit)}")
+               f"{'fits' if fits else 'is more than'} {bound} {format_bytes(limit)}")
         return StepOutcome(low_memory=not fits, why=why, sizing=sizing)
 
     def advance(self, own: StepOutcome, agreed: StepOutcome, exc: Optional[BaseException] = None,
@@ -283,7 +292,7 @@ class ProbeSequence:
                 self.mode = RECOMPUTE_PROBE
                 self.reason = f"low-memory probe: {own.why}" if own.low_memory else (
                     f"low-memory probe: on another rank of the plan group the plain step would not fit its "
-                    f"device (here {own.why})")
+                    f"device or the budget (here {own.why})")
                 if probe is None:  # (no figures to take: measure at low memory)
                     self.todo = ["measure"]
                     return None
