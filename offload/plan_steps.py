@@ -58,6 +58,7 @@ from .engine.core import OffloadEngine
 from .layers.short_probe import ShortStep
 from .planner.ahead import NO_STAND_INS
 from .planner.ahead_steps import AheadSteps
+from .planner.replan_steps import ReplanSteps
 from .planner.agree import agree_max, agree_planned_step, ranks_agree_enabled
 from .planner.first_steps import FirstSteps
 from .planner.link import Once, measure_link
@@ -81,7 +82,7 @@ __all__ = ["PlannedSteps", "OOM_BACKOFF"]
 OOM_BACKOFF = 0.9
 
 
-class PlannedSteps(AheadSteps):
+class PlannedSteps(AheadSteps, ReplanSteps):
     """Probe steps, then a plan per batch shape, for one engine over ``layers``.
 
     ``plan``: follow this plan (at other shapes, plans made from its profile at its budget);
@@ -127,6 +128,8 @@ class PlannedSteps(AheadSteps):
         self._host_figure: Optional[int] = None     # the host bytes the last plan was made for
         self._host_refusals = 0                     # the arena's host refusals when plans were followed
         self._step_index: Optional[int] = None      # the engine's index of the last planned step
+        self._entry_layers = list(layers)           # whose gradients a reading may hold (entry_base)
+        self._entry_reading: Optional[int] = None   # what the base stands for (replan_steps)
         self._on_plan = weakref.WeakMethod(on_plan)  # type: ignore[arg-type]
         self.probe: Optional[ProbeStep] = None  # this step's, while it runs measured
         self._probing = False  # this step is one of the probe sequence's (measured or not)
@@ -179,6 +182,7 @@ class PlannedSteps(AheadSteps):
             self.costs.kind("planned")
             self._check_out_of_memory()
             self._check_host_room()
+            self._check_entry_base()
             if self._ahead is not None:
                 self._ahead.poll()  # a plan made since: its blocks pinned from now on
             if self.plan is None:
@@ -359,6 +363,8 @@ class PlannedSteps(AheadSteps):
         sequence = self._sequence
         assert sequence is not None
         self.profile = self.costs.timed("probe", lambda: self._end_probe_step(sequence, probe, failed))
+        if self.profile is not None:
+            self._note_entry()
         self._pin_ahead()
 
     def _end_probe_step(self, sequence: ProbeSequence, probe: Optional[ProbeStep],
@@ -532,38 +538,9 @@ class PlannedSteps(AheadSteps):
             torch.cuda.empty_cache()  # the failed step's split blocks, before the device is read
             cap = min(cap, read_device_budget(self.device, self._expandable, emptied=True).budget_bytes)
         self._cap = cap if self._cap is None else min(self._cap, cap)
-        self._lowered = (f"lowered to {format_bytes(self._cap)} after step {index} ran out of device "
-                         f"memory (its plan predicted a peak of {format_bytes(peak)})")
-        self._plans.clear()
-        self.plan, self._shape = None, None  # the next first layer plans again
-        self._ran_out = True  # and tells the other ranks, which plan again with it there
-        warnings.warn(f"offload: the budget plans are made for is {self._lowered}; the next step is "
-                      "planned again", UserWarning, stacklevel=4)
-
-    def _check_host_room(self) -> None:
-        # Another job on the node took host memory after the plans were made: the last step's
-        # copies that found no room stayed on the device, which its plan did not count on (on a
-        # GPU, the way to an out-of-memory step). Plan again, with the room there is now, as
-        # after an out-of-memory step (every rank with it). Only where the room did shrink: a
-        # refusal the plans' figure already allowed for would be planned the same way again.
-        if self.plan is None or self._host_figure is None:
-            return
-        arena = self.engine.arena
-        refusals = arena.counters.process_refusals
-        if refusals <= self._host_refusals:
-            return
-        self._host_refusals = refusals
-        room = arena.plan_host_bytes()
-        if room >= self._host_figure:
-            return
-        self._lowered = (f"host room {format_bytes(room)} after step {self._step_index} found less than the "
-                         f"{format_bytes(self._host_figure)} its plan was made for")
-        self._plans.clear()
-        self.plan, self._shape = None, None  # the next first layer plans again
-        self._ran_out = True
-        warnings.warn(f"offload: the {self._lowered} (another process took host memory): what found no room "
-                      "stayed on the device, and the next step is planned again for the room there is now",
-                      UserWarning, stacklevel=4)
+        why = (f"lowered to {format_bytes(self._cap)} after step {index} ran out of device "
+               f"memory (its plan predicted a peak of {format_bytes(peak)})")
+        self._plan_again(why, f"offload: the budget plans are made for is {why}; the next step is planned again")
 
     def set_budget(self, budget: Budget, where: str) -> None:
         """Plan for another budget, checked by the caller, from the figures measured already (see

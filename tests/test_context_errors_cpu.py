@@ -154,7 +154,9 @@ def test_a_probe_step_whose_backward_raised_is_not_reported_as_out_of_memory(mod
         assert_bitwise(expected, grads(stack, x, oa))
     assert oa.plan is not None, "planning never ended"
     reason = oa.plan.profile.probe_reason
-    assert "out of" not in reason and oa.plan.profile.probe == "plain", reason
+    # (Not "out of" alone: a busy host may time a layer's first run slow, and the reason then
+    # says its warm-up was "left out of" that layer.)
+    assert "ran out of" not in reason and "did not finish" not in reason and oa.plan.profile.probe == "plain", reason
     assert "ran out of device memory" not in oa.plan_report()
     assert_bitwise(expected, grads(stack, x, oa))
     oa.close()

@@ -47,16 +47,22 @@ def test_first_steps_add_up_and_are_reported() -> None:
         assert kind in report.split("first steps")[1]
 
 
-def test_auto_probe_sizes_then_measures_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The CPU has no device memory to size against, so the auto probe runs there only with a
-    # device limit given (as a GPU gives one): the sizing step, then the measured plain step
-    # (no calibration step), then planned steps, every one with the plain gradients.
-    probe_with_device_limit(monkeypatch)
+def _checked_mlp() -> tuple[torch.nn.ModuleList, torch.Tensor, list[torch.Tensor]]:
+    # Four MLP layers, their input, and their plain gradients (the plain step repeats itself).
     torch.manual_seed(0)
     layers = make_mlp_layers(4, width=64)
     x = torch.randn(8, 64)
     expected = train_step(layers, x)
     assert_bitwise(expected, train_step(layers, x))
+    return layers, x, expected
+
+
+def test_auto_probe_sizes_then_measures_bit_for_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The CPU has no device memory to size against, so the auto probe runs there only with a
+    # device limit given (as a GPU gives one): the sizing step, then the measured plain step
+    # (no calibration step), then planned steps, every one with the plain gradients.
+    probe_with_device_limit(monkeypatch)
+    layers, x, expected = _checked_mlp()
     oa = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes="lowest")
     for _ in range(5):
         assert_bitwise(expected, oa_step(layers, x, oa))
@@ -71,11 +77,7 @@ def test_a_byte_budget_below_the_plain_peak_keeps_the_probe_at_low_memory(monkey
     # steps too, so the sizing step is the measured one (no plain step over the budget), and
     # every step still gives the plain gradients.
     probe_with_device_limit(monkeypatch)
-    torch.manual_seed(0)
-    layers = make_mlp_layers(4, width=64)
-    x = torch.randn(8, 64)
-    expected = train_step(layers, x)
-    assert_bitwise(expected, train_step(layers, x))
+    layers, x, expected = _checked_mlp()
     sizing = offload.OffloadActivations(layers, device="cpu", min_offload_bytes=0, memory_budget_bytes="lowest")
     for _ in range(3):
         oa_step(layers, x, sizing)

@@ -9,6 +9,7 @@ steps included, gives the plain gradients bit for bit; and ``first_steps`` accou
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 
@@ -19,6 +20,7 @@ import torch
 
 import offload
 from offload.planner.first_steps import PHASES
+from offload.models import run_layers
 from _util import assert_bitwise, make_gpt_layers, oa_step, peak_of, recompute_plan_peak, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("repeatable_attention")]
@@ -113,47 +115,77 @@ def test_a_byte_budget_below_the_plain_peak_binds_the_probe_steps_too() -> None:
     assert made.profile.probe == "recompute" and made.prediction.peak_bytes <= budget, made.profile.probe_reason
 
 
-def test_plans_count_the_optimizer_state_that_the_measured_steps_end_made() -> None:
-    # The sizing step is the process's first and the measured one (the budget is below the plain
-    # peak); AdamW makes its state at that step's end, and every later step holds it. The plans
-    # count it in their base, so each planned step stays within the budget, with the gradients of
-    # the same loop without offload bit for bit.
+def adamw_loop(model: torch.nn.ModuleList, x: torch.Tensor, oa: object = None, check: Optional[list] = None,
+               *, micro: int = 1, steps: int = 5) -> tuple[list, list]:
+    """``steps`` AdamW steps of ``micro`` micro-batches each, ``oa`` around each forward: each
+    step's gradients (``check``: compared with these at once, and none kept, since they would grow
+    every step's base) and each micro-batch's peak."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    grads, peaks = [], []
+    for step in range(steps):
+        for _ in range(micro):
+            xin = x.detach().requires_grad_(True)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            with oa if oa is not None else contextlib.nullcontext():
+                out = run_layers(model, xin)
+            (out.float() ** 2).mean().backward()
+            torch.cuda.synchronize()
+            peaks.append(torch.cuda.max_memory_allocated())
+            del out
+        got = [p.grad.clone() for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if check is not None:
+            assert_bitwise(check[step], got)
+        else:
+            grads.append(got)
+        del got
+    return grads, peaks
+
+
+def adamw_case(micro: int) -> tuple[torch.nn.ModuleList, torch.Tensor, list, int, int, int]:
+    """Layers, their input, the plain AdamW loop's gradients (the loop checked to repeat itself),
+    the memory held before it, AdamW's state, and a budget with room for that state and 60% of the
+    plain step's activations (below the plain peak: the sizing step is the measured one)."""
     clean_device()
     layers, x = setup()
-    reference = copy.deepcopy(layers)
-
-    def loop(model: torch.nn.ModuleList, oa: object = None, check: Optional[list] = None) -> tuple[list, list]:
-        # ``check``: each step's expected gradients, compared at once (the loop keeps none of
-        # its own: they would grow every step's base).
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        grads, peaks = [], []
-        for step in range(5):
-            got, peak = peak_of(lambda: oa_step(model, x, oa) if oa is not None else train_step(model, x))
-            optimizer.step()
-            if check is not None:
-                assert_bitwise(check[step], got)
-            else:
-                grads.append(got)
-            del got
-            peaks.append(peak)
-        return grads, peaks
-
-    expected, _ = loop(reference)
-    loop(copy.deepcopy(layers), check=expected)  # the plain loop repeats itself
-    del reference
+    expected, _ = adamw_loop(copy.deepcopy(layers), x, micro=micro)
+    adamw_loop(copy.deepcopy(layers), x, check=expected, micro=micro)
     clean_device()
     base = torch.cuda.memory_allocated()
     plain = peak_of(lambda: train_step(layers, x))[1]
     for p in layers.parameters():
         p.grad = None
     state = 2 * sum(p.nbytes for p in layers.parameters())  # AdamW's two moments
-    budget = base + state + (plain - base) * 6 // 10
+    return layers, x, expected, base, state, base + state + (plain - base) * 6 // 10
+
+
+def test_plans_count_the_optimizer_state_that_the_measured_steps_end_made() -> None:
+    # The sizing step is the process's first and the measured one; AdamW makes its state at that
+    # step's end, and every later step holds it. The plans count it in their base (made at the
+    # next entry), so each planned step stays within the budget, bit for bit.
+    layers, x, expected, base, state, budget = adamw_case(micro=1)
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
-    _, peaks = loop(layers, oa, check=expected)
+    _, peaks = adamw_loop(layers, x, oa, check=expected)
     assert oa.first_steps[0]["kind"] == "size" and oa.plan.profile.probe == "recompute"
     assert oa.plan.profile.base_bytes >= base + state, (oa.plan.profile.base_bytes, base, state)
     for step, peak in enumerate(peaks[1:], 1):
         assert peak <= budget * 1.02, (step, peak, budget, oa.plan.describe())
+    oa.close()
+
+
+def test_under_gradient_accumulation_the_plans_follow_the_optimizer_state_made_later() -> None:
+    # Two micro-batches a step: AdamW makes its state after the second, after the measured step
+    # and the profile's making both. The next entry holds it: every bucket is planned again on
+    # the grown base (a warning says so), and no planned step goes over the budget, bit for bit.
+    layers, x, expected, base, state, budget = adamw_case(micro=2)
+    oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
+    with pytest.warns(UserWarning, match="planned again: the memory held at the forward's entry grew"):
+        _, peaks = adamw_loop(layers, x, oa, check=expected, micro=2, steps=4)
+    assert oa.plan.profile.base_bytes >= base + state, (oa.plan.profile.base_bytes, base, state)
+    for i, peak in enumerate(peaks[1:], 1):
+        assert peak <= budget * 1.02, (i, peak, budget, oa.plan.describe())
     oa.close()
 
 

@@ -24,12 +24,11 @@ It records, per layer:
 Plus the time before the first layer, the head (after the last layer, forward and backward), the
 time after layer 0's backward, the memory at forward start and the step's peak (CUDA: with what
 the loop holds at the profile's making, the next step's entry, and did not at this one's, e.g.
-the optimizer's state that AdamW makes at its first step: a probe step that is the process's
-first ran without it, 4.1 GiB for LLAMA-1B, and plans made from it peaked 1.17x T22's budget),
-and the host link's speed each way and both ways at once (:func:`measure_link`). Times come from
-CUDA events on the stream each hook runs on (read once the step is over), or the host clock on
-CPU; the saved-tensor hooks keep each tensor on the device as autograd would, so a plain probe
-step's peak is the plain peak.
+AdamW's state made at its first step: :mod:`offload.planner.entry_base`), and the host link's
+speed each way and both ways at once (:func:`measure_link`). Times come from CUDA events on the
+stream each hook runs on (read once the step is over), or the host clock on CPU; the saved-tensor
+hooks keep each tensor on the device as autograd would, so a plain probe step's peak is the plain
+peak.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ from ..engine.policy import SelectionPolicy
 from ..forwards.recompute import checkpoint_input_sizes, checkpoint_inputs
 from ..forwards.selective import always_selective
 from .calibration import RecomputeReading, recompute_factors
+from .entry_base import grads_held, held_at_entry, rebased
 from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .scaling import predict_plain
@@ -162,7 +162,7 @@ class ProbeStep:
         """Start the step: hooks on, clocks and the device's peak counter reset."""
         self.meter.segment()
         self.meter.peak = 0
-        self.entry_bytes = self.meter.now()
+        self.entry_bytes = held_at_entry(self.device)
         # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
         # Innermost first: the selective candidates (and the modules selective already), then
         # the layers' checkpoints around them; removed in the opposite order.
@@ -510,9 +510,7 @@ class ProbeStep:
             factor, time_factor = recompute_factors(layers[recompute_peak[0]], recompute_peak, self.shape)
         saved = sum(self._held_until_backward(l) for l in layers)
         if self.clock.cuda:
-            # Made at the next step's entry (offload.plan: after the step); see the module notes.
-            grown = max(0, self.meter.now() - self.entry_bytes)
-            base, peak, head_peak = self.base_bytes + grown, self.meter.peak + grown, self.head_peak + grown
+            base, peak, head_peak = self.base_bytes, self.meter.peak, self.head_peak
         else:
             # No allocator to ask on the host: plan on the activations alone.
             base, peak, head_peak = 0, max(1, saved), saved
@@ -538,7 +536,8 @@ class ProbeStep:
         )
         if self.mode == RECOMPUTE_PROBE:
             profile = predict_plain(profile)
-        return profile
+        # Made at the next step's entry (offload.plan: after the step); see the module notes.
+        return rebased(profile, held_at_entry(self.device) - self.entry_bytes, self.clock.cuda and grads_held(self.layers))
 
 
 class _ProbeHook:
