@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
+import warnings
 
 from typing import Optional
 
@@ -181,11 +182,13 @@ def test_under_gradient_accumulation_the_plans_follow_the_optimizer_state_made_l
     # the grown base (a warning says so), and no planned step goes over the budget, bit for bit.
     layers, x, expected, base, state, budget = adamw_case(micro=2)
     oa = offload.OffloadActivations(layers, memory_budget_bytes=budget)
-    with pytest.warns(UserWarning, match="planned again: the memory held at the forward's entry grew"):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
         _, peaks = adamw_loop(layers, x, oa, check=expected, micro=2, steps=4)
-    assert oa.plan.profile.base_bytes >= base + state, (oa.plan.profile.base_bytes, base, state)
     for i, peak in enumerate(peaks[1:], 1):
         assert peak <= budget * 1.02, (i, peak, budget, oa.plan.describe())
+    assert oa.plan.profile.base_bytes >= base + state, (oa.plan.profile.base_bytes, base, state)
+    assert any("planned again: the memory held at the forward's entry grew" in str(w.message) for w in caught)
     oa.close()
 
 
