@@ -96,8 +96,9 @@ class OffloadActivations:
     ``"device"``, ``"lowest"``) measures its first steps (probe
     steps, :mod:`offload.planner.sequence`: with ``probe="auto"`` the first runs every layer
     checkpointed, so it fits wherever checkpointing fits, and the plain step is probed only where
-    it is predicted to fit the GPU and a budget in bytes: every step stays within ``N``), then follows the fastest plan whose predicted peak fits ``N``: from
-    the fourth step on, or the third when the plain step does not fit. ``selective``: the
+    it is predicted to fit the GPU and a budget in bytes: every step stays within ``N``), then
+    follows the fastest plan whose predicted peak fits ``N``: from the fourth step on, or the
+    third when the plain step does not fit. ``selective``: the
     submodules a plan may run selectively (default each layer's ``mlp``; False: none; see
     :func:`offload.forwards.selective.selective_candidates`); pass the same to ``offload.plan`` and here.
     ``plan=offload.plan(...)`` follows a plan made beforehand. Each batch shape gets its plan, made

@@ -130,6 +130,7 @@ class PlannedSteps(AheadSteps, ReplanSteps):
         self._step_index: Optional[int] = None      # the engine's index of the last planned step
         self._entry_layers = list(layers)           # whose gradients a reading may hold (entry_base)
         self._entry_reading: Optional[int] = None   # what the base stands for (replan_steps)
+        self._entry_grads = False                   # and whether that reading held gradients
         self._on_plan = weakref.WeakMethod(on_plan)  # type: ignore[arg-type]
         self.probe: Optional[ProbeStep] = None  # this step's, while it runs measured
         self._probing = False  # this step is one of the probe sequence's (measured or not)

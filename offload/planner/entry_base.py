@@ -16,10 +16,12 @@ budget). So:
 
 The readings are the allocator's whole count, gradients included. Under gradient accumulation
 the layers' gradients are held from the first micro-batch's backward on, through every later
-micro-batch's forward: a profile rebased on a reading that holds them has them in its base, and
-its layers' ``grad_bytes`` (the gradients the measured backward made) go to 0, or they would be
-counted twice. A first micro-batch, whose entry holds none, then peaks below its prediction, never
-above. One ``torch.cuda.memory_allocated`` call and the layers' ``.grad`` attributes: tens of
+micro-batch's forward: a profile rebased on a reading that holds them, where the reading its base
+stood for held none, has them in its base, and its layers' ``grad_bytes`` (the gradients the
+measured backward made) go to 0, or they would be counted twice. A first micro-batch, whose entry
+holds none, then peaks below its prediction, never above. (Gradients held at both readings were
+at neither's first layer when a loop clears them inside its step: the base has none of them, and
+the layers' ``grad_bytes`` stay.) One ``torch.cuda.memory_allocated`` call and the layers' ``.grad`` attributes: tens of
 microseconds, once a step.
 """
 
@@ -60,8 +62,8 @@ def base_drift(then: int, now: int, budget_bytes: Optional[int]) -> int:
 
 def rebased(profile: StepProfile, grown: int, grads_in_base: bool = False) -> StepProfile:
     """``profile`` with ``grown`` more bytes held from the forward's start on: its base and its
-    plain step's peak (the other figures are above the base). ``grads_in_base``: the reading held
-    the layers' gradients, so the backward makes none of its own (see the module notes)."""
+    plain step's peak (the other figures are above the base). ``grads_in_base``: the layers'
+    gradients came into the base with ``grown``, so the backward makes none (see the module notes)."""
     if grads_in_base and any(layer.grad_bytes for layer in profile.layers):
         profile = replace(profile, layers=tuple(replace(layer, grad_bytes=0) for layer in profile.layers))
     if grown <= 0:

@@ -141,7 +141,7 @@ class ProbeStep:
         self.forward_end: Any = None
         self.step_end: Any = None
         self.base_bytes = 0
-        self.entry_bytes = 0  # allocated when the step began (begin), against the profile's making
+        self.entry_bytes, self.entry_grads = 0, False  # allocated, and gradients held, when the step began
         self.meter = Meter(device)
         self.shape: Optional[StepShape] = None  # the batch shape, read at the first layer
         self.hidden_size: Optional[int] = None
@@ -162,7 +162,7 @@ class ProbeStep:
         """Start the step: hooks on, clocks and the device's peak counter reset."""
         self.meter.segment()
         self.meter.peak = 0
-        self.entry_bytes = held_at_entry(self.device)
+        self.entry_bytes, self.entry_grads = held_at_entry(self.device), grads_held(self.layers)
         # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
         # Innermost first: the selective candidates (and the modules selective already), then
         # the layers' checkpoints around them; removed in the opposite order.
@@ -537,7 +537,8 @@ class ProbeStep:
         if self.mode == RECOMPUTE_PROBE:
             profile = predict_plain(profile)
         # Made at the next step's entry (offload.plan: after the step); see the module notes.
-        return rebased(profile, held_at_entry(self.device) - self.entry_bytes, self.clock.cuda and grads_held(self.layers))
+        return rebased(profile, held_at_entry(self.device) - self.entry_bytes,
+                       self.clock.cuda and not self.entry_grads and grads_held(self.layers))
 
 
 class _ProbeHook:

@@ -44,6 +44,7 @@ class ReplanSteps:
     _step_index: Optional[int]
     _entry_layers: list
     _entry_reading: Optional[int]
+    _entry_grads: bool
 
     def _plan_again(self, why: str, warning: str) -> None:
         # Drop every plan: the next first layer plans again, and tells the other ranks, which
@@ -78,21 +79,21 @@ class ReplanSteps:
     def _note_entry(self) -> None:
         """The profile was made now, at a step's entry: what the entry holds is what its base
         stands for."""
-        self._entry_reading = held_at_entry(self.device)
+        self._entry_reading, self._entry_grads = held_at_entry(self.device), grads_held(self._entry_layers)
 
     def _check_entry_base(self) -> None:
         # What this entry holds against what the base stands for (a plan given to the context: its
         # first planned step's entry). Past the model's error, the base is raised by the growth.
-        now = held_at_entry(self.device)
+        now, grads = held_at_entry(self.device), grads_held(self._entry_layers)
         if self._entry_reading is None:
-            self._entry_reading = now
+            self._entry_reading, self._entry_grads = now, grads
             return
         bytes_budget = isinstance(self.budget, int) or self.budget == DEVICE
         drift = base_drift(self._entry_reading, now, self.plan.budget_bytes if bytes_budget and self.plan else None)
         if not drift:
             return
-        self._entry_reading = now
-        self.profile = rebased(self.profile, drift, grads_held(self._entry_layers))
+        self.profile = rebased(self.profile, drift, grads and not self._entry_grads)
+        self._entry_reading, self._entry_grads = now, grads or self._entry_grads
         why = f"planned again: the memory held at the forward's entry grew by {format_bytes(drift)} since the plans were made"
         self._plan_again(why, f"offload: {why} (an optimizer's state made since, or tensors the loop keeps); "
                               "every step is planned again on that base")
