@@ -254,7 +254,10 @@ def test_auto_sizes_at_low_memory_then_probes_plainly_where_it_fits(model) -> No
     reading = RecomputeReading(sizing.recompute_index, 3 << 20, 9.0, *at)
     assert (scaled.recompute_factor, scaled.recompute_time_factor) == recompute_factors(ref, reading, StepShape(*scaled.shape))
     raw = recompute_factors(ref, reading._replace(shape=None), StepShape(*scaled.shape))
-    assert scaled.recompute_time_factor != raw[1] and scaled.recompute_factor != raw[0]
+    # Bytes repeat from run to run, times do not: on a busy host the layer's backward / forward
+    # ratio moves between the two runs, and both time factors may meet the same bound. The times'
+    # scaling is checked exactly in tests/test_calibration_cpu.py.
+    assert scaled.recompute_factor != raw[0]
 
 
 def test_auto_calibrates_where_the_middle_layer_is_called_twice(model) -> None:
