@@ -24,7 +24,11 @@ repeat itself). The ranks diverge on purpose:
   model's forward (a real out-of-memory error in the planned step), and the **loop agrees to
   skip** the backward of a step that failed on any rank (one all-reduce of a flag);
 - ``short`` (CPU): the model form's short probe (``model=``) with rank 0's first batch long enough
-  to be probed short and the others' not: every rank must probe short, or none.
+  to be probed short and the others' not: every rank must probe short, or none;
+- base growth (CPU, in the ``ddp`` case): from step :data:`BASE_GROWS_AT` the last rank's entry
+  holds :data:`BASE_GROWTH` more bytes than its plans' base (as after AdamW's first step under
+  gradient accumulation; read through a stand-in of the allocator's count): that rank plans again
+  on the grown base, and every rank with it at the same step.
 
 What must hold: nothing hangs (a short process-group timeout, and a deadline on the processes);
 every rank goes through the same phases at the same steps (probe kinds, planned, the same
@@ -46,6 +50,7 @@ import offload
 from offload import plan_steps
 from offload.layers import model_form
 from offload.models import MLPBlock
+from offload.planner import replan_steps
 from offload.planner.scaling import profile_at
 from offload.planner.search import BudgetError, lowest_peak
 from offload.planner.shapes import StepShape
@@ -60,6 +65,8 @@ SET_BUDGET_AT = 7            # every rank: a budget just over the lowest plan's 
 PLANNED_OOMS = {12: -1}
 NEW_BUCKET_STEPS = (10, 15)  # the last rank's length is 4 x the longest of the stream
 SHORT_PROBE_TOKENS = 32      # the "short" case: rank 0's first step has 2 x 48 tokens, the others 2 x 24
+BASE_GROWS_AT = 17           # the last rank's entry holds BASE_GROWTH more from here (base_grows)
+BASE_GROWTH = 1 << 28        # over 4% (the model's error) of the CPU cases' 1 GiB budget
 
 
 @dataclass(frozen=True)
@@ -72,11 +79,12 @@ class Case:
     forced_low_memory: bool = False
     faults: bool = False
     new_bucket: bool = False
+    base_grows: bool = False
 
 
 # On the CPU, one DDP case diverges three ways at once (each rank its own lengths, the last one
 # forced onto the low-memory probe and meeting a new bucket): a spawned rank's steps cost CI time.
-CPU_CASES = (Case("ddp", forced_low_memory=True, new_bucket=True), Case("oom", wrap="none", faults=True),
+CPU_CASES = (Case("ddp", forced_low_memory=True, new_bucket=True, base_grows=True), Case("oom", wrap="none", faults=True),
              Case("short", wrap="none", model="llama"))
 GPU_CASES = tuple(Case(f"diverge_{wrap}_{name}", wrap=wrap, forced_low_memory=name == "low_memory",
                        faults=name == "oom", new_bucket=name == "bucket")
@@ -182,15 +190,18 @@ def patched(s: Sizes, case: Case, faults: Faults) -> Iterator[None]:
             kwargs["device_limit"] = lambda: limit
         return real(*args, **kwargs)
 
-    count = plan_steps._oom_count
+    count, held = plan_steps._oom_count, replan_steps.held_at_entry
     plan_steps.ProbeSequence = forced  # type: ignore[assignment,misc]
     if s.device.type != "cuda":
         plan_steps._oom_count = lambda device: faults.ooms
+    if case.base_grows and s.rank == s.last:
+        replan_steps.held_at_entry = lambda device: held(device) + (BASE_GROWTH if faults.step >= BASE_GROWS_AT else 0)
     try:
         yield
     finally:
         plan_steps.ProbeSequence = real  # type: ignore[misc]
         plan_steps._oom_count = count
+        replan_steps.held_at_entry = held
 
 
 # -- the models --------------------------------------------------------------------------------------
@@ -326,7 +337,7 @@ def run_case(s: Sizes, case: Case) -> dict[str, Any]:
         options["memory_budget_bytes"] = 1 << 30
     old_tokens = model_form.SHORT_PROBE_TOKENS
     model_form.SHORT_PROBE_TOKENS = SHORT_PROBE_TOKENS
-    timeline, shapes, bitwise = [], [], []
+    timeline, shapes, bitwise, together = [], [], [], []
     try:
         with patched(s, case, faults):
             oa = offload.OffloadActivations(layers, **options)
@@ -336,6 +347,7 @@ def run_case(s: Sizes, case: Case) -> dict[str, Any]:
                 status, grads = step(i, oa)
                 timeline.append(status)
                 shapes.append(_plan_shape(oa))
+                together.append(bool(oa._planned.last_plan.get("new")))  # planned with the group at this step
                 bitwise.append(None if grads is None else _same(grads, plain[i]))
         reason = oa._planned.profile.probe_reason if oa._planned.profile is not None else ""
         lowered = oa._planned._lowered
@@ -344,7 +356,7 @@ def run_case(s: Sizes, case: Case) -> dict[str, Any]:
         model_form.SHORT_PROBE_TOKENS = old_tokens
     del wrapped  # DDP's reducer must go while the group lives
     return {"repeats": repeats, "timeline": timeline, "shapes": shapes, "bitwise": bitwise, "reason": reason,
-            "lowered": lowered, "own": [s.length(case, s.rank, i) for i in range(STEPS)]}
+            "lowered": lowered, "own": [s.length(case, s.rank, i) for i in range(STEPS)], "together": together}
 
 
 def _tight_budget(oa: Any, s: Sizes) -> int:
@@ -438,6 +450,13 @@ def _case_checks(case: Case, ranks: list[dict[str, Any]], phases: list[list[str]
                        f"proves nothing): {timeline}")
         if "lowered" not in ranks[last]["lowered"] or any(res["lowered"] for res in ranks[:last]):
             out.append(f"only rank {last}'s budget should be lowered: {[res['lowered'] for res in ranks]}")
+    if case.base_grows:
+        if "planned again" not in ranks[last]["lowered"] or any(res["lowered"] for res in ranks[:last]):
+            out.append(f"only rank {last}'s base grew, and it should have planned again: {[res['lowered'] for res in ranks]}")
+        # A bucket every rank has a plan for is planned together only after a rank asked for it.
+        if not all(res["together"][BASE_GROWS_AT] for res in ranks):
+            out.append(f"rank {last} planned again at step {BASE_GROWS_AT} without the others: "
+                       f"{[res['together'][BASE_GROWS_AT] for res in ranks]}")
     if case.model == "llama" and not phases[0][0].endswith(">planned"):
         out.append(f"the first step was not probed short on every rank: {phases[0][:4]}")
     return out

@@ -1,8 +1,8 @@
 """Ranks that differ on purpose never hang (issue 48), on 2 and 3 gloo processes, 20 steps per
 case: per-rank lengths, one rank forced onto the low-memory probe, one rank's steps failing with a
 simulated out-of-memory error (in the probe and in a planned step; no DDP there, see
-``diverge``), one rank meeting a new bucket, and the model form's short probe on one rank's long
-batch. The cases and what must hold are in ``diverge``'s docstring.
+``diverge``), one rank meeting a new bucket, one rank's base growing past its plans' (it plans
+again, every rank with it), and the model form's short probe on one rank's long batch. The cases and what must hold are in ``diverge``'s docstring.
 
 A collective one rank never joins fails within the group's short timeout (the rank records the
 error), and the processes are killed past a deadline: the test fails, it never hangs CI.
