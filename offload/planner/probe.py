@@ -46,7 +46,7 @@ from ..engine.policy import SelectionPolicy
 from ..forwards.recompute import checkpoint_input_sizes, checkpoint_inputs
 from ..forwards.selective import always_selective
 from .calibration import RecomputeReading, recompute_factors
-from .entry_base import grads_held, held_at_entry, rebased
+from .entry_base import grads_held, rebased
 from .timeline import Clock, Meter
 from .instrument import CandidateForward, CheckpointedLayer, ExpensiveOutputs, FixedSelectiveInside
 from .scaling import predict_plain
@@ -162,7 +162,7 @@ class ProbeStep:
         """Start the step: hooks on, clocks and the device's peak counter reset."""
         self.meter.segment()
         self.meter.peak = 0
-        self.entry_bytes, self.entry_grads = held_at_entry(self.device), grads_held(self.layers)
+        self.entry_bytes, self.entry_grads = self.meter.now(), grads_held(self.layers)
         # Set before the call: Module.__call__ reads ``forward`` before its pre-hooks run.
         # Innermost first: the selective candidates (and the modules selective already), then
         # the layers' checkpoints around them; removed in the opposite order.
@@ -537,7 +537,7 @@ class ProbeStep:
         if self.mode == RECOMPUTE_PROBE:
             profile = predict_plain(profile)
         # Made at the next step's entry (offload.plan: after the step); see the module notes.
-        return rebased(profile, held_at_entry(self.device) - self.entry_bytes,
+        return rebased(profile, self.meter.now() - self.entry_bytes,
                        self.clock.cuda and not self.entry_grads and grads_held(self.layers))
 
 

@@ -84,14 +84,17 @@ class ReplanSteps:
     def _check_entry_base(self) -> None:
         # What this entry holds against what the base stands for (a plan given to the context: its
         # first planned step's entry). Past the model's error, the base is raised by the growth.
-        now, grads = held_at_entry(self.device), grads_held(self._entry_layers)
-        if self._entry_reading is None:
-            self._entry_reading, self._entry_grads = now, grads
+        # Nothing to overrun without a budget in bytes ("lowest", none): no reading at all.
+        if self.plan is None or not (isinstance(self.budget, int) or self.budget == DEVICE):
             return
-        bytes_budget = isinstance(self.budget, int) or self.budget == DEVICE
-        drift = base_drift(self._entry_reading, now, self.plan.budget_bytes if bytes_budget and self.plan else None)
+        now = held_at_entry(self.device)
+        if self._entry_reading is None:
+            self._note_entry()
+            return
+        drift = base_drift(self._entry_reading, now, self.plan.budget_bytes)
         if not drift:
             return
+        grads = grads_held(self._entry_layers)  # (read only here: the parameters, walked once)
         self.profile = rebased(self.profile, drift, grads and not self._entry_grads)
         self._entry_reading, self._entry_grads = now, grads or self._entry_grads
         why = f"planned again: the memory held at the forward's entry grew by {format_bytes(drift)} since the plans were made"
