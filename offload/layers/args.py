@@ -192,6 +192,23 @@ def dynamo_compiled_code() -> bool:
     return bool(getattr(codes, "seen", None))
 
 
+def second_entry_error(other_thread: bool) -> RuntimeError:
+    """The error for an ``OffloadActivations`` entered while its ``with`` is open: from another
+    thread (``other_thread``) or inside itself."""
+    if other_thread:
+        return RuntimeError(
+            "offload: this OffloadActivations is running a forward in another thread; one "
+            "OffloadActivations serves one forward at a time. Give each thread (each model or "
+            "micro-batch stream run concurrently) its own OffloadActivations."
+        )
+    return RuntimeError(
+        "offload: this OffloadActivations is already active (its `with` is open); it does not "
+        "nest. Enter it once per forward: micro-batches one after another, each in its own "
+        "`with` (their backwards may come later, as in a pipeline's 1F1B order), and give "
+        "another model its own OffloadActivations."
+    )
+
+
 def second_forward_error(earlier: int, position: int) -> RuntimeError:
     """The error for ``layers[earlier]`` called again as layer ``position`` of one forward."""
     return RuntimeError(
