@@ -22,7 +22,8 @@ import torch
 from .api import ENGINE_OPTIONS, _check_bool, build_engine, check_option_values, check_unknown_options
 from .layers.args import (
     COMPILED_FIRST, NO_LAYER_RAN, check_bytes_form, check_offload_count, check_plan, check_torchtune_options,
-    default_budget, default_inputs, dynamo_compiled_code, layer_list, prune_dead_hooks, second_forward_error,
+    default_budget, default_inputs, dynamo_compiled_code, layer_list, prune_dead_hooks, second_entry_error,
+    second_forward_error,
 )
 from .engine.schedules.auto import ScheduleAuto
 from .engine.stats import DISABLED_REPORT, StepStats, disabled_stats
@@ -35,6 +36,7 @@ from .plan_steps import PlannedSteps
 from .planner.ahead_steps import check_plan_ahead
 from .forwards.plan_wrappers import install_plan_wrappers, remove_plan_wrappers
 from .forwards.selective import Candidates, describe_candidates, selective_candidates
+from .layers.attention_graphs import AttentionGraphs, attention_graphs_wanted
 from .layers.hooks import GroupBoundary as _GroupBoundary, LayerHook as _LayerHook
 from .layers import model_form
 from .sizes import byte_count, byte_options
@@ -173,6 +175,7 @@ class OffloadActivations:
         self._short_probe = short_probe  # model=: a long first batch is probed cut short
         # Disabled: the modules whose FP8 weight copies stats counts (params_from's, as enabled).
         self._weight_modules: list[torch.nn.Module] = []
+        self._attention = AttentionGraphs(False)  # on CUDA with layers: set below
         if self.auto:
             planner = {"plan": plan is not None, "memory_budget_bytes": memory_budget_bytes is not None,
                        "probe": probe is not None, "selective": selective is not None, "measure_peak": measure_peak,
@@ -254,6 +257,8 @@ class OffloadActivations:
         if not self.enabled:  # checked all the same: a wrong value must not wait for enabled=True
             self._weight_modules = check_option_values(api, **options)
         self.engine = build_engine(layer_contexts=False, **options) if self.enabled else None
+        # A new input shape's attention backward built while its forward runs (cuDNN's plans).
+        self._attention = AttentionGraphs(self.enabled and attention_graphs_wanted(self.engine.transport.device))
         if self.engine is not None and planned:
             if measure_peak is None:
                 # Planned steps' peaks for the plan table: one reset of CUDA's peak counter at each
@@ -346,6 +351,7 @@ class OffloadActivations:
     @run_eagerly
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         self._entered = False
+        self._attention.wait()  # a one-layer model, or a forward that failed in its first layer
         if self.engine is None or not self._tracking:
             return
         self.active = False
@@ -514,18 +520,7 @@ class OffloadActivations:
     def _refuse_second_entry(self) -> None:
         # One engine runs one forward at a time: a second forward inside the first (or beside
         # it, from another thread) would mix two micro-batches' layers into one step.
-        if threading.get_ident() != self._thread:
-            raise RuntimeError(
-                "offload: this OffloadActivations is running a forward in another thread; one "
-                "OffloadActivations serves one forward at a time. Give each thread (each model or "
-                "micro-batch stream run concurrently) its own OffloadActivations."
-            )
-        raise RuntimeError(
-            "offload: this OffloadActivations is already active (its `with` is open); it does not "
-            "nest. Enter it once per forward: micro-batches one after another, each in its own "
-            "`with` (their backwards may come later, as in a pipeline's 1F1B order), and give "
-            "another model its own OffloadActivations."
-        )
+        raise second_entry_error(threading.get_ident() != self._thread)
 
     # -- layer boundaries --------------------------------------------------------------------------
     def _before_layer(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -535,6 +530,8 @@ class OffloadActivations:
             self._check_order(module, position)
         if position == 0 and self._planned is not None:
             self._planned.at_first_layer(args, kwargs)  # the plan for this batch's shape
+        if self._attention.enabled and (position == 0 or self._attention.thread is not None):
+            self._attention.before_layer(position, len(self.layers), args, kwargs)
         engine.begin_layer()  # type: ignore[union-attr]
 
     def _check_order(self, module: torch.nn.Module, position: int) -> None:
@@ -547,6 +544,8 @@ class OffloadActivations:
             raise second_forward_error(earlier[-1], position)
 
     def _after_layer(self, output: Any) -> None:
+        if self._attention.watching is not None:
+            self._attention.first_layer_done()
         layer = self.engine.end_layer()  # type: ignore[union-attr]
         if layer is None:
             return
