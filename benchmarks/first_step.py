@@ -46,6 +46,12 @@ threads (default: ``offload.host.pinning``'s two) pin ``GIB`` GiB in blocks of `
 ``cuMemHostAlloc``). The stall is the loops' time beyond their quiet median, reported against the
 pinning's wall time. It needs the native extension and CUDA.
 
+``--new-lengths`` measures instead a new length's first step against its later ones (issue 50 s2):
+LLAMA-1B, batch 4, ``OffloadActivations(layers, num_offload_layers=0)``, two steps at 1024, then
+three at each of 2048, 3072, 4096 and 6144; the model plain and under HF checkpointing
+(non-reentrant), with ``offload.layers.attention_graphs`` on and off, one process per case
+(cuDNN's plans are cached per process), ``--rounds`` times. Writes ``first_step_new_lengths.json``.
+
 Usage: ``python benchmarks/first_step.py [--steps N] [--models gpt_a,llama_1b]``; ``--cpu-smoke``
 for a tiny CPU check. Writes ``benchmarks/results/first_step.json``. About 1 to 2 minutes of GPU
 time with the defaults (LLAMA-1B's first offload step took 19 s before issue 12). Not in
@@ -54,14 +60,20 @@ time with the defaults (LLAMA-1B's first offload step took 19 s before issue 12)
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import json
+import os
 import statistics
+import subprocess
 import sys
 import time
 import traceback
 from typing import Any, Callable, Optional
 
 import torch
+
+import offload
 
 import common
 import measure
@@ -382,6 +394,59 @@ def registration_stall(gib: int, block_mib: int, method: str = "register_huge",
     return rows
 
 
+NEW_LENGTHS = (2048, 3072, 4096, 6144)
+NEW_LENGTH_CASES = tuple((form, copy) for form in ("plain", "ckpt") for copy in ("off", "on"))
+
+
+def new_length_case(env: common.Env, form: str, copy: str) -> dict[str, Any]:
+    """One case of ``--new-lengths``, in this process: each length's three step times (ms)."""
+    spec = workloads.llama_1b(workloads.scale_for(env.smoke))
+    model, _ = spec.build(env.device)
+    if form == "ckpt":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    ctx = offload.OffloadActivations(model.model.layers, num_offload_layers=0)
+    ctx._attention.enabled = copy == "on" and ctx._attention.enabled  # (off on the CPU either way)
+    scale = workloads.scale_for(env.smoke)
+
+    def step(length: int) -> float:
+        ids = torch.randint(0, spec.vocab, (spec.batch, length), device=env.device)
+        env.sync()
+        started = time.perf_counter()
+        with ctx:
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        env.sync()
+        return (time.perf_counter() - started) * 1e3
+
+    lengths = [max(8, int(n * scale)) for n in (1024, *NEW_LENGTHS)]
+    step(lengths[0]), step(lengths[0])
+    row: dict[str, Any] = {"case": f"{form}, copy {copy}", "copies": 0}
+    for n, length in zip(NEW_LENGTHS, lengths[1:]):
+        row[str(n)] = [step(length) for _ in range(3)]
+    row["copies"] = len(ctx._attention.built)
+    return row
+
+
+def new_lengths(env: common.Env, rounds: int) -> list[dict[str, Any]]:
+    """``--new-lengths``: each case in a process of its own, ``rounds`` times."""
+    rows = []
+    for round_ in range(rounds):
+        for form, copy in NEW_LENGTH_CASES:
+            argv = [sys.executable, os.path.abspath(__file__), "--new-length-case", f"{form},{copy}", "--no-json"]
+            done = subprocess.run(argv + (["--cpu-smoke"] if env.smoke else []), capture_output=True, text=True)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("CASE ")), None)
+            row = json.loads(line[5:]) if line else {"case": f"{form}, copy {copy}", "error": done.stderr[-500:]}
+            row["round"] = round_ + 1
+            for n in NEW_LENGTHS:
+                times = row.get(str(n))
+                if times:
+                    row[f"{n}_first"], row[f"{n}_x"] = times[0], times[0] / statistics.median(times[1:])
+            rows.append(row)
+    return rows
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = common.make_parser(__doc__, warmup=0, steps=8, smoke_warmup=0, smoke_steps=MIN_STEPS)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} (default: both)")
@@ -392,8 +457,22 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="--registration's way to pin (offload.host.pinning)")
     parser.add_argument("--pinner-workers", type=int, default=0,
                         help="--registration's pinning threads (default: offload.host.pinning.PINNER_WORKERS)")
+    parser.add_argument("--new-lengths", action="store_true",
+                        help="measure a new length's first step, attention backward built ahead on and off, instead")
+    parser.add_argument("--rounds", type=int, default=2, help="--new-lengths' rounds of its four cases")
+    parser.add_argument("--new-length-case", default=None, help=argparse.SUPPRESS)
     env = common.setup(parser, argv)
     args = env.args
+    if args.new_length_case:
+        print("CASE " + json.dumps(new_length_case(env, *args.new_length_case.split(","))), flush=True)
+        return 0
+    if args.new_lengths:
+        rows = new_lengths(env, args.rounds)
+        common.write_json("first_step_new_lengths", env, {"rows": rows})
+        common.print_table(f"a new length's first step, ms and x its later steps ({common.device_name(env)})", rows, [
+            ("round", "round", ""), ("case", "case", ""), ("copies", "copies", "")] +
+            [(f"{n}_{k}", f"{n} {k}", f) for n in NEW_LENGTHS for k, f in (("first", ".0f"), ("x", ".2f"))])
+        return common.exit_status([r["case"] for r in rows if "error" in r])
     if args.registration:
         rows = registration_stall(args.registration, args.block_mib, args.pin_method, args.pinner_workers)
         common.write_json("first_step_registration", env, {"rows": rows})

@@ -560,3 +560,13 @@ def test_the_registration_stall_is_the_loops_time_beyond_quiet_against_the_pinni
     assert abs(figures["stall_s"] - 0.06) < 1e-12 and abs(figures["stall_share"] - 0.6) < 1e-9
     # Faster than quiet is no stall, and no pinning time gives no share.
     assert first_step.stall_figures([5.0, 5.0], 10.0, 0.0) == {"iterations": 2, "stall_s": 0.0, "pin_s": 0.0, "stall_share": 0.0}
+
+
+def test_a_new_length_case_times_three_steps_at_each_length() -> None:
+    # first_step.py --new-lengths runs each case in a process of its own; one case in this one.
+    first_step = bench_module("first_step")
+    common = bench_module("common")
+    env = common.setup(first_step.common.make_parser("", warmup=0, steps=3), ["--cpu-smoke", "--no-json"])
+    row = first_step.new_length_case(env, "ckpt", "on")
+    assert row["case"] == "ckpt, copy on" and row["copies"] == 0  # (the copy is CUDA's alone)
+    assert all(len(row[str(n)]) == 3 and min(row[str(n)]) > 0 for n in first_step.NEW_LENGTHS)
