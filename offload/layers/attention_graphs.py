@@ -150,9 +150,9 @@ class _FirstAttention(TorchFunctionMode):
 
 class AttentionGraphs:
     """Builds, on autograd's device thread, the cuDNN attention backward of each new input shape
-    while its forward runs (see the module notes). The context calls :meth:`first_layer` at its
-    first layer's entry, :meth:`first_layer_done` at that layer's exit, :meth:`wait` at the last
-    layer's entry and at the ``with``'s exit."""
+    while its forward runs (see the module notes). The context calls :meth:`before_layer` at the
+    first layer's entry and, while a copy runs, at each later one; :meth:`first_layer_done` at
+    the first layer's exit; :meth:`wait` at the ``with``'s exit."""
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
