@@ -340,12 +340,17 @@ class CudaTransport:
         """Whether the device can keep ``nbytes`` more (a group whose host block is still being
         pinned) and still have ``KEEP_HEADROOM_FRACTION`` of its memory free.
 
-        Free means what the driver has free plus what torch's caching allocator holds unused.
-        Two driver queries (microseconds): asked only on a pinning miss, never per tensor.
+        Free as :func:`device_room_bytes` counts it; asked only on a pinning miss.
         """
-        free, total = torch.cuda.mem_get_info(self.device)
-        cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(self.device)
-        return free + cached - nbytes >= KEEP_HEADROOM_FRACTION * total
+        free, total = device_room_bytes(self.device)
+        return free - nbytes >= KEEP_HEADROOM_FRACTION * total
+
+
+def device_room_bytes(device: torch.device) -> tuple[int, int]:
+    """(free, total) bytes of a CUDA device, free counting what the driver has free plus what
+    torch's caching allocator holds unused. Two driver queries (microseconds): never per tensor."""
+    free, total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device), total
 
 # The engine's transport: copies between CUDA streams, or host copies on CPU-only machines.
 Transport = Union[CudaTransport, HostTransport]

@@ -54,6 +54,8 @@ from torch.nn.attention import SDPBackend
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from ..engine.entry_table import storage_extent_bytes
+from ..engine.transport import device_room_bytes
 from ..forwards.recompute import checkpoint_inputs
 from .args import dynamo_compiled_code
 
@@ -88,17 +90,12 @@ class _Layout:
     dtype: torch.dtype
     device: torch.device
     requires_grad: bool
+    extent: int  # elements of the storage its strides reach (a view's gaps included)
 
     @classmethod
     def of(cls, t: torch.Tensor) -> "_Layout":
-        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad)
-
-    @property
-    def extent(self) -> int:
-        """Elements of the storage the strides reach (a view's gaps included)."""
-        if any(n == 0 for n in self.size):
-            return 0
-        return 1 + sum((n - 1) * st for n, st in zip(self.size, self.stride))
+        return cls(tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.requires_grad,
+                   storage_extent_bytes(t) // t.element_size())
 
     @property
     def nbytes(self) -> int:
@@ -262,8 +259,7 @@ class AttentionGraphs:
         if device.type != "cuda":
             return True
         need = 2 * (2 * sum(layout.nbytes for layout in layouts) + layouts[0].nbytes)
-        free, _ = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device) >= need
+        return device_room_bytes(device)[0] >= need
 
     def _give_up(self, exc: BaseException) -> None:
         self.enabled = False
