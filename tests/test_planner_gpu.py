@@ -161,6 +161,9 @@ def test_budget_plans_then_follows_on_gpu() -> None:
         kinds.append(oa._planned.last_plan["plan"])
         assert (oa.stats.get("offloaded_bytes", 0) > 0) == (kinds[-1] == "own"), kinds
     assert kinds[-1] == "own" and set(kinds) <= {"stand-in", "own"}, kinds
+    # The plans were searched in their own process, which lived through it: forked from this CUDA
+    # process, it aborted at its first search when it collected this process's garbage.
+    assert oa._planned._ahead.process is not None, oa._planned._ahead.log
     assert oa.measured is not None
     assert oa.measured["peak_bytes"] > 0
     print(oa.plan_report())

@@ -150,7 +150,7 @@ def test_a_child_that_died_leaves_the_plans_to_the_thread() -> None:
     child = plans.process
     assert child is not None and child.make(os.getpid) == child.pid
     os.kill(child.pid, 9)
-    with pytest.raises(SearchProcessError, match="stopped"):
+    with pytest.raises(SearchProcessError, match="stopped: .* \\(the child was killed by SIGKILL\\)"):
         child.make(os.getpid)
     plans.process = child  # (as if it had died during a making)
     profile, budget = _profile()
@@ -159,6 +159,46 @@ def test_a_child_that_died_leaves_the_plans_to_the_thread() -> None:
         made = plans.make(*args)
     assert made.plan == make_ahead(*args).plan and plans.process is None
     assert "searched on a thread" in plans.log[-1]
+
+
+def test_a_child_that_exits_says_its_code() -> None:
+    child = SearchProcess()
+    try:
+        with pytest.raises(SearchProcessError, match=r"the pipe closed.*\(the child exited with code 3\)"):
+            child.make(os._exit, 3)
+    finally:
+        child.close()
+
+
+class _DiesInAChild:
+    """Garbage the parent had not collected when it forked: freed in the child, it ends the child
+    (as freeing a CUDA tensor or event there aborts it)."""
+
+    def __init__(self, parent: int) -> None:
+        self.parent, self.cycle = parent, self
+
+    def __del__(self) -> None:
+        if os.getpid() != self.parent:
+            os._exit(7)
+
+
+def test_the_parents_garbage_is_never_collected_in_the_child() -> None:
+    import gc
+
+    gc.collect()
+    gc.disable()  # the cycle stays uncollected in the parent until the fork
+    try:
+        _DiesInAChild(os.getpid())
+        child = SearchProcess()
+    finally:
+        gc.enable()
+    try:
+        # The child's collector runs (a search's allocations would run it sooner or later).
+        assert child.make(gc.collect) >= 0
+        assert child.make(os.getpid) == child.pid
+    finally:
+        child.close()
+        gc.collect()  # (here, in the parent, its __del__ does nothing)
 
 
 def test_the_process_is_used_on_cuda_unless_the_environment_says(monkeypatch: pytest.MonkeyPatch) -> None:

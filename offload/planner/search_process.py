@@ -28,6 +28,7 @@ Used on CUDA by default; ``OFFLOAD_PLAN_PROCESS=0`` (or ``1``) says otherwise.
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import select
@@ -35,6 +36,7 @@ import signal
 import struct
 import sys
 import threading
+import time
 import warnings
 import weakref
 from typing import IO, Any, Callable, Optional
@@ -148,7 +150,7 @@ class SearchProcess:
                 _send(pipes[0], (function, args, kwargs))
                 ok, value, said = _receive(pipes[1])
             except (OSError, EOFError, pickle.PickleError) as exc:
-                self._pipes, self.reason = None, f"stopped: {exc!r}"
+                self._pipes, self.reason = None, f"stopped: {exc!r}{_how_it_ended(self.pid)}"
                 self._end()
                 raise SearchProcessError(f"offload: the plan search process {self.reason}") from exc
         for message, category in said:
@@ -164,10 +166,38 @@ class SearchProcess:
         self._end()
 
 
+def _how_it_ended(pid: Optional[int]) -> str:
+    # How the child ended, read without reaping it (WNOWAIT: the finalizer reaps it, once).
+    waitid = getattr(os, "waitid", None)
+    if pid is None or waitid is None:
+        return ""
+    for _ in range(50):  # a child whose pipe closed is ending: up to 0.5 s for it to be done
+        try:
+            ended = waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return ""
+        if ended is not None:
+            if ended.si_code == os.CLD_EXITED:
+                return f" (the child exited with code {ended.si_status})"
+            try:
+                name = signal.Signals(ended.si_status).name
+            except ValueError:
+                name = f"signal {ended.si_status}"
+            return f" (the child was killed by {name})"
+        time.sleep(0.01)
+    return ""
+
+
 def _child_main(read_fd: int, write_fd: int, parent: int) -> None:
     # The forked child: serve, then leave without running the parent's exit handlers (they
     # would flush its buffers, join its threads' pools, tear down its CUDA and process groups).
     code = 0
+    # The parent's objects are the parent's: none is collected here. Garbage it had not collected
+    # yet when it forked (a CUDA tensor or event in a cycle) would otherwise be freed by this
+    # child's collector, and freeing CUDA memory or an event in a forked child raises in C++ from
+    # a destructor: the child aborted (SIGABRT, "CUDA error: initialization error") at its first
+    # search on the H200 in tests/test_planner_gpu.py. The child's own cycles are still collected.
+    gc.freeze()
     try:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a Ctrl-C is the parent's to handle
         # The fds the parent had open (its device, sockets, other children's pipes) are not ours:
