@@ -46,11 +46,13 @@ threads (default: ``offload.host.pinning``'s two) pin ``GIB`` GiB in blocks of `
 ``cuMemHostAlloc``). The stall is the loops' time beyond their quiet median, reported against the
 pinning's wall time. It needs the native extension and CUDA.
 
-``--new-lengths`` measures instead a new length's first step against its later ones (issue 50 s2):
-LLAMA-1B, batch 4, ``OffloadActivations(layers, num_offload_layers=0)``, two steps at 1024, then
-three at each of 2048, 3072, 4096 and 6144; the model plain and under HF checkpointing
-(non-reentrant), with ``offload.layers.attention_graphs`` on and off, one process per case
-(cuDNN's plans are cached per process), ``--rounds`` times. Writes ``first_step_new_lengths.json``.
+``--new-lengths`` measures instead a new length's first step against its later ones (issue 50 s2;
+``new_lengths.py``): LLAMA-1B, batch 4, ``OffloadActivations(layers, num_offload_layers=0)``, two
+steps at 1024, then three at each of 2048, 3072, 4096 and 6144; the model plain and under HF
+checkpointing (non-reentrant), with ``offload.layers.attention_graphs`` off and on, one process
+per case (cuDNN's plans are cached per process), ``--rounds`` times. Writes ``first_step_new_lengths.json``. With ``--where``, where the extra time of a new
+length's first step goes instead (the copy off): forward and backward apart, and the ops whose
+host time grew most under torch's profiler (``first_step_new_length_where.json``).
 
 Usage: ``python benchmarks/first_step.py [--steps N] [--models gpt_a,llama_1b]``; ``--cpu-smoke``
 for a tiny CPU check. Writes ``benchmarks/results/first_step.json``. About 1 to 2 minutes of GPU
@@ -63,9 +65,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 import traceback
@@ -73,10 +73,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-import offload
-
 import common
 import measure
+import new_lengths
 import workloads
 
 T14_RATIO = 1.5
@@ -394,59 +393,6 @@ def registration_stall(gib: int, block_mib: int, method: str = "register_huge",
     return rows
 
 
-NEW_LENGTHS = (2048, 3072, 4096, 6144)
-NEW_LENGTH_CASES = tuple((form, copy) for form in ("plain", "ckpt") for copy in ("off", "on"))
-
-
-def new_length_case(env: common.Env, form: str, copy: str) -> dict[str, Any]:
-    """One case of ``--new-lengths``, in this process: each length's three step times (ms)."""
-    spec = workloads.llama_1b(workloads.scale_for(env.smoke))
-    model, _ = spec.build(env.device)
-    if form == "ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.config.use_cache = False
-    ctx = offload.OffloadActivations(model.model.layers, num_offload_layers=0)
-    ctx._attention.enabled = copy == "on" and ctx._attention.enabled  # (off on the CPU either way)
-    scale = workloads.scale_for(env.smoke)
-
-    def step(length: int) -> float:
-        ids = torch.randint(0, spec.vocab, (spec.batch, length), device=env.device)
-        env.sync()
-        started = time.perf_counter()
-        with ctx:
-            loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        env.sync()
-        return (time.perf_counter() - started) * 1e3
-
-    lengths = [max(8, int(n * scale)) for n in (1024, *NEW_LENGTHS)]
-    step(lengths[0]), step(lengths[0])
-    row: dict[str, Any] = {"case": f"{form}, copy {copy}", "copies": 0}
-    for n, length in zip(NEW_LENGTHS, lengths[1:]):
-        row[str(n)] = [step(length) for _ in range(3)]
-    row["copies"] = len(ctx._attention.built)
-    return row
-
-
-def new_lengths(env: common.Env, rounds: int) -> list[dict[str, Any]]:
-    """``--new-lengths``: each case in a process of its own, ``rounds`` times."""
-    rows = []
-    for round_ in range(rounds):
-        for form, copy in NEW_LENGTH_CASES:
-            argv = [sys.executable, os.path.abspath(__file__), "--new-length-case", f"{form},{copy}", "--no-json"]
-            done = subprocess.run(argv + (["--cpu-smoke"] if env.smoke else []), capture_output=True, text=True)
-            line = next((x for x in done.stdout.splitlines() if x.startswith("CASE ")), None)
-            row = json.loads(line[5:]) if line else {"case": f"{form}, copy {copy}", "error": done.stderr[-500:]}
-            row["round"] = round_ + 1
-            for n in NEW_LENGTHS:
-                times = row.get(str(n))
-                if times:
-                    row[f"{n}_first"], row[f"{n}_x"] = times[0], times[0] / statistics.median(times[1:])
-            rows.append(row)
-    return rows
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = common.make_parser(__doc__, warmup=0, steps=8, smoke_warmup=0, smoke_steps=MIN_STEPS)
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)} (default: both)")
@@ -458,21 +404,32 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--pinner-workers", type=int, default=0,
                         help="--registration's pinning threads (default: offload.host.pinning.PINNER_WORKERS)")
     parser.add_argument("--new-lengths", action="store_true",
-                        help="measure a new length's first step, attention backward built ahead on and off, instead")
+                        help="measure a new length's first step, attention backward built ahead off and on, instead")
     parser.add_argument("--rounds", type=int, default=2, help="--new-lengths' rounds of its four cases")
+    parser.add_argument("--where", action="store_true",
+                        help="with --new-lengths: where a new length's first step spends its extra time (profiled)")
     parser.add_argument("--new-length-case", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--new-length-where", default=None, help=argparse.SUPPRESS)
     env = common.setup(parser, argv)
     args = env.args
-    if args.new_length_case:
-        print("CASE " + json.dumps(new_length_case(env, *args.new_length_case.split(","))), flush=True)
+    if args.new_length_case or args.new_length_where:
+        row = new_lengths.case(env, *args.new_length_case.split(",")) if args.new_length_case else \
+            new_lengths.where(env, args.new_length_where)
+        print("ROW " + json.dumps(row), flush=True)
         return 0
+    if args.new_lengths and args.where:
+        rows = new_lengths.wheres(env, __file__)
+        common.write_json("first_step_new_length_where", env, {"rows": rows})
+        for row in rows:
+            print(json.dumps(row, indent=1))
+        return common.exit_status([r["value"] for r in rows if "error" in r])
     if args.new_lengths:
-        rows = new_lengths(env, args.rounds)
+        rows = new_lengths.cases(env, __file__, args.rounds)
         common.write_json("first_step_new_lengths", env, {"rows": rows})
         common.print_table(f"a new length's first step, ms and x its later steps ({common.device_name(env)})", rows, [
             ("round", "round", ""), ("case", "case", ""), ("copies", "copies", "")] +
-            [(f"{n}_{k}", f"{n} {k}", f) for n in NEW_LENGTHS for k, f in (("first", ".0f"), ("x", ".2f"))])
-        return common.exit_status([r["case"] for r in rows if "error" in r])
+            [(f"{n}_{k}", f"{n} {k}", f) for n in new_lengths.LENGTHS for k, f in (("first", ".0f"), ("x", ".2f"))])
+        return common.exit_status([r.get("case", r.get("value")) for r in rows if "error" in r])
     if args.registration:
         rows = registration_stall(args.registration, args.block_mib, args.pin_method, args.pinner_workers)
         common.write_json("first_step_registration", env, {"rows": rows})

@@ -564,9 +564,20 @@ def test_the_registration_stall_is_the_loops_time_beyond_quiet_against_the_pinni
 
 def test_a_new_length_case_times_three_steps_at_each_length() -> None:
     # first_step.py --new-lengths runs each case in a process of its own; one case in this one.
-    first_step = bench_module("first_step")
+    new_lengths = bench_module("new_lengths")
     common = bench_module("common")
-    env = common.setup(first_step.common.make_parser("", warmup=0, steps=3), ["--cpu-smoke", "--no-json"])
-    row = first_step.new_length_case(env, "ckpt", "on")
+    env = common.setup(common.make_parser("", warmup=0, steps=3), ["--cpu-smoke", "--no-json"])
+    row = new_lengths.case(env, "ckpt", "on")
     assert row["case"] == "ckpt, copy on" and row["copies"] == 0  # (the copy is CUDA's alone)
-    assert all(len(row[str(n)]) == 3 and min(row[str(n)]) > 0 for n in first_step.NEW_LENGTHS)
+    assert all(len(row[str(n)]) == 3 and min(row[str(n)]) > 0 for n in new_lengths.LENGTHS)
+
+
+def test_where_a_new_length_goes_times_its_halves_and_the_ops_that_grew() -> None:
+    new_lengths = bench_module("new_lengths")
+    common = bench_module("common")
+    env = common.setup(common.make_parser("", warmup=0, steps=3), ["--cpu-smoke", "--no-json"])
+    row = new_lengths.where(env, "plain")
+    for n in new_lengths.WHERE_LENGTHS:
+        figures = row[str(n)]
+        assert len(figures["first_ms"]) == len(figures["second_ms"]) == 2 and min(figures["first_ms"]) > 0
+        assert 0 < len(figures["host_grew_ms"]) <= new_lengths.TOP_OPS

@@ -21,7 +21,10 @@ finds it built (on the H200, plain first steps at 2048-4096 tokens 22-83 ms shor
 checkpointed ones not measurably: docs/benchmarks.md). Not inside the layer: a recomputed layer that keeps attention runs under a
 selective checkpoint whose cache would keep a copy's output until the layer's backward. Not the
 forward's plan on the device thread as well (a recomputed layer runs its forward there again):
-built there first, it held the backward's build back, and first steps were no shorter.
+built there first, it held the backward's build back, and first steps were no shorter; built
+after it (a gradient hook on the copy's query), for steps whose backward re-runs attention only,
+HF-checkpointed first steps over four rounds moved -29, -17 and +11 ms at 2048, 4096 and 6144
+tokens against the backward's plan alone: within their spread, so not kept (docs/benchmarks.md).
 
 What it costs, once per new shape: the attention's forward and backward at that length on the GPU
 (a few ms at 8192 tokens), and the copy's inputs, output and gradients (about twice the inputs'
