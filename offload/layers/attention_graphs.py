@@ -17,14 +17,16 @@ dtypes, the call's options); at that layer's exit it runs the same call on zeros
 (the forward's plan is cached on this thread by now: only the kernel runs) and hands that
 output's backward to a short-lived thread. Autograd runs it on its device thread, which builds
 and caches the backward's plan while this thread goes on with the forward; the real backward
-finds it built (on the H200, plain first steps at 2048-4096 tokens 22-83 ms shorter on average;
-checkpointed ones not measurably: docs/benchmarks.md). Not inside the layer: a recomputed layer that keeps attention runs under a
-selective checkpoint whose cache would keep a copy's output until the layer's backward. Not the
-forward's plan on the device thread as well (a recomputed layer runs its forward there again):
-built there first, it held the backward's build back, and first steps were no shorter; built
-after it (a gradient hook on the copy's query), for steps whose backward re-runs attention only,
-HF-checkpointed first steps over four rounds moved -29, -17 and +11 ms at 2048, 4096 and 6144
-tokens against the backward's plan alone: within their spread, so not kept (docs/benchmarks.md).
+finds it built (on the H200, plain first steps at 2048-4096 tokens shorter in 16 of 18 pairs on
+three hosts, by up to 136 ms; HF-checkpointed ones at 2048-6144 in 11 of 12 pairs on two hosts,
+by up to 105 ms: docs/benchmarks.md). Not inside the layer: a recomputed layer that keeps
+attention runs under a selective checkpoint whose cache would keep a copy's output until the
+layer's backward. Not the forward's plan on the device thread as well (a recomputed layer runs
+its forward there again): built there first, it held the backward's build back, and first steps
+were no shorter; built after it (a gradient hook on the copy's query), for steps whose backward
+re-runs attention only, HF-checkpointed first steps over four rounds moved -29, -17 and +11 ms at
+2048, 4096 and 6144 tokens against the backward's plan alone: within their spread, so not kept
+(docs/benchmarks.md).
 
 What it costs, once per new shape: the attention's forward and backward at that length on the GPU
 (a few ms at 8192 tokens), and the copy's inputs, output and gradients (about twice the inputs'
