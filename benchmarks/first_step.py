@@ -62,7 +62,6 @@ time with the defaults (LLAMA-1B's first offload step took 19 s before issue 12)
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import statistics
@@ -76,6 +75,7 @@ import torch
 import common
 import measure
 import new_lengths
+import workers
 import workloads
 
 T14_RATIO = 1.5
@@ -408,28 +408,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--rounds", type=int, default=2, help="--new-lengths' rounds of its four cases")
     parser.add_argument("--where", action="store_true",
                         help="with --new-lengths: where a new length's first step spends its extra time (profiled)")
-    parser.add_argument("--new-length-case", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--new-length-where", default=None, help=argparse.SUPPRESS)
+    workers.add_worker_options(parser)  # (--new-lengths' cases run as workers)
     env = common.setup(parser, argv)
     args = env.args
-    if args.new_length_case or args.new_length_where:
-        row = new_lengths.case(env, *args.new_length_case.split(",")) if args.new_length_case else \
-            new_lengths.where(env, args.new_length_where)
-        print("ROW " + json.dumps(row), flush=True)
+    if args.worker:
+        workers.write_worker_result(args.worker_out, new_lengths.run_worker(env, args.worker))
         return 0
     if args.new_lengths and args.where:
         rows = new_lengths.wheres(env, __file__)
         common.write_json("first_step_new_length_where", env, {"rows": rows})
         for row in rows:
             print(json.dumps(row, indent=1))
-        return common.exit_status([r["value"] for r in rows if "error" in r])
+        return common.exit_status([r["spec"] for r in rows if "error" in r])
     if args.new_lengths:
         rows = new_lengths.cases(env, __file__, args.rounds)
         common.write_json("first_step_new_lengths", env, {"rows": rows})
         common.print_table(f"a new length's first step, ms and x its later steps ({common.device_name(env)})", rows, [
             ("round", "round", ""), ("case", "case", ""), ("copies", "copies", "")] +
             [(f"{n}_{k}", f"{n} {k}", f) for n in new_lengths.LENGTHS for k, f in (("first", ".0f"), ("x", ".2f"))])
-        return common.exit_status([r.get("case", r.get("value")) for r in rows if "error" in r])
+        return common.exit_status([r["spec"] for r in rows if "error" in r])
     if args.registration:
         rows = registration_stall(args.registration, args.block_mib, args.pin_method, args.pinner_workers)
         common.write_json("first_step_registration", env, {"rows": rows})

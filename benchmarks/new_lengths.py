@@ -14,12 +14,9 @@ plans per process (and per thread), so a case that followed another would find t
 from __future__ import annotations
 
 import collections
-import json
-import os
 import statistics
-import subprocess
-import sys
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -27,6 +24,7 @@ import torch
 import offload
 
 import common
+import workers
 import workloads
 
 LENGTHS = (2048, 3072, 4096, 6144)
@@ -108,25 +106,29 @@ def where(env: common.Env, form: str) -> dict[str, Any]:
     return row
 
 
-def _in_processes(env: common.Env, script: str, flag: str, values: list[str]) -> list[dict[str, Any]]:
-    # ``script flag value`` in a process of its own per value; each prints one "ROW {json}" line.
-    rows = []
-    for value in values:
-        argv = [sys.executable, os.path.abspath(script), flag, value, "--no-json"] + (["--cpu-smoke"] if env.smoke else [])
-        done = subprocess.run(argv, capture_output=True, text=True)
-        line = next((x for x in done.stdout.splitlines() if x.startswith("ROW ")), None)
-        rows.append(json.loads(line[4:]) if line else {"value": value, "error": done.stderr[-500:]})
-    return rows
+def _in_processes(env: common.Env, script: str, specs: list[str]) -> list[dict[str, Any]]:
+    # ``script --worker SPEC`` in a process of its own per spec (workers.spawn: its JSON read
+    # back, a death recorded as the row's "error"), one after the other.
+    extra = ["--no-json"] + (["--cpu-smoke"] if env.smoke else [])
+    jobs = [(spec, ["--worker", spec, *extra]) for spec in specs]
+    return [dict(row, spec=spec) for spec, row in workers.spawn_all(Path(script), jobs).items()]
+
+
+def run_worker(env: common.Env, spec: str) -> dict[str, Any]:
+    """A worker's row from its ``--worker`` spec: ``case:FORM,COPY`` or ``where:FORM``."""
+    kind, _, value = spec.partition(":")
+    return case(env, *value.split(",")) if kind == "case" else where(env, value)
 
 
 def cases(env: common.Env, script: str, rounds: int) -> list[dict[str, Any]]:
-    """Every case in a process of its own (``script --new-length-case``), ``rounds`` times, the
-    cases of a round one after the other; each length's first step and its ratio to the median
-    of the later two."""
+    """Every case in a process of its own (``script --worker case:FORM,COPY``), ``rounds`` times,
+    the cases of a round one after the other; each length's first step and its ratio to the
+    median of the later two."""
     rows = []
     for round_ in range(rounds):
-        for row in _in_processes(env, script, "--new-length-case", [f"{f},{c}" for f, c in CASES]):
+        for row in _in_processes(env, script, [f"case:{f},{c}" for f, c in CASES]):
             row["round"] = round_ + 1
+            row.setdefault("case", row["spec"])  # (a worker that died has only its spec)
             for n in LENGTHS:
                 times = row.get(str(n))
                 if times:
@@ -137,5 +139,5 @@ def cases(env: common.Env, script: str, rounds: int) -> list[dict[str, Any]]:
 
 def wheres(env: common.Env, script: str) -> list[dict[str, Any]]:
     """:func:`where` for the plain and the checkpointed form, each in a process of its own
-    (``script --new-length-where``)."""
-    return _in_processes(env, script, "--new-length-where", ["plain", "ckpt"])
+    (``script --worker where:FORM``)."""
+    return _in_processes(env, script, ["where:plain", "where:ckpt"])

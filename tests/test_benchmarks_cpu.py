@@ -567,7 +567,7 @@ def test_a_new_length_case_times_three_steps_at_each_length() -> None:
     new_lengths = bench_module("new_lengths")
     common = bench_module("common")
     env = common.setup(common.make_parser("", warmup=0, steps=3), ["--cpu-smoke", "--no-json"])
-    row = new_lengths.case(env, "ckpt", "on")
+    row = new_lengths.run_worker(env, "case:ckpt,on")  # (what a --worker spec runs)
     assert row["case"] == "ckpt, copy on" and row["copies"] == 0  # (the copy is CUDA's alone)
     assert all(len(row[str(n)]) == 3 and min(row[str(n)]) > 0 for n in new_lengths.LENGTHS)
 
@@ -576,7 +576,7 @@ def test_where_a_new_length_goes_times_its_halves_and_the_ops_that_grew() -> Non
     new_lengths = bench_module("new_lengths")
     common = bench_module("common")
     env = common.setup(common.make_parser("", warmup=0, steps=3), ["--cpu-smoke", "--no-json"])
-    row = new_lengths.where(env, "plain")
+    row = new_lengths.run_worker(env, "where:plain")
     for n in new_lengths.WHERE_LENGTHS:
         figures = row[str(n)]
         assert len(figures["first_ms"]) == len(figures["second_ms"]) == 2 and min(figures["first_ms"]) > 0
