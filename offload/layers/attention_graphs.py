@@ -18,8 +18,8 @@ dtypes, the call's options); at that layer's exit it runs the same call on zeros
 output's backward to a short-lived thread. Autograd runs it on its device thread, which builds
 and caches the backward's plan while this thread goes on with the forward; the real backward
 finds it built (on the H200, plain first steps at 2048-4096 tokens shorter in 16 of 18 pairs on
-three hosts, by up to 136 ms; HF-checkpointed ones at 2048-6144 in 11 of 12 pairs on two hosts,
-by up to 105 ms: docs/benchmarks.md). Not inside the layer: a recomputed layer that keeps
+three hosts, by up to 136 ms; HF-checkpointed ones at 2048-6144 in 14 of 16 pairs on three
+hosts, by up to 121 ms: docs/benchmarks.md). Not inside the layer: a recomputed layer that keeps
 attention runs under a selective checkpoint whose cache would keep a copy's output until the
 layer's backward. Not the forward's plan on the device thread as well (a recomputed layer runs
 its forward there again): built there first, it held the backward's build back, and first steps
