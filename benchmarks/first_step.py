@@ -41,10 +41,12 @@ loops, ``kernels`` (eight 8192^2 bf16 matmuls, then a synchronise), ``launches``
 kernels, then a synchronise) and ``queued`` (400 of those matmuls, about 0.6 s of GPU work queued
 ahead, then a synchronise: a stall of the host thread's launches alone hides behind the queue, one
 of the GPU's work does not), each timed alone, then again and again while ``--pinner-workers``
-threads (default: ``offload.host.pinning``'s two) pin ``GIB`` GiB in blocks of ``--block-mib`` with
-``--pin-method`` (``register_huge``, the arena's for blocks from 8 MiB; ``host_alloc``:
-``cuMemHostAlloc``). The stall is the loops' time beyond their quiet median, reported against the
-pinning's wall time. It needs the native extension and CUDA.
+threads (default: ``offload.host.pinning.PINNER_WORKERS``) pin ``GIB`` GiB in blocks of ``--block-mib``
+with ``--pin-method`` (``register_huge``, the arena's for blocks from 8 MiB; ``host_alloc``:
+``cuMemHostAlloc``; ``staged``: ``register_huge`` in its two halves, every block faulted in, then
+every block locked, ``PinnedBuffer(..., lock_now=False)`` and ``lock_pages()``, a row for each).
+The stall is the loops' time beyond their quiet median, reported against the pinning's wall
+time. It needs the native extension and CUDA.
 
 ``--new-lengths`` measures instead a new length's first step against its later ones (issue 50 s2;
 ``new_lengths.py``): LLAMA-1B, batch 4, ``OffloadActivations(layers, num_offload_layers=0)``, two
@@ -369,27 +371,39 @@ def registration_stall(gib: int, block_mib: int, method: str = "register_huge",
         torch.cuda.synchronize()
         return (time.perf_counter() - started) * 1e3
 
-    def pin(nbytes: int) -> Any:
+    # "staged": register_huge's two halves, each measured on its own: every block faulted in (no
+    # driver call), then every block locked (cuMemHostRegister).
+    halves = ("fault", "lock") if method == "staged" else (method,)
+
+    def pin(part: str, block: Any) -> Any:
+        # ``block``: a size, or (locking) the faulted-in buffer.
+        ext = native.extension()
+        if part == "fault":
+            return ext.PinnedBuffer(block, "register_huge", numa_node=-1, lock_now=False)
         torch.cuda.set_device(device)  # the driver pins in the thread's current context
-        return native.extension().PinnedBuffer(nbytes, method, numa_node=-1)
+        if part == "lock":
+            block.lock_pages()
+            return block
+        return ext.PinnedBuffer(block, part, numa_node=-1)
 
     rows = []
     for name, fn in (("kernels", kernels), ("launches", launches), ("queued", queued)):
         for _ in range(3):
             timed(fn)
         quiet = statistics.median(timed(fn) for _ in range(15))
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            started = time.perf_counter()
-            futures = [pool.submit(pin, block_mib << 20) for _ in range((gib << 10) // block_mib)]
-            loop = []
-            while not all(f.done() for f in futures):
-                loop.append(timed(fn))
-            pin_s = time.perf_counter() - started
-            blocks = [f.result() for f in futures]
+        blocks: list[Any] = [block_mib << 20] * ((gib << 10) // block_mib)
+        for part in halves:
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                started = time.perf_counter()
+                futures = [pool.submit(pin, part, b) for b in blocks]
+                loop = []
+                while not all(f.done() for f in futures):
+                    loop.append(timed(fn))
+                pin_s = time.perf_counter() - started
+                blocks = [f.result() for f in futures]
+            rows.append({"loop": name, "quiet_ms": quiet, "gib": gib, "block_mib": block_mib, "method": part,
+                         "workers": workers, **stall_figures(loop, quiet, pin_s)})
         del blocks
-        rows.append({"loop": name, "quiet_ms": quiet, "gib": gib, "block_mib": block_mib, "method": method,
-                     "workers": workers,
-                     **stall_figures(loop, quiet, pin_s)})
     return rows
 
 
@@ -399,8 +413,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--registration", type=int, default=0, metavar="GIB",
                         help="measure what pinning GIB GiB in the background costs this thread's GPU work instead")
     parser.add_argument("--block-mib", type=int, default=1024, help="--registration's block size (MiB)")
-    parser.add_argument("--pin-method", default="register_huge", choices=("register_huge", "register", "host_alloc"),
-                        help="--registration's way to pin (offload.host.pinning)")
+    parser.add_argument("--pin-method", default="register_huge",
+                        choices=("register_huge", "register", "host_alloc", "staged"),
+                        help="--registration's way to pin (offload.host.pinning; staged: register_huge's "
+                             "two halves, faulting in then locking, each measured)")
     parser.add_argument("--pinner-workers", type=int, default=0,
                         help="--registration's pinning threads (default: offload.host.pinning.PINNER_WORKERS)")
     parser.add_argument("--new-lengths", action="store_true",

@@ -134,7 +134,7 @@ const char* pin_method_name(PinMethod m) {
 }
 
 PinnedHostBuffer::PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t context,
-                                   int touch_threads, int numa_node)
+                                   int touch_threads, int numa_node, bool lock_now)
     : size_(nbytes), method_(method), context_(context) {
   if (nbytes == 0) throw std::invalid_argument("pinned buffer size must be > 0");
   if (method == PinMethod::kHostAlloc) {
@@ -189,19 +189,26 @@ PinnedHostBuffer::PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t co
                                                       std::max<size_t>(1, mapped_ / kTouchBytesPerThread)));
   touch_threads = std::min(touch_threads, cores);
   touch_pages(base, mapped_, kSmallPage * (huge ? 512 : 1), touch_threads);
-  if (method == PinMethod::kMapped) {  // plain host memory: nothing to register
-    data_ = base;
-    return;
-  }
+  data_ = base;
+  if (method == PinMethod::kMapped || !lock_now) return;  // plain host memory, or locked later
+  lock_pages();
+}
+
+void PinnedHostBuffer::lock_pages() {
+  if (method_ == PinMethod::kHostAlloc || method_ == PinMethod::kMapped || registered_) return;
+  if (mapping_ == nullptr) throw std::runtime_error("offload pinned buffer: locked after a refusal emptied it");
   try {
-    host_register(base, mapped_, context);
+    if (context_ == 0) context_ = current_context();  // made with lock_now=false and no context
+    host_register(mapping_, mapped_, context_);
   } catch (...) {
-    munmap(base, mapped_);
-    mapping_ = nullptr;
+    // Refused (locked-memory limit, out of memory): the pages go back to the host now, not when
+    // the caller drops the object (a refused block must not keep what the budget refunded).
+    munmap(mapping_, mapped_);
+    mapping_ = data_ = nullptr;
+    size_ = mapped_ = 0;
     throw;
   }
   registered_ = true;
-  data_ = base;
 }
 
 PinnedHostBuffer::~PinnedHostBuffer() {

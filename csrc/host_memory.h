@@ -45,11 +45,26 @@ class PinnedHostBuffer {
   // pages on that node (see prefer_node; cuMemHostAlloc gets it through the calling thread's
   // policy for the duration of the call). A node the kernel refuses is not an error: the
   // buffer is allocated without it, and numa_node() is -1 with numa_error() saying why.
+  //
+  // `lock_now` false (the mmap methods only): the pages are faulted in, but not locked until
+  // lock_pages(), and no driver call is made before it (`context` 0: the one current where it is
+  // locked). Faulting in is the slow part on a fresh host; cuMemHostRegister holds the driver's
+  // lock, which every driver call of the process waits behind, so a caller can fault in while
+  // the GPU's own work is being set up and lock later. (benchmarks/first_step.py measures each
+  // half's cost; the arena pins blocks whole: locking them apart, back to back or paced, gained
+  // T22 nothing on the H200, see docs/benchmarks.md.)
   PinnedHostBuffer(size_t nbytes, PinMethod method, uintptr_t context, int touch_threads,
-                   int numa_node = -1);
+                   int numa_node = -1, bool lock_now = true);
   ~PinnedHostBuffer();
   PinnedHostBuffer(const PinnedHostBuffer&) = delete;
   PinnedHostBuffer& operator=(const PinnedHostBuffer&) = delete;
+
+  // Lock (register) the pages of a buffer made with lock_now=false; a no-op once locked, and for
+  // the methods that lock as they allocate. Throws std::runtime_error when the host refuses; the
+  // buffer's pages are then released at once, and it is empty (size 0).
+  void lock_pages();
+  // Whether the pages are locked (pinned): always for host_alloc, never for mapped.
+  bool locked() const { return method_ == PinMethod::kHostAlloc || registered_; }
 
   void* data() const { return data_; }
   size_t size() const { return size_; }          // the bytes asked for (what the buffer exposes)

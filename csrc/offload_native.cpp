@@ -231,21 +231,34 @@ PYBIND11_MODULE(_C, m) {
                                         "freed when it goes). Exposes the buffer protocol: wrap it "
                                         "with torch.frombuffer(buf, dtype=torch.uint8).")
       .def(py::init([](size_t nbytes, const std::string& method, uint64_t context, int touch_threads,
-                       int numa_node) {
+                       int numa_node, bool lock_now) {
              const offload::PinMethod m = offload::parse_pin_method(method);
              py::gil_scoped_release release;  // pinning takes milliseconds per 100 MB
-             // Plain mapped memory needs no CUDA context (and works on a machine without one).
-             const uintptr_t ctx =
-                 m == offload::PinMethod::kMapped ? 0 : (context ? context : offload::current_context());
-             return std::make_unique<offload::PinnedHostBuffer>(nbytes, m, ctx, touch_threads, numa_node);
+             // Plain mapped memory needs no CUDA context (and works on a machine without one); a
+             // buffer locked later takes the context current where it is locked.
+             const uintptr_t ctx = m == offload::PinMethod::kMapped || (!lock_now && m != offload::PinMethod::kHostAlloc)
+                                       ? context
+                                       : (context ? context : offload::current_context());
+             return std::make_unique<offload::PinnedHostBuffer>(nbytes, m, ctx, touch_threads, numa_node,
+                                                                lock_now);
            }),
            py::arg("nbytes"), py::arg("method") = "register_huge", py::arg("context") = 0,
-           py::arg("touch_threads") = 0, py::arg("numa_node") = -1,
-           "PinnedBuffer(nbytes, method='register_huge', context=0, touch_threads=0, numa_node=-1)\n\n"
+           py::arg("touch_threads") = 0, py::arg("numa_node") = -1, py::arg("lock_now") = true,
+           "PinnedBuffer(nbytes, method='register_huge', context=0, touch_threads=0, numa_node=-1,\n"
+           "             lock_now=True)\n\n"
            "method: 'host_alloc', 'register', 'register_huge' (pinned; need a CUDA context) or\n"
            "'mapped' (plain host memory, no CUDA). numa_node >= 0 places the pages on that node\n"
            "(mbind before first touch); if the kernel refuses, the buffer is allocated anyway and\n"
-           "numa_node reads -1, numa_error why.")
+           "numa_node reads -1, numa_error why. lock_now=False ('register', 'register_huge'):\n"
+           "the pages are faulted in now and locked by lock_pages() (no driver call before it).")
+      .def("lock_pages",
+           [](offload::PinnedHostBuffer& b) {
+             py::gil_scoped_release release;  // cuMemHostRegister walks the pages
+             b.lock_pages();
+           },
+           "lock_pages(): lock (register) a buffer made with lock_now=False; a no-op once locked.\n"
+           "RuntimeError when the host refuses: the pages are released then, and the buffer is empty.")
+      .def_property_readonly("locked", &offload::PinnedHostBuffer::locked)
       .def_buffer([](offload::PinnedHostBuffer& b) {
         return py::buffer_info(b.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
                                {static_cast<py::ssize_t>(b.size())}, {1});

@@ -540,3 +540,26 @@ def test_host_blocks_are_not_inherited_by_a_fork(native_on):
     os.waitpid(pid, 0)
     assert seen == b"absent"
     assert int(block[-1]) == 7  # and still ours
+
+
+@needs_ext
+def test_a_buffer_locked_later_makes_no_driver_call_first_and_a_refused_lock_gives_its_pages_back(native_on):
+    """``PinnedBuffer(..., lock_now=False)`` faults its pages in with no driver call (so it works on
+    a machine without one), and ``lock_pages()`` pins them; a refused lock releases the pages at
+    once and leaves the buffer empty (a block the host refused must not keep what was refunded)."""
+    ext = native.extension()
+    nbytes = (8 << 20) + 123
+    buffer = ext.PinnedBuffer(nbytes, "register_huge", lock_now=False)
+    assert not buffer.locked and buffer.nbytes == nbytes and buffer.pinned_bytes == 10 << 20
+    block = torch.frombuffer(buffer, dtype=torch.uint8)
+    assert int(block.sum()) == 0  # faulted in: zeroed pages
+    del block
+    if torch.cuda.is_available():  # (the GPU suite round-trips one: test_native_events_gpu)
+        buffer.lock_pages()
+        assert buffer.locked
+        return
+    with pytest.raises(RuntimeError, match="driver|context"):
+        buffer.lock_pages()
+    assert not buffer.locked and buffer.nbytes == 0 and buffer.pinned_bytes == 0
+    with pytest.raises(RuntimeError, match="refusal emptied it"):
+        buffer.lock_pages()

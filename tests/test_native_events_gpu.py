@@ -3,6 +3,8 @@ the engine paths built on them (timing off and on, a fresh context's first step,
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -52,14 +54,27 @@ def test_pooled_events_are_reused_safely() -> None:
     assert torch.equal(y, torch.full_like(x, 2.0))
 
 
+def _locked_on_another_thread(n: int) -> object:
+    # register_huge in its two halves: faulted in here, locked on a worker thread (its own context
+    # current there), as benchmarks/first_step.py --pin-method staged does.
+    buf = EXT.PinnedBuffer(n, "register_huge", lock_now=False)
+    assert not buf.locked
+    device = torch.cuda.current_device()
+    worker = threading.Thread(target=lambda: (torch.cuda.set_device(device), buf.lock_pages()))
+    worker.start()
+    worker.join()
+    assert buf.locked
+    return buf
+
+
 @needs_ext
-@pytest.mark.parametrize("method", ["host_alloc", "register", "register_huge"])
+@pytest.mark.parametrize("method", ["host_alloc", "register", "register_huge", "locked_later"])
 def test_pinned_buffer_methods_round_trip_bitwise(method: str) -> None:
     n = (3 << 20) + 12345
-    buf = EXT.PinnedBuffer(n, method)
+    buf = _locked_on_another_thread(n) if method == "locked_later" else EXT.PinnedBuffer(n, method)
     host = torch.frombuffer(buf, dtype=torch.uint8)
     assert host.numel() == n and host.is_pinned() and buf.nbytes == n
-    page = (2 << 20) if method == "register_huge" else 4096
+    page = (2 << 20) if method in ("register_huge", "locked_later") else 4096
     assert buf.pinned_bytes % page == 0 and n <= buf.pinned_bytes < n + page
     src = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")
     compute = torch.cuda.current_stream().cuda_stream
