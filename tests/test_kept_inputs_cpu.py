@@ -16,13 +16,18 @@ checkpointing's plan, every boundary on the device, was not expressible. Here:
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
+import types
 
 import pytest
 import torch
 
 import offload
 from offload.engine.schedules.planned import PlannedSchedule
+from offload.host.arena import BLOCK_GRANULE, HostArena
+from offload.host.blocks import REUSE_SLACK, with_headroom
+from offload.host.layout import align_up
 from offload.forwards import recompute
 from offload.planner import Action, LayerPlan, Plan, profile_step
 from offload.planner.make import choose
@@ -158,6 +163,44 @@ def test_what_fits_counts_kept_inputs_under_a_host_budget(model) -> None:
     assert host == 0
     longest = longest_fitting(prof, 2, device, None, 0)
     assert longest is not None and longest >= 64
+
+
+def test_a_miss_under_a_plan_pins_ahead_only_the_later_regions_no_idle_block_serves(model) -> None:
+    # A group that finds no idle block pins one and forecasts blocks for the step's later groups.
+    # Under a plan those are its later regions, each at its own size, and only where no idle
+    # block serves one: T22's 8192-token plan, one group over its prediction, pinned 1.8-9 GB
+    # of blocks sized like the missing one for later layers whose own blocks were idle.
+    _, prof = model
+    off = LayerPlan(Action.OFFLOAD)
+    plan = plan_for(prof, [off, SENT, SENT, off, SENT])
+    schedule = PlannedSchedule(plan, prof)
+    offloaded0, inputs1, inputs2, offloaded3, inputs4 = schedule.region_bytes()
+    assert offloaded0 > REUSE_SLACK * inputs1 and schedule.offloaded_after(0) == 4
+    assert schedule.groups_after(types.SimpleNamespace(layer=0, top=0, nbytes=offloaded0)) == [
+        inputs1, inputs2, offloaded3, inputs4]
+    schedule.scale = 0.5  # a step shorter than the plan's top asks for regions scaled to its tokens
+    assert schedule.groups_after(types.SimpleNamespace(layer=3, top=3, nbytes=offloaded3)) == [inputs4 // 2]
+
+    queued: list[int] = []
+    arena = HostArena(pinned=True, budget_bytes=1 << 34, retain=False,
+                      allocate=lambda n: (torch.empty(n, dtype=torch.uint8), n))
+    arena.pinner.submit = lambda n: queued.append(n) or _done(n)  # type: ignore[method-assign]
+    # The plan's blocks, pinned when it was put in force, all but the second offloaded layer's.
+    arena.preallocate([inputs1, inputs2, inputs4])
+    later = [inputs1, inputs2, offloaded3, inputs4]
+    region = arena.acquire(offloaded0 + 4096, step=1, expected_more=lambda: later)  # over its prediction
+    assert region is not None and queued == [with_headroom(align_up(offloaded3, BLOCK_GRANULE))]
+    # A count (a schedule without a plan): that many blocks guessed at the missing group's size.
+    queued.clear()
+    arena.settle()
+    arena.acquire(8 * offloaded0, step=2, expected_more=lambda: 2)
+    assert queued == [with_headroom(align_up(8 * offloaded0, BLOCK_GRANULE))] * 2
+
+
+def _done(n: int) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    future.set_result((torch.empty(n, dtype=torch.uint8), n))
+    return future
 
 
 # -------------------------------------------------------------------------------------- the engine

@@ -42,7 +42,7 @@ import concurrent.futures
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
 
@@ -406,14 +406,16 @@ class HostArena:
         step: int,
         *,
         captured: bool = False,
-        expected_more: Optional[Callable[[], int]] = None,
+        expected_more: Optional[Callable[[], Union[int, list[int]]]] = None,
     ) -> Optional[Region]:
         """A block of at least ``nbytes``, or None when the budget or the allocator says no.
 
         ``captured``: under CUDA-graph capture: only an idle block is handed out (``CaptureError``
-        when none fits), and the graph owns it from now on. ``expected_more()``: how many more
-        regions of about this size the step will ask for, asked on a miss: with nothing being
-        pinned, that many blocks are queued on the background pinner for the next layers.
+        when none fits), and the graph owns it from now on. ``expected_more()``, asked on a miss
+        with nothing being pinned: how many more regions of about this size the step will ask
+        for (that many blocks are queued on the background pinner for the next layers), or the
+        sizes of those regions (a plan's: the ones no idle block serves are queued, each at its
+        own size).
         ``self.keep_while_pinning(size)`` is asked only when the block would be waited for or
         pinned now. True: it is pinned in the background, None is returned and
         ``counters.kept_while_pinning`` counts it (a miss, not a refusal: ``counters.failures``).
@@ -461,22 +463,19 @@ class HostArena:
             if charged:
                 # Host blocks that are not pinned cost no more than any allocation: no forecast.
                 more = expected_more() if self.pinned and expected_more is not None and not self._pending else 0
-                guess = with_headroom(size)
-                cap = self.needs.cap
-                room = min(
-                    (self.budget_bytes - self._committed() - size) // guess,
-                    ledger.free_bytes // self._expect(guess),
-                    # Nothing pinned ahead beyond what the plans need.
-                    (cap - self._committed() - size) // guess if cap is not None else more,
-                )
-                forecast = max(0, min(more, room))
+                guesses = ([with_headroom(n) for n in self._serve(more)[1]] if isinstance(more, list)
+                           else [with_headroom(size)] * more)
+                cap = self.needs.cap  # (nothing pinned ahead beyond what the plans need)
+                room = min(self.budget_bytes - self._committed() - size, ledger.free_bytes,
+                           cap - self._committed() - size if cap is not None else ledger.free_bytes)
+                forecast = fit_within(guesses, room, self._expect)
         if dropped:
             self._give_back_dropped()
         if not charged:
             if self.counters.bytes_held + self.counters.bytes_pending + size <= self.budget_bytes:
                 self._refused_by_process(size)
             return None
-        for _ in range(forecast):
+        for guess in forecast:
             if self._queue(guess, charged=False) is None:
                 break
         if keep_while_pinning is not None and keep_while_pinning(size):

@@ -9,7 +9,7 @@ imports nothing from the engine at run time (no import cycle).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Union
 
 from ..group import Group
 
@@ -46,9 +46,10 @@ class Schedule:
         asked only when the arena has no block, so a loop is fine)."""
         return sum(self.offloads(later) for later in range(layer + 1, self.model_layers))
 
-    def groups_after(self, group: Group) -> int:
+    def groups_after(self, group: Group) -> Union[int, list[int]]:
         """How many more groups the step will copy after ``group`` (the arena's growth forecast:
-        that many blocks of about its size are pinned ahead). One per offloaded layer here."""
+        that many blocks of about its size are pinned ahead), or, where the schedule knows them
+        (a plan), the sizes of their regions. One per offloaded layer here."""
         return self.offloaded_after(group.top)
 
     def expects_offload(self) -> bool:

@@ -45,7 +45,7 @@ from ...host.layout import ALIGNMENT
 from ...planner.model import (
     PREFETCH_DEPTH, copied_at, copied_slots, forward_need_bytes, held_bytes, offloaded_bytes, resident_bytes, transient_bytes,
 )
-from ...planner.types import Action, Plan, StepProfile
+from ...planner.types import Action, LayerPlan, LayerProfile, Plan, StepProfile
 from .base import Schedule
 
 from .engine_view import EngineView
@@ -87,6 +87,7 @@ class PlannedSchedule(Schedule):
         self._transient = [transient_bytes(profile.layers[i], plan.layers[i], profile.recompute_factor) for i in range(n)]
         self._need = [forward_need_bytes(layer) for layer in profile.layers]
         self._copies = [offloaded_bytes(profile.layers[i], plan.layers[i]) > 0 for i in range(n)]
+        self._regions = [_region(profile.layers[i], plan.layers[i]) for i in range(n)]  # per layer, 0: none
         # Gradients left allocated when backward reaches layer i: the head's leftovers and the
         # weight gradients of the layers above it (a suffix sum, read once per backward layer).
         self._grads_at = [profile.head_residual_bytes] * (n + 1)
@@ -119,17 +120,20 @@ class PlannedSchedule(Schedule):
     def region_bytes(self) -> list[int]:
         """The host region each copying layer will ask for: its copied bytes plus the layout's
         per-slot alignment (what the arena pins ahead for this plan)."""
-        sizes = []
-        for layer, lp in zip(self.profile.layers, self.plan.layers):
-            if lp.action is Action.OFFLOAD:
-                slots = copied_slots(layer, lp)
-                sizes.append(sum(slots) + ALIGNMENT * len(slots))
-            elif lp.offloads:  # a recompute sending its inputs (one keeping them pins nothing)
-                sizes.append(layer.input_bytes + ALIGNMENT * 4)  # a layer's few input tensors
-        return [n for n in sizes if n > 0]
+        return [n for n in self._regions if n > 0]
 
     def offloaded_after(self, layer: int) -> int:
         return sum(self._copies[layer + 1:])
+
+    def groups_after(self, group: Group) -> list[int]:
+        """The arena's growth forecast after a miss of ``group``'s layer: the regions the later
+        layers will ask for, at this step's tokens. The arena pins ahead those no idle block
+        serves, each at its own size (the plan's blocks were asked for when it was put in
+        force), not a block of this group's size per later copying layer: on T22's 8192-token
+        plan, where most later layers are recomputes sending 128 MiB of inputs, an offloaded
+        layer's miss pinned 6 blocks of 1.5 GB, and an input group 192 KiB over its prediction
+        15 blocks of 151 MiB, though idle blocks served every later layer."""
+        return [int(region * self.scale) for region in self._regions[group.top + 1:] if region]
 
     def min_offload_bytes(self, layer: int) -> Optional[int]:
         """Offload only tensors of at least this size in ``layer`` (None: the policy's default):
@@ -330,3 +334,14 @@ def bytes_off(layer: int, got: int, expected: int, shape: Optional[tuple[int, in
             "the difference: a step that runs out of memory lowers the budget by itself (with a "
             "warning); to stay clear of that, pass a lower memory_budget_bytes (or \"lowest\"). If "
             "the model changed, make a new OffloadActivations (or plan) for it.")
+
+
+def _region(layer: LayerProfile, lp: LayerPlan) -> int:
+    # The host region ``layer`` asks for under ``lp`` at the plan's tokens: its copied bytes plus
+    # the layout's per-slot alignment; 0 when it copies nothing.
+    if lp.action is Action.OFFLOAD:
+        slots = copied_slots(layer, lp)
+        return sum(slots) + ALIGNMENT * len(slots) if slots else 0
+    if lp.offloads:  # a recompute sending its inputs (one keeping them pins nothing)
+        return layer.input_bytes + ALIGNMENT * 4  # a layer's few input tensors
+    return 0
