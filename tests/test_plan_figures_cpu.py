@@ -23,7 +23,10 @@ import pytest
 import torch
 
 import offload
+from offload.engine.schedules.planned import PlannedSchedule
 from offload.engine.step_peak import StepPeak
+from offload.host.blocks import BLOCK_GRANULE
+from offload.host.layout import align_up
 from offload.models import run_layers
 from offload.planner import Action, LayerPlan, plan_for
 from offload.planner.layer_costs import offloaded_bytes
@@ -204,6 +207,43 @@ def test_plans_offloading_every_layer_copy_what_they_say_at_every_length() -> No
             _step(model, _ids(length, step), oa)
             assert oa.plan is made
             oa.close()
+
+
+def test_a_recompute_sending_its_inputs_copies_what_its_plan_says_the_embeddings_indices_included(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # What is saved before the first layer (the embedding's int64 indices) joins that layer's
+    # group in the engine, so a recompute sending its inputs copies them too: its plan must count
+    # them, or the block pinned for its region is too small. On T22 (4 x 8192 tokens: 256 KiB of
+    # indices) every repeated 8192 step missed that block and pinned another on its thread. Here
+    # the indices (128 x 128 x 8 bytes) are twice the block's rounding.
+    model = _llama(2, "sdpa")
+    layers = model.model.layers
+    ids = torch.randint(0, 128, (128, 128), generator=torch.Generator().manual_seed(0))
+    probed = offload.planner.profile_step(layers, lambda: _step(model, ids), device="cpu", warmup_steps=0,
+                                          min_offload_bytes=0)
+    plan = plan_for(probed, [LayerPlan(Action.RECOMPUTE)] * 2)
+    copied: list[int] = []
+    asked: list[int] = []  # the regions the groups asked the arena for
+    real_end = PlannedSchedule.on_layer_end
+
+    def on_layer_end(self, engine, layer, group):  # type: ignore[no-untyped-def]
+        copied.append(group.copy_bytes if group is not None else 0)
+        asked.append(group.nbytes if group is not None else 0)
+        return real_end(self, engine, layer, group)
+
+    monkeypatch.setattr(PlannedSchedule, "on_layer_end", on_layer_end)
+    oa = offload.OffloadActivations(layers, plan=plan, device="cpu", min_offload_bytes=0)
+    pinned_for_plan = [align_up(n, BLOCK_GRANULE) for n in PlannedSchedule(plan, probed).region_bytes()]
+    for _ in range(3):
+        copied.clear()
+        asked.clear()
+        _step(model, ids, oa)
+        assert copied == [layer.input_bytes for layer in probed.layers]
+        # The block pinned for each region serves what the group asks (a CPU arena pins none).
+        assert all(align_up(n, BLOCK_GRANULE) <= block for n, block in zip(asked, pinned_for_plan)), (
+            asked, pinned_for_plan)
+    assert copied[0] - copied[1] == ids.nbytes  # the indices went with the first layer
+    oa.close()
 
 
 def test_a_buckets_top_is_its_own_bucket() -> None:

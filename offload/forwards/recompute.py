@@ -29,7 +29,10 @@ from torch.utils.checkpoint import checkpoint
 
 from .stateful import StatefulCall, stateful_arguments
 
-__all__ = ["checkpoint_call", "checkpoint_inputs", "checkpoint_input_bytes", "checkpoint_input_sizes"]
+__all__ = ["checkpoint_call", "checkpoint_inputs", "checkpoint_input_bytes", "checkpoint_input_sizes", "saved_size"]
+
+# A saved tensor's storage address, bytes and shape (:func:`saved_size`).
+SavedSize = tuple[int, int, tuple[int, ...]]
 
 
 def checkpoint_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[torch.Tensor]:
@@ -39,17 +42,27 @@ def checkpoint_inputs(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[to
         [v for v in kwargs.values() if isinstance(v, torch.Tensor)]
 
 
-def checkpoint_input_sizes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> list[tuple[int, tuple[int, ...]]]:
+def checkpoint_input_sizes(args: Sequence[Any], kwargs: Mapping[str, Any],
+                           before: Sequence[SavedSize] = ()) -> list[tuple[int, tuple[int, ...]]]:
     """``(bytes, shape)`` of each of :func:`checkpoint_inputs`, each storage once (a tensor passed
-    twice, or two views of one storage, is saved once by the engine's group)."""
+    twice, or two views of one storage, is saved once by the engine's group). ``before``: the
+    tensors saved since the layer before (an embedding's indices; :func:`saved_size` each), which
+    join this layer's group in the engine, counted too: at 4 x 8192 tokens LLAMA's 256 KiB of
+    indices left the first layer's inputs over the block its plan pinned for them, and a
+    repeated step pinned another on its thread."""
     seen: set[int] = set()
     out = []
-    for t in checkpoint_inputs(args, kwargs):
-        ptr = t.untyped_storage().data_ptr()
+    for ptr, nbytes, shape in [*map(saved_size, checkpoint_inputs(args, kwargs)), *before]:
         if ptr not in seen:
             seen.add(ptr)
-            out.append((t.nbytes, tuple(t.shape)))
+            out.append((nbytes, shape))
     return out
+
+
+def saved_size(t: torch.Tensor) -> SavedSize:
+    """``(storage address, bytes, shape)`` of ``t``: what :func:`checkpoint_input_sizes` counts,
+    without a reference that would keep the tensor alive."""
+    return t.untyped_storage().data_ptr(), t.nbytes, tuple(t.shape)
 
 
 def checkpoint_input_bytes(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:

@@ -12,7 +12,8 @@ It records, per layer:
 - the storage slots the layer's group would copy (the engine's own ``Group`` dedups views and
   aligns spans, and the engine's ``SelectionPolicy`` picks the tensors, so the bytes are exactly
   what an offloading step would move);
-- the bytes a checkpoint of the layer would save (its tensor inputs, :mod:`offload.forwards.recompute`);
+- the bytes a checkpoint of the layer would send (its tensor inputs, :mod:`offload.forwards.recompute`,
+  and what was saved since the layer before, which joins its group);
 - the bytes its selectively recomputed modules keep in their caches (``offload.forwards.selective``),
   which never reach the hooks;
 - the same with its selective candidates (a layer's MLP) run selectively: their insides give way
@@ -43,7 +44,7 @@ from ..engine.eager import run_eagerly, saved_tensors_hooks
 from ..engine.step import first_grad_tensor
 from ..engine.packing import keep_handle, unpack_kept
 from ..engine.policy import SelectionPolicy
-from ..forwards.recompute import checkpoint_input_sizes, checkpoint_inputs
+from ..forwards.recompute import SavedSize, checkpoint_input_sizes, checkpoint_inputs, saved_size
 from ..forwards.selective import always_selective
 from .calibration import RecomputeReading, recompute_factors
 from .entry_base import grads_held, rebased
@@ -61,7 +62,7 @@ class _LayerRecord:
         "index", "tally", "input_sizes", "fwd_start", "fwd_end", "bwd_start", "bwd_end",
         "mem_start", "mem_end", "forward_peak", "mem_bwd_start", "backward_peak", "module",
         "new_grads", "cached", "selective_tally", "selective_cached",
-        "candidate_spans", "has_candidates", "rec_start", "rec_end", "attention",
+        "candidate_spans", "has_candidates", "rec_start", "rec_end", "attention", "before",
     )
 
     def __init__(self, index: int, retain: bool = False) -> None:
@@ -84,11 +85,11 @@ class _LayerRecord:
         self.new_grads = 0  # bytes of its weights that require grad and have none yet
         self.cached = 0     # bytes its selectively recomputed modules cached (offload.forwards.selective)
         self.rec_start = self.rec_end = None  # its recompute in backward (low-memory probe)
-        # Allocated bytes at the layer's start and end, and its peak above the start (forward);
-        # at the start of its backward, and its peak above that (backward). 0 on CPU.
+        # Allocated bytes at its start and end, its peak above the start; the same in backward. 0 on CPU.
         self.mem_start = self.mem_end = self.forward_peak = 0
         self.mem_bwd_start = self.backward_peak = 0
         self.input_sizes: list[tuple[int, tuple[int, ...]]] = []  # a checkpoint's inputs
+        self.before: list[SavedSize] = []  # saved since the layer before: they join its group
         self.fwd_start: Any = None
         self.fwd_end: Any = None
         self.bwd_start: Any = None  # gradient of the layer's output ready
@@ -266,7 +267,7 @@ class ProbeStep:
         record.mem_start = self.meter.now()
         if index == 0:
             self.base_bytes = record.mem_start
-        record.input_sizes = checkpoint_input_sizes(args, kwargs)
+        record.input_sizes, record.before = checkpoint_input_sizes(args, kwargs, record.before), []
         if index == 0:
             # The step's batch shape, from the hidden states (offload.planner.shapes).
             hidden = next(iter(checkpoint_inputs(args, kwargs)), None)
@@ -308,8 +309,7 @@ class ProbeStep:
     def _record_now(self) -> _LayerRecord:
         record = self._open
         if record is None:
-            # Between layers: the next layer's, as in the engine (a checkpoint around __call__
-            # saves the layer's inputs there).
+            # Between layers: the next layer's, as in the engine (a checkpoint around __call__ saves its inputs there).
             if self._pending is None:
                 self._pending = self._new_record(len(self.records))
             record = self._pending
@@ -331,14 +331,16 @@ class ProbeStep:
 
     def _pack(self, t: torch.Tensor) -> Any:
         # In a recompute probe, what reaches these hooks inside a layer is its checkpoint's
-        # inputs; the layer's own tensors are counted inside the checkpoint (CountingPack).
-        # Never the tensor itself: it may be the saving node's own output, and a handle holding
-        # it would keep a failed probe step's graph alive for good (see offload.engine.packing).
+        # inputs (its own tensors are counted inside the checkpoint: CountingPack). Never the
+        # tensor itself here, nor in ``before``: it may be the saving node's own output, and a
+        # reference would keep a failed probe step's graph alive (see offload.engine.packing).
         if not self.recording:
             return keep_handle(t, len(self.records))
         record = self._record_now()
         if self.mode == PLAIN_PROBE or self._open is None:
             self.count_saved(t, record)
+        if self._open is None:
+            record.before.append(saved_size(t))
         return keep_handle(t, record.index)
 
     @staticmethod

@@ -137,7 +137,8 @@ class LayerProfile:
     """What one layer saves and how long it takes, from the probe step."""
 
     slot_bytes: tuple[int, ...]  # byte size of each saved storage slot (after dedup), any order
-    input_bytes: int             # what a checkpoint of the layer saves: its tensor inputs
+    input_bytes: int             # what a checkpoint of the layer saves: its tensor inputs (and
+                                 # what was saved since the layer before: it joins the layer's group)
     forward_ms: float
     backward_ms: float           # without recompute
     signature: str               # fingerprint of the shapes/dtypes saved
