@@ -415,7 +415,7 @@ class HostArena:
         with nothing being pinned: how many more regions of about this size the step will ask
         for (that many blocks are queued on the background pinner for the next layers), or the
         sizes of those regions (a plan's: the ones no idle block serves are queued, each at its
-        own size).
+        own size with a guessed block's headroom).
         ``self.keep_while_pinning(size)`` is asked only when the block would be waited for or
         pinned now. True: it is pinned in the background, None is returned and
         ``counters.kept_while_pinning`` counts it (a miss, not a refusal: ``counters.failures``).
