@@ -122,9 +122,6 @@ class PlannedSchedule(Schedule):
         per-slot alignment (what the arena pins ahead for this plan)."""
         return [n for n in self._regions if n > 0]
 
-    def offloaded_after(self, layer: int) -> int:
-        return sum(self._copies[layer + 1:])
-
     def groups_after(self, group: Group) -> list[int]:
         """The arena's growth forecast after a miss of ``group``'s layer: the regions the later
         layers will ask for, at this step's tokens. The arena pins ahead those no idle block
