@@ -334,7 +334,7 @@ class OffloadActivations:
         planned, model = self._planned, self._model
         shape = model_form.call_shape(fn, args, kwargs)
         if planned is not None and model is not None and shape is not None:
-            short = model_form.short_step(model, fn, args, kwargs, shape, through_module) \
+            short = model_form.short_step(model, fn, args, kwargs, shape, through_module, planned.head) \
                 if planned.profile is None and self._short_probe else None
             if planned.at_model_entry(shape, short, model_form.probe_tokens(planned.head, planned.device)):
                 self._probe_step = False

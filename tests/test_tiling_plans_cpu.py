@@ -81,6 +81,17 @@ def test_tiled_head_drops_the_logits() -> None:
     assert tiled_profile(small, 0, HeadInfo(32000, 256, False, True), 256).head_residual_bytes == 1 << 20
 
 
+def test_the_head_is_tiled_only_where_it_would_hold_less_than_untiled() -> None:
+    # The untiled head's loss runs over chunks of rows (offload.tiling.exact_loss): about 5 bytes
+    # a logit, under a tiled head's one 2048-token chunk at 4096 tokens, over it at 65536.
+    head = HeadInfo(32000, 256, False, True)
+    for tokens, tiled in ((4096, False), (65536, True)):
+        base = dataclasses.replace(_synthetic(tokens, 32000, 256), head_bytes=tokens * 32000 * 5)
+        variant, _, head_tokens = tiling.lowest_tiled(base, head)
+        assert bool(head_tokens) is tiled, (tokens, head_tokens)
+        assert variant.head_bytes <= base.head_bytes
+
+
 def _synthetic(tokens: int, vocab: int, hidden: int):
     # A profile whose head holds its logits (10 bytes each), as a CUDA probe would measure.
     model = _model()

@@ -60,6 +60,15 @@ def small_chunks(monkeypatch):
     monkeypatch.setattr(model_form, "SHORT_PROBE_TOKENS", 1024)
 
 
+@pytest.fixture
+def hfs_untiled_loss(monkeypatch):
+    """The untiled calls run HF's own loss, as before its loss ran over chunks of rows
+    (offload.tiling.exact_loss): at 4096 tokens that head, 16 bytes a logit, is what makes a
+    tiled plan the only one to fit; the exact loss's, 5 bytes a logit, fits untiled."""
+    monkeypatch.setattr(model_form, "with_exact_loss", lambda model, fn, head: fn)
+
+
+@pytest.mark.usefixtures("hfs_untiled_loss")
 def test_tiled_plan_fits_its_budget_bit_for_bit_with_delayed_copies() -> None:
     model = _model()
     ids = torch.randint(0, 32000, (1, 4096), device="cuda")

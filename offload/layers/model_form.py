@@ -48,6 +48,7 @@ from ..forwards.instance import check_own_forward
 from ..planner.shapes import StepShape
 from ..planner.tiling import LOGIT_BYTES, HeadInfo
 from ..tiling.causal_lm import TiledCausalLMForward, final_norm_support, head_support
+from ..tiling.exact_loss import exact_causal_lm_loss, hf_causal_lm_loss
 from .short_probe import ShortStep, is_fsdp2_root
 
 # A probe of a long first batch runs at most this many tokens ...
@@ -55,6 +56,7 @@ SHORT_PROBE_TOKENS = 32768
 # ... and fewer where the untiled head's logits there would take more than this share of the GPU
 # (the probe runs the head untiled: that is what it measures).
 PROBE_HEAD_SHARE = 0.25
+_UNSET = object()
 
 
 class ModelCaller(Protocol):
@@ -111,25 +113,53 @@ def call_shape(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def short_step(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
-               shape: StepShape, through_module: bool = False) -> Optional[ShortStep]:
+               shape: StepShape, through_module: bool = False, head: Optional[HeadInfo] = None) -> Optional[ShortStep]:
     """A whole training step of this call cut to ``length`` tokens per sequence (``step(length)``),
     invisible to the user (:mod:`offload.layers.short_probe`; ``step.refused`` says why it cannot
     be, where it cannot); None without ``labels`` (no loss to run a backward from).
     ``through_module``: the step calls the model itself, hooks and all (an FSDP2 root, probed
-    ahead of its hooks), rather than its forward ``fn``."""
+    ahead of its hooks), rather than its forward ``fn``. ``head``: its loss runs as the planned
+    steps' does (:func:`with_exact_loss`)."""
     arguments = _bound(fn, args, kwargs)
     if not isinstance(arguments.get("labels"), torch.Tensor):
         return None
-    return ShortStep(model, fn, arguments, shape, through_module)
+    return ShortStep(model, with_exact_loss(model, fn, head), arguments, shape, through_module)
 
 
 def run_call(model: torch.nn.Module, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              head_tokens: int, head: Optional[HeadInfo] = None) -> Any:
     """The call itself: through the tiled head and loss over ``head_tokens`` tokens (the final
-    norm inside its chunks where ``head`` says so), or as the model runs it (0)."""
+    norm inside its chunks where ``head`` says so), or as the model runs it (0), its loss then
+    HF's over chunks of rows (:func:`with_exact_loss`)."""
     if head_tokens:
         return TiledCausalLMForward(model, fn, head_tokens, head.norm if head is not None else "")(*args, **kwargs)
-    return fn(*args, **kwargs)
+    return with_exact_loss(model, fn, head)(*args, **kwargs)
+
+
+def with_exact_loss(model: torch.nn.Module, fn: Callable[..., Any], head: Optional[HeadInfo]) -> Callable[..., Any]:
+    """``fn`` (the model's forward) with its loss HF's bit for bit, its float32 working set one
+    chunk of rows at a time (``exact_causal_lm_loss``), where ``head`` found transformers'
+    template and ``ForCausalLMLoss`` (what ``head_support`` checks) and the model still has it:
+    every untiled call of a planning context, probe steps included, so that the head the probe
+    measures is the head the plans run."""
+    if head is None or not head.tileable:
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if model.loss_function is not hf_causal_lm_loss():  # (set by the user since)
+            return fn(*args, **kwargs)
+        # HF's setter keeps a loss function on the instance (``_loss_function``): set for this call only.
+        before = model.__dict__.get("_loss_function", _UNSET)
+        model.loss_function = exact_causal_lm_loss
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if before is _UNSET:
+                model.__dict__.pop("_loss_function", None)
+            else:
+                model._loss_function = before
+
+    return call
 
 
 class ModelForward:

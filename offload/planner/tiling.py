@@ -115,21 +115,26 @@ def tiled_profile(profile: StepProfile, tile_tokens: int, head: Optional[HeadInf
         layers = tuple(_tiled_layer(l, tile_tokens, tokens) if l.selective is not None else l for l in layers)
     head_bytes, head_ms, residual = profile.head_bytes, profile.head_ms, profile.head_residual_bytes
     if head_tokens and head is not None:
-        # Counted afresh rather than by subtracting the logits from the measured peak (how many
-        # bytes a logit costs there depends on the loss's code): the final norm's output, its
-        # float32 upcast and the gradients of the hidden states, one chunk's logits, and the
-        # float32 sum of the weight's gradient when it trains.
-        rows = min(head_tokens, tokens)
-        chunk = int(DERIVED_MARGIN * head_chunk_bytes(rows, head.vocab_size))
-        if head.norm:
-            chunk += int(DERIVED_MARGIN * rows * head.hidden_size * NORM_CHUNK_BYTES)
-        tiled = tokens * head.hidden_size * (NORMED_HIDDEN_BYTES if head.norm else HIDDEN_BYTES) + chunk
-        if head.weight_trains:
-            tiled += head.vocab_size * head.hidden_size * 4
+        tiled = tiled_head_bytes(tokens, head, head_tokens)
         head_bytes = min(head_bytes, tiled)
         residual = min(residual, tiled)
         head_ms *= 4 / 3
     return replace(profile, layers=layers, head_bytes=head_bytes, head_ms=head_ms, head_residual_bytes=residual)
+
+
+def tiled_head_bytes(tokens: int, head: HeadInfo, head_tokens: int) -> int:
+    """The tiled head's peak in a step of ``tokens``, counted afresh rather than by subtracting
+    the logits from the measured peak (how many bytes a logit costs there depends on the loss's
+    code): the final norm's output, its float32 upcast and the gradients of the hidden states,
+    one chunk's logits, and the float32 sum of the weight's gradient when it trains."""
+    rows = min(head_tokens, tokens)
+    chunk = int(DERIVED_MARGIN * head_chunk_bytes(rows, head.vocab_size))
+    if head.norm:
+        chunk += int(DERIVED_MARGIN * rows * head.hidden_size * NORM_CHUNK_BYTES)
+    tiled = tokens * head.hidden_size * (NORMED_HIDDEN_BYTES if head.norm else HIDDEN_BYTES) + chunk
+    if head.weight_trains:
+        tiled += head.vocab_size * head.hidden_size * 4
+    return tiled
 
 
 def _variants(profile: StepProfile, head: Optional[HeadInfo]) -> list[tuple[int, int]]:
@@ -137,11 +142,15 @@ def _variants(profile: StepProfile, head: Optional[HeadInfo]) -> list[tuple[int,
     tokens = _tokens(profile)
     out = [(0, 0)]
     head_tokens = default_head_chunk(head.vocab_size) if head is not None and head.tileable else 0
-    if head_tokens and head_tokens < tokens:
+    # Where the untiled head holds less than the tiled one would (its loss runs over chunks of
+    # rows, offload.tiling.exact_loss: 5 bytes a logit), tiling it gains nothing.
+    if head_tokens >= tokens or (head is not None and tiled_head_bytes(tokens, head, head_tokens) >= profile.head_bytes):
+        head_tokens = 0
+    if head_tokens:
         out.append((0, head_tokens))
     chunk = mlp_chunk_tokens(tokens)
     if chunk < tokens and any(l.selective is not None for l in profile.layers):
-        out.append((chunk, head_tokens if head_tokens < tokens else 0))
+        out.append((chunk, head_tokens))
     return out
 
 
