@@ -5,8 +5,10 @@ dynamic padding), a memory budget of 24 GiB.
 Contenders, each in a process of its own (``workers.py``: an out-of-memory error can leave memory
 behind), each running the same stream of batches from the same initial weights:
 
-  ours   ``offload.OffloadActivations(model.model.layers, memory_budget_bytes=24 << 30)`` around
-         each forward. Planning is part of the stream: its first steps are the probe steps.
+  ours   ``offload.OffloadActivations(model.model.layers, memory_budget_bytes=24 << 30, model=model)``
+         around each forward (``model=``, as the README tells HF users: the loss then runs over
+         chunks of rows, bit for bit HF's). Planning is part of the stream: its first steps are
+         the probe steps.
   ckpt   HF gradient checkpointing (non-reentrant) on the same stream.
   plain  the plain step, where it fits: an out-of-memory step is recorded and the stream goes on.
 
@@ -138,7 +140,7 @@ def run_contender(env: Env, contender: str, args: Any, grads_file: Optional[Path
             options["plan_ahead"] = sorted(set(lengths))
         elif args.plan_ahead != "default":
             options["plan_ahead"] = args.plan_ahead == "on"
-        ctx = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True, **options)
+        ctx = offload.OffloadActivations(layers, memory_budget_bytes=budget, measure_peak=True, model=model, **options)
     watch = PlanWatch(ctx)
     step = make_train_step(model, watch, optimizer)
 
