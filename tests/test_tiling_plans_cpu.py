@@ -90,6 +90,8 @@ def test_the_head_is_tiled_only_where_it_would_hold_less_than_untiled() -> None:
         variant, _, head_tokens = tiling.lowest_tiled(base, head)
         assert bool(head_tokens) is tiled, (tokens, head_tokens)
         assert variant.head_bytes <= base.head_bytes
+        # A head tiled anyway is counted as it runs, not capped at the untiled head's bytes.
+        assert tiled_profile(base, 0, head, 2048).head_bytes == tiling.tiled_head_bytes(tokens, head, 2048)
 
 
 def _synthetic(tokens: int, vocab: int, hidden: int):

@@ -56,6 +56,7 @@ SHORT_PROBE_TOKENS = 32768
 # ... and fewer where the untiled head's logits there would take more than this share of the GPU
 # (the probe runs the head untiled: that is what it measures).
 PROBE_HEAD_SHARE = 0.25
+# A model whose ``_loss_function`` HF had not set (with_exact_loss puts it back so).
 _UNSET = object()
 
 

@@ -15,8 +15,8 @@ The head: its peak is counted afresh, ``HIDDEN_BYTES`` per hidden element (the f
 output and the hidden states' gradients; ``NORMED_HIDDEN_BYTES`` where the norm runs inside the
 chunks, plus the norm's working set for one chunk) plus one chunk's working set
 (:func:`offload.tiling.loss.head_chunk_bytes`) and the float32 weight gradient it sums into when
-the head trains (never more than the untiled head measured); what it leaves for backward
-(``head_residual_bytes``) is at most that too: the untiled head's residual, measured when backward
+the head trains (tiled only where that is less than the untiled head measured); what it leaves
+for backward (``head_residual_bytes``) is at most that: the untiled head's residual, measured when backward
 reaches the last layer, holds logit-sized buffers (about 5 bytes a logit on the H200: 157 GiB at
 262,144 tokens a rank of a 128256-word vocabulary, T29 at cp=4), which no chunked head keeps; its
 time grows by one of its three GEMMs (backward recomputes the logits).
@@ -115,9 +115,10 @@ def tiled_profile(profile: StepProfile, tile_tokens: int, head: Optional[HeadInf
         layers = tuple(_tiled_layer(l, tile_tokens, tokens) if l.selective is not None else l for l in layers)
     head_bytes, head_ms, residual = profile.head_bytes, profile.head_ms, profile.head_residual_bytes
     if head_tokens and head is not None:
-        tiled = tiled_head_bytes(tokens, head, head_tokens)
-        head_bytes = min(head_bytes, tiled)
-        residual = min(residual, tiled)
+        # As counted, not capped by the untiled head's: where that holds less, the head is not
+        # tiled at all (_variants), and a cap would count a tiled head smaller than it runs.
+        head_bytes = tiled_head_bytes(tokens, head, head_tokens)
+        residual = min(residual, head_bytes)
         head_ms *= 4 / 3
     return replace(profile, layers=layers, head_bytes=head_bytes, head_ms=head_ms, head_residual_bytes=residual)
 
