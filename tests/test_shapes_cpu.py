@@ -31,6 +31,9 @@ P = StepShape(2, 512)
     ((2, 8, 512, 128), 1024, (1, 1)),    # heads whose head_dim is not the length
     ((8, 16, 512), 64, (1, 1)),          # the batch merged with the heads
     ((1, 1, 512, 16), 64, (0, 1)),       # broadcast over the batch
+    ((8, 512, 512), 64, (1, 2)),         # scores with the batch merged into the heads (eager's bmm)
+    ((8, 512, 512), 2048, (1, 1)),       # ... not heads whose head_dim is the length (4 x 512)
+    ((2, 512, 512), 64, (1, 1)),         # an MLP as wide as the probe is long: (B, T, features)
 ])
 def test_size_exponents(sizes, hidden, expected) -> None:
     assert size_exponents(sizes, P, hidden) == expected
@@ -42,6 +45,8 @@ def test_size_exponents_heads_as_wide_as_the_length() -> None:
     assert size_exponents((2, 4, 16, 16), StepShape(2, 16), hidden=None) == (1, 2)
     # At batch 1 a per-sample tensor cannot be told by its dims: it grows with the batch too.
     assert size_exponents((1, 300, 64), StepShape(1, 300)) == (1, 1)
+    # At batch 1, eager attention's bmm saves its scores as (heads, T, T).
+    assert size_exponents((4, 300, 300), StepShape(1, 300), hidden=64) == (1, 2)
 
 
 def test_shapes_and_buckets() -> None:
@@ -85,6 +90,59 @@ def test_profile_predicted_at_another_shape_matches_one_measured_there(attention
             assert abs(a - b) <= 256, (sorted(got.slot_bytes), sorted(want.slot_bytes))
     if attention == "eager":  # the scores (2 x 4 x 24 x 24 floats at the probe) grew squared
         assert max(long.layers[0].slot_bytes) == 3 * 4 * 40 * 40 * 4
+
+
+@pytest.mark.parametrize("short, long", [((1, 24), (1, 96)), ((2, 24), (3, 40))])
+def test_eager_bf16_scores_saved_by_bmm_grow_squared(short, long) -> None:
+    # In bf16, eager attention casts the softmax's float32 output to bf16 and its second matmul
+    # saves that as a (batch x heads, T, T) view, which nothing else holds: read as activations,
+    # a 4x longer step was predicted to save 4x those scores where it saves 16x (on the H200, 2 GB
+    # a layer short at 16384 tokens).
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, max_position_embeddings=128, use_cache=False,
+        attn_implementation="eager")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    measured_short = _llama_profile(model, torch.randint(0, 128, short))
+    measured_long = _llama_profile(model, torch.randint(0, 128, long))
+    predicted = profile_at(measured_short, StepShape(*long))
+    for got, want in zip(predicted.layers, measured_long.layers):
+        assert sorted(got.slot_growth).count((1, 2)) == 2, got.slot_growth  # float32 and bf16 scores
+        assert len(got.slot_bytes) == len(want.slot_bytes)
+        for a, b in zip(sorted(got.slot_bytes), sorted(want.slot_bytes)):
+            assert abs(a - b) <= 256, (sorted(got.slot_bytes), sorted(want.slot_bytes))
+
+
+def test_a_transient_peak_is_never_predicted_below_its_worst_split_between_kinds() -> None:
+    # A layer saving activations (1, 1) and scores (1, 2) at length 1024: a peak made of any
+    # mix of temporaries of those two kinds (and, in backward, less what its saved bytes free)
+    # is predicted at or above what that mix reaches at 4x and 16x the length; where every slot
+    # grows alike, exactly as they do; and shrinking, as the saved bytes shrink.
+    from offload.planner.scaling import transient_at
+
+    probe = StepShape(1, 1024)
+    lin, quad = 16_500_000, 16_800_000
+    slots = [(lin, lin, (1, 1)), (quad, quad, (1, 2))]
+    freed = [(lin, (1, 1)), (quad, (1, 2))]
+    for length in (4096, 16384):
+        shape = StepShape(1, length)
+        q = length / 1024
+        for alpha, beta in ((2.5, 0.57), (1.0, 2.0), (3.0, 0.0), (0.0, 3.0)):  # forward: temporaries
+            peak = alpha * quad + beta * lin
+            assert transient_at(int(peak), slots, [], shape, probe) >= alpha * quad * q * q + beta * lin * q - 1
+        for alpha, beta in ((2.96, -0.5), (3.0, -1.0), (1.0, 0.5)):  # backward: frees saved bytes
+            peak = alpha * quad + beta * lin
+            assert transient_at(int(peak), slots, freed, shape, probe) >= alpha * quad * q * q + beta * lin * q - 1
+    # (The measured SDPA-math layer: forward 51.4 MB at 1024, 10.89 GB at 16384.)
+    assert 10.89e9 <= transient_at(51_388_928, slots, [], StepShape(1, 16384), probe) <= 1.25 * 10.89e9
+    assert transient_at(0, slots, freed, StepShape(1, 16384), probe) == 0  # not measured (the CPU)
+    alike = [(lin, lin, (1, 1)), (quad, quad, (1, 1))]
+    assert transient_at(1000, alike, [(lin, (1, 1))], StepShape(2, 2048), probe) == 4000
+    shorter = StepShape(1, 256)
+    as_saved = (lin / 4 + quad / 16) / (lin + quad)
+    assert transient_at(10_000_000, slots, freed, shorter, probe) == round(10_000_000 * as_saved)
 
 
 def _stream_budget(layers, x) -> int:

@@ -14,8 +14,10 @@ tokens (batch x length) and ``q`` the ratio of lengths:
   shorter one (issue 48: a hidden-64 Llama whose (2, T, 64) float32 tensors cross the 64 KiB
   floor between lengths 96 and 200 warned "layer 0 saved 1572864 bytes ... the plan was made
   for 1048576"). A checkpoint's inputs (``input_terms``) grow likewise;
-- a layer's **transient peaks** (forward and backward) grow as its saved bytes do, and the
-  selective caches (GEMM outputs) and attention's outputs (``attention_bytes``) as tokens;
+- a layer's **transient peaks** (forward and backward) grow as its saved bytes do, or, where
+  its slots grow at different rates, as if all of it were of the fastest-growing kind
+  (eager attention's scores), whichever is more (:func:`transient_at`); the selective caches
+  (GEMM outputs) and attention's outputs (``attention_bytes``) as tokens;
 - **time**: attention's measured share (``attention_forward_ms`` / ``attention_backward_ms``,
   the ``scaled_dot_product_attention`` kernels) grows as ``r * q`` (causal attention's FLOPs,
   batch x length squared), the rest of the layer as ``r``; the embedding, the head and the
@@ -40,7 +42,7 @@ from typing import Optional
 
 from .model import simulate
 from .layer_costs import all_slots
-from .shapes import StepShape, grown
+from .shapes import Slot, StepShape, grown
 from .types import Action, LayerPlan, LayerProfile, SelectiveProfile, StepProfile
 
 _LINEAR = (1, 1)
@@ -60,12 +62,11 @@ def profile_shape(profile: StepProfile) -> Optional[StepShape]:
 
 
 def _slots_at(source: LayerProfile | SelectiveProfile, shape: StepShape, probe: StepShape,
-              floor: int) -> tuple[dict[str, tuple], float]:
+              floor: int) -> dict[str, tuple]:
     """``source``'s slot fields at ``shape``: each slot grown by its own exponents and put above
     or under the engine's size ``floor`` by its largest tensor there, as the engine's policy
-    will put it; and how much all its slots grew together."""
-    slots = all_slots(source)
-    now = grown(slots, shape, probe)
+    will put it."""
+    now = grown(all_slots(source), shape, probe)
     above = [s for s in now if s[1] >= floor]
     under = [s for s in now if s[1] < floor]
     fields = {
@@ -74,8 +75,31 @@ def _slots_at(source: LayerProfile | SelectiveProfile, shape: StepShape, probe: 
         "slot_growth": tuple(g for _, _, g in above),
         "small_slots": tuple((n, k, *g) for n, k, g in under),
     }
+    return fields
+
+
+def transient_at(peak: int, slots: list[Slot], freed: list[tuple[int, tuple[int, int]]], shape: StepShape,
+                 probe: StepShape) -> int:
+    """A transient ``peak`` (bytes above where it began) measured at ``probe``, at ``shape``.
+
+    ``slots``: what the layer saves; ``freed``: what may be freed between the peak's start and
+    its top, as (bytes, exponents): a backward frees the layer's saved tensors and its incoming
+    gradient, a forward nothing it counted. One probe cannot tell which part of a peak is of
+    which kind. Where the slots grow alike, the peak grows with them. Where they do not, the
+    temporaries lean to the fastest-growing kind at least as much as the saved bytes do: eager
+    attention (or SDPA's math backend) builds several score-sized tensors around the one it
+    saves (docs/benchmarks.md: a layer's forward peak there is 2.5 times its saved scores and
+    half its other saved bytes). So the peak is read both ways, as the saved bytes grow and as
+    if all of it were of the fastest-growing kind (length first), and the larger is taken; in
+    the second, what the slower kinds freed lowered the peak less at ``shape`` and is added back
+    at the difference. Growing the length, the second reading rules; shrinking it, the first."""
     before = sum(n for n, _, _ in slots)
-    return fields, (sum(n for n, _, _ in now) / before if before else shape.tokens / probe.tokens)
+    if not peak or not before:  # (0: not measured, as on the CPU: the model reads saved bytes)
+        return int(round(peak * shape.tokens / probe.tokens))
+    as_saved = sum(n * shape.scale(g, probe) for n, _, g in slots) / before
+    top = shape.scale(max((g for _, _, g in slots), key=lambda g: (g[1], g[0])), probe)
+    lowered = sum(n * max(0.0, top - shape.scale(g, probe)) for n, g in freed)
+    return int(round(max(peak * as_saved, peak * top + lowered)))
 
 
 def _input_bytes(layer: LayerProfile, shape: StepShape, probe: StepShape) -> int:
@@ -87,14 +111,18 @@ def _input_bytes(layer: LayerProfile, shape: StepShape, probe: StepShape) -> int
 def _layer_at(layer: LayerProfile, shape: StepShape, probe: StepShape, floor: int) -> LayerProfile:
     r = shape.tokens / probe.tokens
     rq = r * shape.length / probe.length
-    fields, grow = _slots_at(layer, shape, probe, floor)
+    fields = _slots_at(layer, shape, probe, floor)
+    saved = all_slots(layer)
+    # A backward frees the layer's saved tensors and its incoming gradient, shaped as its inputs.
+    freed = [(n, g) for n, _, g in saved] + \
+        ([(n, (a, b)) for n, a, b in layer.input_terms] or [(layer.input_bytes, _LINEAR)])
     slots = fields["slot_bytes"]
     inputs = _input_bytes(layer, shape, probe)
     terms = tuple((int(round(n * shape.scale((a, b), probe))), a, b) for n, a, b in layer.input_terms)
     selective = layer.selective
     if selective is not None:
         selective = SelectiveProfile(
-            **_slots_at(selective, shape, probe, floor)[0],
+            **_slots_at(selective, shape, probe, floor),
             cached_bytes=int(round(selective.cached_bytes * r)),
             extra_backward_ms=selective.extra_backward_ms * r,
             forward_ms=selective.forward_ms * r,
@@ -112,8 +140,8 @@ def _layer_at(layer: LayerProfile, shape: StepShape, probe: StepShape, floor: in
         attention_bytes=int(round(layer.attention_bytes * r)),
         # The signature names the slots' count and bytes: a plan made at this shape matches it.
         signature=f"{len(slots)}:{sum(slots)}:{inputs}",
-        forward_peak_bytes=int(round(layer.forward_peak_bytes * grow)),
-        backward_peak_bytes=int(round(layer.backward_peak_bytes * grow)),
+        forward_peak_bytes=transient_at(layer.forward_peak_bytes, saved, [], shape, probe),
+        backward_peak_bytes=transient_at(layer.backward_peak_bytes, saved, freed, shape, probe),
         cached_bytes=int(round(layer.cached_bytes * r)),
         selective=selective,
     )

@@ -90,6 +90,20 @@ def shape_of(sizes: Sequence[int]) -> StepShape:
     return StepShape(math.prod(sizes[:-2]) if len(sizes) > 2 else 1, length)
 
 
+def _scores(dims: list[int], probe: StepShape, hidden: Optional[int]) -> bool:
+    # Attention scores, (..., T, T): (B, heads, T, T), or (B x heads, T, T) as eager attention's
+    # bmm saves them (matmul of 4-d tensors runs on 3-d views). Not heads whose head_dim equals
+    # T0 (heads x head_dim == hidden), nor (B, T, features) whose features equal T0 (an MLP as
+    # wide as the probe is long): the batch there stands alone in the first dim.
+    b0, t0 = probe.batch, probe.length
+    if len(dims) < 3 or dims[-1] != t0 or dims[-2] != t0:
+        return False
+    if len(dims) >= 4:
+        return dims[-3] * dims[-1] != hidden
+    merged = dims[0]
+    return merged != b0 and merged % b0 == 0 and (merged // b0) * dims[-1] != hidden
+
+
 def size_exponents(sizes: Sequence[int], probe: StepShape, hidden: Optional[int] = None) -> tuple[int, int]:
     """``(a, b)``: a tensor of these sizes at ``probe`` grows as ``batch ** a * length ** b``.
     ``hidden``: the hidden size (the first layer input's last dim), which tells heads
@@ -97,7 +111,7 @@ def size_exponents(sizes: Sequence[int], probe: StepShape, hidden: Optional[int]
     from attention scores."""
     dims = [int(s) for s in sizes]
     b0, t0 = probe.batch, probe.length
-    if len(dims) >= 4 and dims[-1] == t0 and dims[-2] == t0 and dims[-3] * dims[-1] != hidden:
+    if _scores(dims, probe, hidden):
         b = 2
         rest = dims[:-2]
     elif t0 in dims:
