@@ -47,11 +47,11 @@ def _torch_extension() -> None:
     try:
         import torch
         from torch.utils.cpp_extension import BuildExtension, CppExtension
-    except ImportError:
+    except ImportError as exc:
         print(
-            "offload: torch is not importable in the build environment, so offload._entries "
-            "(the native per-tensor path) is not built and the Python fallback is used; install "
-            "with `pip install --no-build-isolation -e .` to build it",
+            f"offload: torch is not importable in the build environment ({type(exc).__name__}: {exc}), "
+            "so offload._entries (the native per-tensor path) is not built and the Python fallback "
+            "is used; install with `pip install --no-build-isolation -e .` to build it",
             file=sys.stderr,
         )
         return
