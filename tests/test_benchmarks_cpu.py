@@ -1,10 +1,11 @@
-"""The benchmark scripts' own logic, on the CPU: long_context.py end to end (``--cpu-smoke``), its
-verdicts and README row from GPU-like rows, pareto.py's T17 verdict, and the workload helpers
+"""The benchmark scripts' own logic, on the CPU: long_context.py and extrapolate.py end to end
+(``--cpu-smoke``), long_context's verdicts and README row from GPU-like rows, pareto.py's T17 verdict, and the workload helpers
 that every LLAMA contender goes through (HF checkpointing on and off, gradients dropped)."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -581,3 +582,17 @@ def test_where_a_new_length_goes_times_its_halves_and_the_ops_that_grew() -> Non
         figures = row[str(n)]
         assert len(figures["first_ms"]) == len(figures["second_ms"]) == 2 and min(figures["first_ms"]) > 0
         assert 0 < len(figures["host_grew_ms"]) <= new_lengths.TOP_OPS
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_extrapolate_cpu_smoke_predicts_the_saved_bytes_measured_at_other_lengths(tmp_path: Path, attention: str) -> None:
+    out = tmp_path / "extrapolate.json"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(BENCH / "extrapolate.py"), "--cpu-smoke", "--attention", attention,
+                           "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    doc = json.loads(out.read_text())
+    assert doc["attention"] == attention and [r["length"] for r in doc["rows"]] == [40, 64]
+    for row in doc["rows"]:
+        assert abs(row["error"]["saved_bytes"]) < 0.01 and abs(row["error"]["input_bytes"]) < 0.01, row["error"]
+        assert row["plain_peak_measured"] == 0  # (the CPU has no peak counter)
