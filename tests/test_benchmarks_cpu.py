@@ -1,6 +1,7 @@
 """The benchmark scripts' own logic, on the CPU: long_context.py and extrapolate.py end to end
-(``--cpu-smoke``), long_context's verdicts and README row from GPU-like rows, pareto.py's T17 verdict, and the workload helpers
-that every LLAMA contender goes through (HF checkpointing on and off, gradients dropped)."""
+(``--cpu-smoke``), long_context's verdicts and README row from GPU-like rows, pareto.py's T17
+verdict, and the workload helpers that every LLAMA contender goes through (HF checkpointing on and
+off, gradients dropped)."""
 
 from __future__ import annotations
 
