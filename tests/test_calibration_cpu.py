@@ -63,3 +63,23 @@ def test_a_reading_without_its_own_figures_is_not_scaled() -> None:
     # No forward ms or saved bytes in the reading's step (a layer it could not time): as read.
     bare = RecomputeReading(8, int(140 * MiB), 18.5 + 8.0 * 1.2, 0.0, 0, SIZING)
     assert recompute_factors(layer(1.0), bare, MEASURED) == pytest.approx((1.0, 1.2), rel=1e-6)
+
+
+def test_a_reading_of_eager_attention_at_a_shorter_shape_is_not_understated() -> None:
+    # Scores (1, 2) beside activations (1, 1): the recomputed backward's peak is mostly
+    # score-sized temporaries (2.96x the saved scores less half the activations, as measured on
+    # the H200), so from a reading at half the length it grows faster than the saved bytes.
+    # Brought up by the saved bytes' ratio, a true factor of 1.0 read 0.79 (the plan's recomputes
+    # charged 21% less memory than they take); brought up as a transient peak, not below 1.
+    lin, quad = 100 * MiB, 200 * MiB  # at 1 x 4096
+
+    def backward_peak(lin_bytes: float, quad_bytes: float) -> int:
+        return int(2.96 * quad_bytes - 0.5 * lin_bytes)
+
+    ref = LayerProfile((lin, quad), 0, 8.0, 18.5, "layer", backward_peak_bytes=backward_peak(lin, quad),
+                       slot_growth=((1, 1), (1, 2)))
+    short_lin, short_quad = lin / 2, quad / 4  # at 1 x 2048
+    true_peak = short_lin + short_quad + backward_peak(short_lin, short_quad)  # factor 1.0 there
+    at_half = RecomputeReading(0, int(true_peak), 9.25 + 4.0, 4.0, int(short_lin + short_quad), StepShape(1, 2048))
+    factor, _ = recompute_factors(ref, at_half, StepShape(1, 4096))
+    assert 1.0 <= factor <= 1.5, factor

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from .shapes import StepShape
+from .layer_costs import all_slots
+from .shapes import StepShape, grown, transient_at
 from .types import LayerProfile
 
 __all__ = ["RecomputeReading", "recompute_factors"]
@@ -31,15 +32,21 @@ def recompute_factors(ref: LayerProfile, reading: RecomputeReading, shape: Optio
 
     The reading may come from a step of another shape: the low-memory sizing step runs the
     first batch, the measured plain step the second (a stream's lengths differ). Its bytes and
-    ms are then brought to ``shape`` by the layer's own ratios between the two steps (saved
-    bytes, forward ms) before they are set against ``ref``: read raw, a sizing step at 8192
+    ms are then brought to ``shape`` before they are set against ``ref``: its peak as any
+    transient peak is (:func:`offload.planner.shapes.transient_at`: as the layer's saved bytes
+    grew between the two steps, or, for eager attention, faster), its ms by the layer's own
+    ratio of forward ms between the two steps. Read raw, a sizing step at 8192
     tokens against a measured one at 6144 made every recompute look 1.5x its forward (the
     bound) on the H200, and plans avoided recomputes that cost a third less. Bounded: one
     layer speaks for all, and a noisy reading must not make recompute look free or ruinous."""
     peak, backward = float(reading.peak_bytes), reading.backward_ms
     if reading.shape is not None and shape is not None and reading.shape != shape:
         if reading.saved_bytes > 0:
-            peak *= (ref.saved_bytes + ref.cached_bytes) / reading.saved_bytes
+            # The recompute re-creates the saved bytes, and its backward frees them; they were
+            # measured in both steps.
+            there = grown(all_slots(ref), reading.shape, shape)
+            peak = transient_at(int(peak), there, [(n, g) for n, _, g in there], shape, reading.shape,
+                                grew=(ref.saved_bytes + ref.cached_bytes) / reading.saved_bytes)
         if reading.forward_ms > 0:
             backward *= ref.forward_ms / reading.forward_ms
     factor = time_factor = 1.0

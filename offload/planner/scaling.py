@@ -16,7 +16,8 @@ tokens (batch x length) and ``q`` the ratio of lengths:
   for 1048576"). A checkpoint's inputs (``input_terms``) grow likewise;
 - a layer's **transient peaks** (forward and backward) grow as its saved bytes do, or, where
   its slots grow at different rates, as if all of it were of the fastest-growing kind
-  (eager attention's scores), whichever is more (:func:`transient_at`); the selective caches
+  (eager attention's scores), whichever is more
+  (:func:`offload.planner.shapes.transient_at`); the selective caches
   (GEMM outputs) and attention's outputs (``attention_bytes``) as tokens;
 - **time**: attention's measured share (``attention_forward_ms`` / ``attention_backward_ms``,
   the ``scaled_dot_product_attention`` kernels) grows as ``r * q`` (causal attention's FLOPs,
@@ -42,7 +43,7 @@ from typing import Optional
 
 from .model import simulate
 from .layer_costs import all_slots
-from .shapes import Slot, StepShape, grown
+from .shapes import StepShape, grown, transient_at
 from .types import Action, LayerPlan, LayerProfile, SelectiveProfile, StepProfile
 
 _LINEAR = (1, 1)
@@ -76,30 +77,6 @@ def _slots_at(source: LayerProfile | SelectiveProfile, shape: StepShape, probe: 
         "small_slots": tuple((n, k, *g) for n, k, g in under),
     }
     return fields
-
-
-def transient_at(peak: int, slots: list[Slot], freed: list[tuple[int, tuple[int, int]]], shape: StepShape,
-                 probe: StepShape) -> int:
-    """A transient ``peak`` (bytes above where it began) measured at ``probe``, at ``shape``.
-
-    ``slots``: what the layer saves; ``freed``: what may be freed between the peak's start and
-    its top, as (bytes, exponents): a backward frees the layer's saved tensors and its incoming
-    gradient, a forward nothing it counted. One probe cannot tell which part of a peak is of
-    which kind. Where the slots grow alike, the peak grows with them. Where they do not, the
-    temporaries lean to the fastest-growing kind at least as much as the saved bytes do: eager
-    attention (or SDPA's math backend) builds several score-sized tensors around the one it
-    saves (docs/benchmarks.md: a layer's forward peak there is 2.5 times its saved scores and
-    half its other saved bytes). So the peak is read both ways, as the saved bytes grow and as
-    if all of it were of the fastest-growing kind (length first), and the larger is taken; in
-    the second, what the slower kinds freed lowered the peak less at ``shape`` and is added back
-    at the difference. Growing the length, the second reading rules; shrinking it, the first."""
-    before = sum(n for n, _, _ in slots)
-    if not peak or not before:  # (0: not measured, as on the CPU: the model reads saved bytes)
-        return int(round(peak * shape.tokens / probe.tokens))
-    as_saved = sum(n * shape.scale(g, probe) for n, _, g in slots) / before
-    top = shape.scale(max((g for _, _, g in slots), key=lambda g: (g[1], g[0])), probe)
-    lowered = sum(n * max(0.0, top - shape.scale(g, probe)) for n, g in freed)
-    return int(round(max(peak * as_saved, peak * top + lowered)))
 
 
 def _input_bytes(layer: LayerProfile, shape: StepShape, probe: StepShape) -> int:

@@ -1,5 +1,6 @@
-"""Batch shapes: what a step's shape is, how a saved tensor's size grows with it, and the buckets
-plans are cached by. Pure Python (no torch): the probe and the runtime pass plain tuples.
+"""Batch shapes: what a step's shape is, how a saved tensor's size and a layer's transient peak
+grow with it (:func:`transient_at`), and the buckets plans are cached by. Pure Python (no torch):
+the probe and the runtime pass plain tuples.
 
 A step's shape is read off the first layer's input, the hidden states, batch first:
 ``(B, T, H)`` gives batch ``B`` and length ``T``; ``(T, H)`` (tokens flattened, or one sequence)
@@ -10,8 +11,8 @@ term does not.
 A saved tensor grows as ``B ** a * T ** b``; :func:`size_exponents` reads ``(a, b)`` from its
 shape at the probe's ``(B0, T0)``:
 
-- two trailing dims equal to ``T0`` in a tensor of four dims or more: attention scores
-  ``(B, heads, T, T)`` (eager attention, SDPA's math backend), ``b = 2``;
+- two trailing dims equal to ``T0``: attention scores ``(B, heads, T, T)`` (eager attention,
+  SDPA's math backend), or ``(B x heads, T, T)`` as eager attention's bmm saves them, ``b = 2``;
 - otherwise one dim equal to ``T0``, ``b = 1``; a dim equal to ``B0 * T0`` (tokens flattened)
   gives ``a = b = 1``;
 - ``a = 1`` where another dim equals ``B0``, or is a multiple of it (the batch merged with the
@@ -142,6 +143,35 @@ def grown(slots: Iterable[Slot], shape: StepShape, probe: StepShape) -> list[Slo
         f = shape.scale(g, probe)
         out.append((int(round(n * f)), int(round(k * f)), g))
     return out
+
+
+def transient_at(peak: int, slots: list[Slot], freed: list[tuple[int, tuple[int, int]]], shape: StepShape,
+                 probe: StepShape, grew: Optional[float] = None) -> int:
+    """A transient ``peak`` (bytes above where it began) measured at ``probe``, at ``shape``.
+
+    ``slots``: what the layer saves; ``freed``: what may be freed between the peak's start and
+    its top, as (bytes, exponents): a backward frees the layer's saved tensors and its incoming
+    gradient, a forward nothing it counted. One probe cannot tell which part of a peak is of
+    which kind. Where the slots grow alike, the peak grows with them. Where they do not, the
+    temporaries lean to the fastest-growing kind at least as much as the saved bytes do: eager
+    attention (or SDPA's math backend) builds several score-sized tensors around the one it
+    saves (docs/benchmarks.md: a layer's forward peak there is 2.5 times its saved scores and
+    half its other saved bytes). So the peak is read both ways, as the saved bytes grow and as
+    if all of it were of the fastest-growing kind (length first), and the larger is taken; in
+    the second, what the slower kinds freed lowered the peak less at ``shape`` and is added back
+    at the difference. Growing the length, the second reading rules; shrinking it, the first.
+    ``grew``: how much the saved bytes grew, where they were measured at both shapes (default: as
+    the slots' exponents say)."""
+    before = sum(n for n, _, _ in slots)
+    if not peak or not before:  # (0: not measured, as on the CPU: the model reads saved bytes)
+        return int(round(peak * shape.tokens / probe.tokens))
+    as_saved = grew if grew is not None else sum(n * shape.scale(g, probe) for n, _, g in slots) / before
+    kinds = {g for _, _, g in slots}
+    if len(kinds) == 1:
+        return int(round(peak * as_saved))
+    top = shape.scale(max(kinds, key=lambda g: (g[1], g[0])), probe)
+    lowered = sum(n * max(0.0, top - shape.scale(g, probe)) for n, g in freed)
+    return int(round(max(peak * as_saved, peak * top + lowered)))
 
 
 def widest(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
