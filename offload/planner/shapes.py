@@ -30,6 +30,7 @@ told from scores by ``h * head_dim == hidden``. The one ambiguity left: grouped-
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
@@ -163,13 +164,14 @@ def transient_at(peak: int, slots: list[Slot], freed: list[tuple[int, tuple[int,
     ``grew``: how much the saved bytes grew, where they were measured at both shapes (default: as
     the slots' exponents say)."""
     before = sum(n for n, _, _ in slots)
-    if not peak or not before:  # (0: not measured, as on the CPU: the model reads saved bytes)
-        return int(round(peak * shape.tokens / probe.tokens))
-    as_saved = grew if grew is not None else sum(n * shape.scale(g, probe) for n, _, g in slots) / before
+    if grew is not None:
+        as_saved = grew
+    else:
+        as_saved = sum(n * shape.scale(g, probe) for n, _, g in slots) / before if before else shape.tokens / probe.tokens
     kinds = {g for _, _, g in slots}
-    if len(kinds) == 1:
+    if not peak or len(kinds) <= 1:  # (a peak of 0 was not measured, as on the CPU)
         return int(round(peak * as_saved))
-    top = shape.scale(max(kinds, key=lambda g: (g[1], g[0])), probe)
+    top = shape.scale(functools.reduce(widest, kinds), probe)
     lowered = sum(n * max(0.0, top - shape.scale(g, probe)) for n, g in freed)
     return int(round(max(peak * as_saved, peak * top + lowered)))
 
